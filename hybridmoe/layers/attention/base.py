@@ -1,0 +1,100 @@
+"""Attention backend interface over the paged KV cache, and the backend registry.
+
+Legend: T new tokens in the batch, B sequences, Hq query heads, Hkv key/value heads, D head dim,
+N pages in the pool, S page size (tokens per page), P pages per sequence in the block table.
+
+KV cache layout (one layer): k_cache, v_cache: [N, S, Hkv, D]. Token j of a sequence lives in
+page block_table[b, j // S] at offset j % S; its flat slot is page * S + offset.
+
+The new tokens of a batch are packed: sequence b owns rows query_start_loc[b]:query_start_loc[b+1]
+of q/k/v, and they are the last (query_start_loc[b+1] - query_start_loc[b]) tokens of its
+seq_lens[b] tokens (the earlier ones are already in the cache: a cached prefix or earlier chunks).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a backend needs to attend for one forward pass.
+
+    Device tensors are what kernels read (and what CUDA graphs capture); the `*_cpu` lists are
+    host copies the scheduler already had, so a backend that loops on the host needs no sync.
+    """
+
+    is_decode: bool  # every sequence has exactly one new token
+    query_start_loc: torch.Tensor  # [B+1] int32, cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32, cached + new tokens
+    block_table: torch.Tensor  # [B, P] int32 page ids (unused entries are 0)
+    slot_mapping: torch.Tensor  # [T] int64 flat slot of each new token
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_seq_len: int  # an upper bound of seq_lens (for graph capture: the graph's bound)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+    v_cache: torch.Tensor,  # [N, S, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Write the new tokens' keys and values into their cache slots."""
+    n, s, hkv, d = k_cache.shape
+    k_cache.view(n * s, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(n * s, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+class AttentionBackend(ABC):
+    """Causal attention of the new tokens over their sequences' cached and new tokens."""
+
+    name: str = ""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [N, S, Hkv, D]
+        v_cache: torch.Tensor,  # [N, S, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Store k/v of the new tokens at meta.slot_mapping, then attend causally."""
+
+    def supports_cuda_graph(self) -> bool:
+        """True when a decode forward reads only device tensors of meta (capturable)."""
+        return True
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_attention_backend(name: str) -> Callable:
+    def wrap(factory: Callable[[], AttentionBackend]) -> Callable[[], AttentionBackend]:
+        _BACKENDS[name] = factory
+        return factory
+
+    return wrap
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    # Importing the modules registers the built-in backends.
+    from hybridmoe.layers.attention import torch_backend  # noqa: F401
+
+    if name == "triton":
+        from hybridmoe.layers.attention import triton_backend  # noqa: F401
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
