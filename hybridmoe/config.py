@@ -1,0 +1,121 @@
+"""Engine configuration: one set of dataclasses for the offline API and the server flags.
+
+`EngineArgs` holds every `serve` option in snake_case (the CLI flag `--kt-num-gpu-experts` is the
+field `kt_num_gpu_experts`); `EngineArgs.from_kwargs` is the only path from user options to a
+validated configuration, used by both `LLM(**options)` and `hybridmoe serve`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEMO_MODEL_PATH = str(Path(__file__).parent / "demo_model")
+
+KT_METHODS = ("AMXINT8", "AMXINT4", "BF16", "LLAMAFILE", "FP8")
+PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
+DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+
+
+class ConfigError(ValueError):
+    """A bad option value; the message names the option and what was expected."""
+
+
+@dataclass
+class EngineArgs:
+    """All engine and server options (SGLang + kt names)."""
+
+    model_path: str = DEMO_MODEL_PATH
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+    device: str = "auto"  # auto | cuda | cpu
+    dtype: str = "auto"
+    context_length: int | None = None
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    page_size: int = 16
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16384
+    disable_radix_cache: bool = False
+    attention_backend: str | None = None  # torch | triton; default: triton on CUDA, torch on CPU
+    moe_backend: str | None = None  # torch | triton | cpu; default from device and kt options
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64
+    random_seed: int = 0
+    log_level: str = "info"
+    skip_tokenizer_init: bool = False
+    # server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    enable_metrics: bool = False
+    max_queued_requests: int | None = None
+    # hybrid (--kt-*)
+    kt_weight_path: str | None = None
+    kt_method: str = "AMXINT8"
+    kt_cpuinfer: int | None = None
+    kt_threadpool_count: int = 1
+    kt_numa_nodes: str | None = None
+    kt_num_gpu_experts: int | None = None
+    kt_gpu_experts_ratio: float | None = None
+    kt_expert_placement_strategy: str = "uniform"
+    init_expert_location: str | None = None
+    kt_max_deferred_experts_per_token: int = 0
+    kt_gpu_prefill_token_threshold: int | None = None
+    kt_enable_dynamic_expert_update: bool = False
+    record_expert_distribution: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineArgs:
+        """Build and validate from user options; an unknown option is an error naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if "model" in kwargs and "model_path" not in kwargs:  # SGLang accepts both spellings
+            kwargs["model_path"] = kwargs.pop("model")
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown option(s) {unknown}; see `hybridmoe serve --help` for the accepted ones")
+        args = cls(**kwargs)  # type: ignore[arg-type]
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        def need(ok: bool, flag: str, expected: str) -> None:
+            if not ok:
+                value = getattr(self, flag.lstrip("-").replace("-", "_"))
+                raise ConfigError(f"--{flag}: got {value!r}, expected {expected}")
+
+        need(self.device in ("auto", "cuda", "cpu"), "device", "cuda, cpu or auto")
+        need(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
+        need(self.page_size >= 1, "page-size", "a positive integer")
+        need(self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1, "chunked-prefill-size",
+             "a positive integer, or -1 to disable chunking")
+        need(self.max_running_requests >= 1, "max-running-requests", "a positive integer")
+        need(self.max_total_tokens is None or self.max_total_tokens >= 1, "max-total-tokens", "a positive integer")
+        need(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0, "mem-fraction-static",
+             "a fraction between 0 and 1")
+        need(self.context_length is None or self.context_length >= 1, "context-length", "a positive integer")
+        need(self.cuda_graph_max_bs >= 1, "cuda-graph-max-bs", "a positive integer")
+        need(self.attention_backend in (None, "torch", "triton"), "attention-backend", "torch or triton")
+        need(self.kt_method.upper() in KT_METHODS, "kt-method", f"one of {KT_METHODS}")
+        self.kt_method = self.kt_method.upper()
+        need(self.kt_expert_placement_strategy in PLACEMENT_STRATEGIES, "kt-expert-placement-strategy",
+             f"one of {PLACEMENT_STRATEGIES}")
+        need(self.kt_num_gpu_experts is None or self.kt_num_gpu_experts >= 0, "kt-num-gpu-experts",
+             "a non-negative integer")
+        need(self.kt_gpu_experts_ratio is None or 0.0 <= self.kt_gpu_experts_ratio <= 1.0, "kt-gpu-experts-ratio",
+             "a fraction between 0 and 1")
+        need(self.kt_cpuinfer is None or self.kt_cpuinfer >= 1, "kt-cpuinfer", "a positive integer")
+        need(self.kt_threadpool_count >= 1, "kt-threadpool-count", "a positive integer")
+        need(self.kt_max_deferred_experts_per_token >= 0, "kt-max-deferred-experts-per-token",
+             "a non-negative integer")
+        need(self.port is None or 0 <= self.port < 65536, "port", "a TCP port number")
+
+    @property
+    def hybrid_requested(self) -> bool:
+        """True when any option asks for CPU-resident experts."""
+        return self.kt_num_gpu_experts is not None or self.kt_gpu_experts_ratio is not None \
+            or self.kt_weight_path is not None or self.moe_backend == "cpu"

@@ -1,0 +1,285 @@
+"""The step loop: requests in, scheduler -> model runner -> sampler -> detokenizer, outputs out.
+
+Thread-safety: `submit`/`abort` may be called from any thread (they go through an inbox that
+`step` drains); `step` itself runs on one thread, the one that owns the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from hybridmoe.config import EngineArgs
+from hybridmoe.engine.detokenizer import IncrementalDetokenizer
+from hybridmoe.engine.kv_cache import KVCacheManager
+from hybridmoe.engine.model_runner import ModelRunner
+from hybridmoe.engine.request import (
+    Req,
+    SamplingParams,
+    SamplingParamsError,
+    finish_length,
+    finish_stop,
+    new_rid,
+)
+from hybridmoe.engine.sampler import Sampler
+from hybridmoe.engine.scheduler import ScheduledBatch, Scheduler
+from hybridmoe.weights.loader import load_hf_config
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given (the server answers 400)."""
+
+
+def _load_tokenizer(args: EngineArgs):
+    if args.skip_tokenizer_init:
+        return None
+    path = args.tokenizer_path or args.model_path
+    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        log.warning("%s has no tokenizer files: only token-id input and output will work", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+
+
+def _eos_ids(model_path: str, hf_config, tokenizer) -> list[int]:
+    ids: set[int] = set()
+
+    def add(v: object) -> None:
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(x for x in v if isinstance(x, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    try:
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except Exception:  # no generation_config.json: the config's eos is enough
+        pass
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class Engine:
+    """Owns the model, the scheduler and the request table."""
+
+    def __init__(self, args: EngineArgs, progress: bool = True) -> None:
+        self.args = args
+        self.hf_config = load_hf_config(args.model_path, args.trust_remote_code)
+        self.tokenizer = _load_tokenizer(args)
+        self.runner = ModelRunner(args, self.hf_config, progress=progress)
+        self.kv = KVCacheManager(self.runner.num_pages, args.page_size, enable_prefix_cache=not args.disable_radix_cache)
+        self.scheduler = Scheduler(self.kv, args.max_running_requests, args.chunked_prefill_size,
+                                   self.runner.context_len)
+        self.eos_ids = _eos_ids(args.model_path, self.hf_config, self.tokenizer)
+        self.sampler = Sampler(self.hf_config.vocab_size, self.eos_ids)
+        self.reqs: dict[str, Req] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.finished_count = 0
+        self.generated_tokens = 0
+        torch.manual_seed(args.random_seed)
+
+    @property
+    def context_len(self) -> int:
+        return self.runner.context_len
+
+    # ---- requests ----
+    def make_request(
+        self,
+        prompt: str | None = None,
+        input_ids: list[int] | None = None,
+        sampling_params: SamplingParams | dict | None = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> Req:
+        """Validate and tokenize; raises RequestError with a message for the user."""
+        try:
+            params = SamplingParams.from_any(sampling_params)
+            params.validate(self.hf_config.vocab_size)
+        except (SamplingParamsError, TypeError) as e:
+            raise RequestError(str(e)) from e
+        if (prompt is None) == (input_ids is None):
+            raise RequestError("give exactly one of `text` (prompt) and `input_ids`")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise RequestError("the prompt must be a string")
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: send input_ids")
+            input_ids = self.tokenizer.encode(prompt)
+        assert input_ids is not None
+        vocab = self.hf_config.vocab_size
+        if not isinstance(input_ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in input_ids):
+            raise RequestError(f"input_ids must be a list of token ids in [0, {vocab})")
+        if not input_ids:
+            raise RequestError("the prompt is empty")
+        if len(input_ids) >= self.context_len:
+            raise RequestError(f"the prompt has {len(input_ids)} tokens; the context length is {self.context_len}")
+        if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
+            raise RequestError("top_logprobs_num must be an integer >= 0")
+        # Leave room in the context for the generated tokens.
+        params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(input_ids))
+        return Req(rid=rid or new_rid(), prompt_ids=list(input_ids), params=params,
+                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, arrival_time=time.time())
+
+    def submit(self, req: Req) -> None:
+        """Queue a request (any thread)."""
+        self._inbox.put(("add", req))
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> None:
+        """Abort a request (any thread); it finishes with an abort reason at the next step."""
+        self._inbox.put(("abort", (rid, message)))
+
+    def _drain_inbox(self) -> list[Req]:
+        ended = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return ended
+            if kind == "add":
+                req = item
+                self.reqs[req.rid] = req
+                self._detok[req.rid] = IncrementalDetokenizer(
+                    self.tokenizer, req.params.skip_special_tokens, req.params.spaces_between_special_tokens
+                ) if self.tokenizer is not None else None
+                if req.params.max_new_tokens == 0:
+                    req.finish(finish_length(0))
+                    ended.append(self._retire(req))
+                else:
+                    self.scheduler.add(req)
+            else:
+                rid, message = item
+                req = self.scheduler.abort(rid, message)
+                if req is not None:
+                    ended.append(self._retire(req))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or not self._inbox.empty()
+
+    # ---- the step ----
+    def step(self) -> list[Req]:
+        """Run one batch; return the requests that got new tokens or finished."""
+        updated = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return updated
+        for req in batch.reqs:
+            if req.finished:  # refused or aborted while scheduling
+                updated.append(self._retire(req))
+        sampling = [r for r, n, s in zip(batch.reqs, batch.num_tokens, batch.sample) if n > 0 and s]
+        if any(n > 0 for n in batch.num_tokens):
+            logits = self.runner.forward(batch)
+            out = self.sampler(logits, sampling) if sampling else None
+            self.scheduler.on_step_done(batch)
+            now = time.time()
+            for i, req in enumerate(sampling):
+                assert out is not None
+                token = out.next_ids[i]
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.output_ids.append(token)
+                self.generated_tokens += 1
+                if req.return_logprob and out.logprobs is not None:
+                    top = out.top_logprobs[i] if out.top_logprobs else []
+                    req.output_logprobs.append((out.logprobs[i], token, top))
+                self._check_finish(req, token)
+                updated.append(req)
+        return updated
+
+    def _check_finish(self, req: Req, token: int) -> None:
+        p = req.params
+        detok = self._detok.get(req.rid)
+        new_text = detok.add([token]) if detok is not None else ""
+        if detok is not None:
+            req.text = detok.text
+        n_out = len(req.output_ids)
+        reason = None
+        if n_out >= p.min_new_tokens:
+            if not p.ignore_eos and token in self.eos_ids:
+                reason = finish_stop(token)
+            elif p.stop_token_ids and token in p.stop_token_ids:
+                reason = finish_stop(token)
+            elif p.stop_strs and new_text:
+                reason = self._match_stop_str(req, len(new_text))
+        if reason is None and n_out >= p.max_new_tokens:
+            reason = finish_length(n_out)
+        if reason is not None:
+            if detok is not None and reason["type"] == "length":
+                detok.flush()
+                req.text = detok.text
+            self.scheduler.finish(req, reason)
+            self._retire(req)
+
+    def _match_stop_str(self, req: Req, new_len: int) -> dict | None:
+        longest = max(len(s) for s in req.params.stop_strs)
+        tail_start = max(0, len(req.text) - new_len - longest + 1)
+        best = None
+        for s in req.params.stop_strs:
+            j = req.text.find(s, tail_start)
+            if j >= 0 and (best is None or j < best[0]):
+                best = (j, s)
+        if best is None:
+            return None
+        j, s = best
+        if not req.params.no_stop_trim:
+            req.text = req.text[:j]
+        else:
+            req.text = req.text[: j + len(s)]
+        return finish_stop(s)
+
+    def _retire(self, req: Req) -> Req:
+        req.finished_time = time.time()
+        self.finished_count += 1
+        self.reqs.pop(req.rid, None)
+        self._detok.pop(req.rid, None)
+        return req
+
+    def run_until_done(self, reqs: Iterable[Req]) -> None:
+        pending = {r.rid for r in reqs}
+        while pending:
+            for r in self.step():
+                if r.finished:
+                    pending.discard(r.rid)
+
+    # ---- outputs ----
+    @staticmethod
+    def output_dict(req: Req) -> dict:
+        meta = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "e2e_latency": (req.finished_time or time.time()) - req.arrival_time,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok, _ in req.output_logprobs]
+            if req.top_logprobs_num:
+                meta["output_top_logprobs"] = [[[v, t, None] for v, t in top] for _, _, top in req.output_logprobs]
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+    # ---- scoring (tests, evaluation) ----
+    @torch.inference_mode()
+    def prompt_logits(self, input_ids: list[int]) -> torch.Tensor:
+        """Logits [L, V] (float32, CPU) at every position of a prompt, in one prefill pass."""
+        pages = self.kv.allocate(self.kv.pages_for(len(input_ids)))
+        if pages is None:
+            raise RequestError("not enough free KV cache for scoring now")
+        req = Req(rid="score", prompt_ids=list(input_ids), params=SamplingParams(), pages=pages)
+        try:
+            batch = ScheduledBatch(reqs=[req], num_tokens=[len(input_ids)], sample=[True])
+            return self.runner.all_logits(batch).float().cpu()
+        finally:
+            self.kv.release(pages, [])

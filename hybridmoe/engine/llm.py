@@ -1,0 +1,95 @@
+"""Offline API shaped like SGLang's Engine: `LLM(model_path=..., **options).generate(...)`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from hybridmoe.config import EngineArgs
+from hybridmoe.engine.engine import Engine
+from hybridmoe.engine.request import Req, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class LLM:
+    """Loads a model and generates synchronously.
+
+    Options are the `serve` flags in snake_case (`kt_method`, `chunked_prefill_size`, ...); an
+    unknown option is an error naming it.
+    """
+
+    def __init__(self, model_path: str | None = None, device: str = "auto", dtype: str = "auto",
+                 progress: bool = True, **options: object) -> None:
+        if model_path is not None:
+            options["model_path"] = model_path
+        self.args = EngineArgs.from_kwargs(device=device, dtype=dtype, **options)
+        self.engine = Engine(self.args, progress=progress)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: SamplingParams | dict | list | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """Generate for one prompt (returns a dict) or a batch (a list of dicts).
+
+        With stream=True (one prompt) returns an iterator of dicts whose `text` and `output_ids`
+        are cumulative, the last one carrying the finish_reason.
+        """
+        batched = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids
+                                                and isinstance(input_ids[0], list))
+        prompts = prompt if isinstance(prompt, list) else None
+        ids_list = input_ids if batched and input_ids is not None else None
+        n = len(prompts) if prompts is not None else len(ids_list) if ids_list is not None else 1
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+        reqs = [
+            self.engine.make_request(
+                prompt=prompts[i] if prompts is not None else (None if batched else prompt),
+                input_ids=ids_list[i] if ids_list is not None else (None if batched else input_ids),
+                sampling_params=params[i], return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+            for i in range(n)
+        ]
+        if stream:
+            if batched:
+                raise ValueError("stream=True takes one prompt")
+            return self._stream(reqs[0])
+        for r in reqs:
+            self.engine.submit(r)
+        self.engine.run_until_done(reqs)
+        outs = [Engine.output_dict(r) for r in reqs]
+        return outs if batched else outs[0]
+
+    def _stream(self, req: Req) -> Iterator[dict]:
+        self.engine.submit(req)
+        sent = -1
+        try:
+            while not req.finished:
+                updated = self.engine.step()
+                if any(r is req for r in updated) and (len(req.output_ids) != sent or req.finished):
+                    sent = len(req.output_ids)
+                    yield Engine.output_dict(req)
+        finally:
+            if not req.finished:  # the caller stopped iterating: free the request's pages
+                self.engine.abort(req.rid)
+                self.engine.step()
+
+    def prompt_logits(self, input_ids: list[int]):
+        """Logits [L, V] at every prompt position (float32, CPU)."""
+        return self.engine.prompt_logits(input_ids)
+
+    def shutdown(self) -> None:
+        """Release the model (GPU memory is freed when the object is collected)."""
+        self.engine = None  # type: ignore[assignment]
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,163 @@
+"""Batch -> tensors -> logits: owns the model, the KV cache tensors, the attention backend and the
+decode CUDA graphs.
+
+Legend: T new tokens, B sequences, P pages per sequence in the block table, V vocabulary,
+L layers, N pages, S page size, Hkv kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hybridmoe.config import EngineArgs
+from hybridmoe.engine.cuda_graph import DecodeGraphs
+from hybridmoe.engine.scheduler import ScheduledBatch
+from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend
+from hybridmoe.layers.attention.layer import ForwardContext
+from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts
+from hybridmoe.weights.loader import load_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+           "float32": torch.float32, "float": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA GPU is visible to PyTorch; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in bf16 are slow without AMX and lose parity
+    cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = _DTYPES.get(cfg_dtype)
+    return cfg_dtype if cfg_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class ModelRunner:
+    """Runs forward passes for scheduled batches."""
+
+    def __init__(self, args: EngineArgs, hf_config, progress: bool = True) -> None:
+        self.args = args
+        self.config = hf_config
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
+        self.page_size = args.page_size
+        self.moe_backend = args.moe_backend or ("triton" if self.device.type == "cuda" else "torch")
+        attn = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.attn_backend = get_attention_backend(attn)
+        model_max = getattr(hf_config, "max_position_embeddings", 4096)
+        self.context_len = args.context_length or model_max
+        self.model = load_model(
+            args.model_path, hf_config, self.dtype, self.device, self._make_experts,
+            max_position=max(self.context_len, model_max), progress=progress,
+        )
+        self._alloc_kv_cache()
+        self.vocab_size = hf_config.vocab_size
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph():
+            self.graphs = DecodeGraphs(self, min(args.cuda_graph_max_bs, args.max_running_requests))
+            self.graphs.capture()
+
+    # ---- setup ----
+    def _make_experts(self, weights: ExpertWeights, layer_idx: int) -> MoEExperts:
+        options = {k: v for k, v in vars(self.args).items() if k.startswith("kt_")}
+        options["device"] = self.device
+        return create_experts(self.moe_backend, weights, layer_idx, options)
+
+    def _alloc_kv_cache(self) -> None:
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        hkv, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
+        bytes_per_token = 2 * layers * hkv * head_dim * torch.finfo(self.dtype).bits // 8
+        if self.args.max_total_tokens is not None:
+            tokens = self.args.max_total_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            frac = self.args.mem_fraction_static or 0.85
+            # Leave (1 - frac) of the card for activations, graphs and other processes.
+            budget = free - (1 - frac) * total
+            tokens = int(max(budget, 0) // bytes_per_token)
+        else:
+            tokens = max(4 * self.context_len, 32768)
+            tokens = min(tokens, 1 << 20)
+        num_pages = max(2, -(-tokens // self.page_size) + 1)  # +1: page 0 is the scratch page
+        shape = (num_pages, self.page_size, hkv, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(layers)]
+        self.num_pages = num_pages
+        self.context_len = min(self.context_len, (num_pages - 1) * self.page_size)
+        self.max_pages_per_seq = -(-self.context_len // self.page_size)
+        log.info("KV cache: %d pages x %d tokens (%.2f GB, %d tokens); context length %d", num_pages,
+                 self.page_size, num_pages * self.page_size * bytes_per_token / 1e9,
+                 (num_pages - 1) * self.page_size, self.context_len)
+
+    # ---- one step ----
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Host lists -> device tensors: input ids [T], positions [T], metadata, logits rows [B']."""
+        s = self.page_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        q_lens: list[int] = []
+        sample_rows: list[int] = []
+        live = [(r, n, smp) for r, n, smp in zip(batch.reqs, batch.num_tokens, batch.sample) if n > 0]
+        width = max(len(r.pages) for r, _, _ in live)
+        table = [r.pages + [0] * (width - len(r.pages)) for r, _, _ in live]
+        for r, n, smp in live:
+            start = r.num_computed
+            all_ids = r.all_ids
+            ids.extend(all_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(r.pages[j // s] * s + j % s for j in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            q_lens.append(n)
+            if smp:
+                sample_rows.append(qsl[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            is_decode=all(n == 1 for n in q_lens),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_table=torch.tensor(table, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=seq_lens,
+            max_seq_len=max(seq_lens),
+        )
+        return (torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+                torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True),
+                meta,
+                torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True))
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [B', V] for the requests of the batch that sample this step, in batch order."""
+        input_ids, positions, meta, rows = self.prepare(batch)
+        if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs):
+            logits = self.graphs.replay(input_ids, positions, meta)
+            return logits[rows]
+        hidden = self.model(input_ids, positions, self._ctx(meta))
+        return self.model.compute_logits(hidden[rows])
+
+    def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
+        return ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.attn_backend)
+
+    @torch.inference_mode()
+    def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [T, V] of every new token of the batch (scoring, tests); no graphs."""
+        input_ids, positions, meta, _ = self.prepare(batch)
+        return self.model.compute_logits(self.model(input_ids, positions, self._ctx(meta)))

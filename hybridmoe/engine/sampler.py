@@ -1,0 +1,125 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Legend: B sequences sampled this step, V vocabulary.
+All work is batched tensor ops on the logits' device; the only host synchronization is the caller
+reading the sampled ids (and logprobs when asked). A seeded request draws its noise from a
+generator keyed by (seed, step), so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridmoe.engine.request import Req
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SampleOutput:
+    next_ids: list[int]  # [B]
+    logprobs: list[float] | None  # [B] logprob of the sampled token (raw distribution)
+    top_logprobs: list[list[tuple[float, int]]] | None  # [B][N]
+
+
+class Sampler:
+    """Turns last-position logits of a batch into next tokens."""
+
+    def __init__(self, vocab_size: int, stop_ids_always: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_ids = stop_ids_always
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:  # logits [B, V]
+        logits = logits[:, : self.vocab_size].float()
+        raw = logits
+        dev = logits.device
+        params = [r.params for r in reqs]
+        logits = self._apply_penalties(logits, reqs)
+        logits = self._mask_min_tokens(logits, reqs)
+
+        greedy = torch.tensor([p.is_greedy for p in params], device=dev)
+        temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev)
+        scaled = logits / temps[:, None]
+        if any(p.top_k > 0 for p in params) or any(p.top_p < 1 for p in params) or any(p.min_p > 0 for p in params):
+            scaled = self._filter(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = self._exponential_noise(probs, reqs)
+        sampled = torch.argmax(probs / noise, dim=-1)  # exponential race: exact categorical sampling
+        next_ids = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+
+        want_lp = any(r.return_logprob for r in reqs)
+        if not want_lp:
+            return SampleOutput(next_ids.tolist(), None, None)
+        lp = torch.log_softmax(raw, dim=-1)
+        chosen = lp.gather(1, next_ids[:, None])[:, 0]
+        n_top = max(r.top_logprobs_num for r in reqs)
+        ids_list = next_ids.tolist()
+        top: list[list[tuple[float, int]]] | None = None
+        if n_top > 0:
+            vals, idx = torch.topk(lp, min(n_top, lp.shape[-1]), dim=-1)
+            vals_l, idx_l = vals.tolist(), idx.tolist()
+            top = [list(zip(vals_l[b][: r.top_logprobs_num], idx_l[b][: r.top_logprobs_num]))
+                   for b, r in enumerate(reqs)]
+        return SampleOutput(ids_list, chosen.tolist(), top)
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        params = [r.params for r in reqs]
+        if all(p.repetition_penalty == 1 and p.frequency_penalty == 0 and p.presence_penalty == 0 for p in params):
+            return logits
+        dev, (b, v) = logits.device, logits.shape
+        counts = torch.zeros(b, v, device=dev)
+        seen = torch.zeros(b, v, dtype=torch.bool, device=dev)
+        for i, r in enumerate(reqs):
+            if r.output_ids:
+                out = torch.tensor(r.output_ids, device=dev)
+                counts[i].index_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
+            # Repetition penalty (HF/SGLang semantics) covers prompt and output tokens.
+            seen[i, torch.tensor(r.all_ids, device=dev)] = True
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+        return logits - freq * counts - pres * (counts > 0).float()
+
+    def _mask_min_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p = reqs[i].params
+            banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else self.eos_ids)
+            banned = [t for t in banned if t < logits.shape[-1]]
+            if banned:
+                logits[i, banned] = _NEG_INF
+        return logits
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
+        dev, v = logits.device, logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else v for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        rank = torch.arange(v, device=dev)[None, :]
+        drop = rank >= top_k[:, None]
+        # top-p: drop a token when the mass before it already reaches p (the first always stays).
+        drop |= (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p[:, None]
+        drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    @staticmethod
+    def _exponential_noise(probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_()
+        for i, r in enumerate(reqs):
+            seed = r.params.sampling_seed
+            if seed is not None and not r.params.is_greedy:
+                g = torch.Generator(device=probs.device)
+                g.manual_seed((seed * 1_000_003 + len(r.output_ids)) % (1 << 63))
+                noise[i] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
+        return noise.clamp_min_(1e-20)

@@ -1,0 +1,182 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption. Pure Python, no tensors.
+
+Every step, each running request computes the next tokens it lacks: one token when decoding,
+a chunk of its prompt when prefilling. A request whose step reaches the end of its known tokens
+produces logits and gets a new token sampled. Requests join (admission) and leave (finish,
+abort, preemption) between any two steps.
+
+A request's tokens needing computation are `all_ids[num_computed:]`; after a preemption its
+pages go back to the prefix cache and it re-enters the queue at the front, so resuming costs
+only the tokens whose pages were evicted meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from hybridmoe.engine.kv_cache import KVCacheManager
+from hybridmoe.engine.request import Req, ReqState, finish_abort
+
+
+@dataclass
+class ScheduledBatch:
+    """One forward pass: for reqs[i], compute num_tokens[i] tokens starting at reqs[i].num_computed."""
+
+    reqs: list[Req]
+    num_tokens: list[int]
+    sample: list[bool]  # whether reqs[i] gets a token sampled after this step
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.num_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    """Decides each step's batch; owns the waiting queue, the running set and page bookkeeping."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        max_context_len: int,
+    ) -> None:
+        self.kv = kv
+        self.max_running = max_running_requests
+        self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
+        self.max_context_len = max_context_len
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # in admission order: oldest first
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted") -> Req | None:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish(finish_abort(message))
+                return req
+        for req in self.running:
+            if req.rid == rid:
+                self._release(req)
+                self.running.remove(req)
+                req.finish(finish_abort(message))
+                return req
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----
+    def schedule(self) -> ScheduledBatch | None:
+        """The next batch, or None when there is nothing to run.
+
+        Requests refused or aborted while scheduling come back in the batch with 0 tokens and
+        finish_reason set, so the caller can report them.
+        """
+        entries: list[tuple[Req, int]] = []
+        aborted: list[Req] = []
+        budget = self.chunk
+        # 1. Running requests, oldest first; make room by preempting newer ones.
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            n = min(req.seq_len - req.num_computed, budget)
+            if n <= 0:  # out of token budget: this request waits for the next step
+                i += 1
+                continue
+            if self._grow(req, n):
+                entries.append((req, n))
+                budget -= n
+                i += 1
+            elif self._preempt_newest(after=i):
+                continue  # retry the same request with the freed pages
+            elif i > 0:
+                self._preempt(req)  # the newest one that needs pages steps back itself
+            else:  # the oldest request alone exceeds the pool
+                self.running.pop(0)
+                self._release(req)
+                req.finish(finish_abort("KV cache too small for this request"))
+                aborted.append(req)
+        # 2. Admit waiting requests while token budget, slots and pages allow.
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if req.seq_len > self.max_context_len or self.kv.pages_for(req.seq_len) > self.kv.num_pages - 1:
+                self.waiting.popleft()
+                req.finish(finish_abort(
+                    f"request of {req.seq_len} tokens exceeds the context length {self.max_context_len} "
+                    f"or the KV cache ({self.kv.capacity_tokens} tokens)"))
+                aborted.append(req)
+                continue
+            req.pages = self.kv.match_prefix(req.all_ids)
+            req.num_computed = len(req.pages) * self.kv.page_size
+            n = min(req.seq_len - req.num_computed, budget)
+            need = self.kv.pages_for(req.num_computed + n) - len(req.pages)
+            # Keep a page per running request in reserve so admission does not force preemption.
+            if need + len(self.running) > self.kv.num_available() or not self._grow(req, n):
+                self._release(req)
+                break
+            if req.num_preemptions == 0:  # a resumed request's reuse is not prompt caching
+                req.cached_tokens = req.num_computed
+            self.waiting.popleft()
+            self.running.append(req)
+            req.state = ReqState.RUNNING
+            entries.append((req, n))
+            budget -= n
+        if not entries and not aborted:
+            return None
+        return ScheduledBatch(
+            reqs=[r for r, _ in entries] + aborted,
+            num_tokens=[n for _, n in entries] + [0] * len(aborted),
+            sample=[r.num_computed + n == r.seq_len for r, n in entries] + [False] * len(aborted),
+        )
+
+    def _grow(self, req: Req, n: int) -> bool:
+        """Give req the pages for n more tokens; False (nothing taken) if the pool is short."""
+        pages = self.kv.allocate(self.kv.pages_for(req.num_computed + n) - len(req.pages))
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _preempt_newest(self, after: int) -> bool:
+        """Preempt the newest running request with index > after; False if there is none."""
+        if len(self.running) <= after + 1:
+            return False
+        self._preempt(self.running[-1])
+        return True
+
+    def _preempt(self, victim: Req) -> None:
+        self.running.remove(victim)
+        self._release(victim)
+        victim.state = ReqState.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def _release(self, req: Req) -> None:
+        self.kv.release(req.pages, req.all_ids[:req.num_computed])
+        req.pages = []
+        req.num_computed = 0
+
+    # ---- after the forward pass ----
+    def on_step_done(self, batch: ScheduledBatch) -> None:
+        """Advance each request by the tokens just computed (before new tokens are appended)."""
+        for req, n in zip(batch.reqs, batch.num_tokens):
+            if n:
+                req.num_computed += n
+
+    def finish(self, req: Req, reason: dict) -> None:
+        """End a running request (stop token, length...) and return its pages to the cache."""
+        req.finish(reason)
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req)

@@ -1,0 +1,65 @@
+"""The attention block of a decoder layer: q/k/v projections, optional per-head q/k RMSNorm,
+RoPE, the paged attention backend, and the output projection.
+
+Legend: T tokens, H hidden, Hq/Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridmoe.layers.attention.base import AttentionBackend, AttentionMetadata
+from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class ForwardContext:
+    """What every layer needs for one forward pass besides its input."""
+
+    attn_meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k_cache, v_cache [N, S, Hkv, D]
+    backend: AttentionBackend
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        rms_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, rms_eps)
+            self.k_norm = RMSNorm(head_dim, rms_eps)
+        self.qk_norm = qk_norm
+        self.rotary = [rotary]  # shared table; a list keeps it out of this module's state_dict
+        self.scale = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, -1))

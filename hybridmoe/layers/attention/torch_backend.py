@@ -1,0 +1,71 @@
+"""Pure-torch attention over the paged cache: SDPA per sequence for prefill, a batched masked
+gather for decode (only device tensors, so decode is capturable in a CUDA graph).
+
+Legend: T new tokens, B sequences, Hq/Hkv heads, G = Hq/Hkv, D head dim, N pages, S page size,
+P pages per sequence, L tokens of one sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.layers.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    register_attention_backend,
+    store_kv,
+)
+
+
+@register_attention_backend("torch")
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            return _decode(q, k_cache, v_cache, meta, scale)
+        return _extend(q, k_cache, v_cache, meta, scale)
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    keys = k_cache[meta.block_table].flatten(1, 2)  # [B, P*S, Hkv, D]
+    vals = v_cache[meta.block_table].flatten(1, 2)
+    qg = q.view(b, hkv, g, d).float()
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * scale  # [B, Hkv, G, P*S]
+    pos = torch.arange(keys.shape[1], device=q.device)
+    valid = pos[None, :] < meta.seq_lens[:, None].long()  # [B, P*S]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, vals.float())
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def _extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    hq, d = q.shape[1], q.shape[2]
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    out = torch.empty_like(q)
+    start = 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if q_len == 0:
+            continue
+        n_pages = -(-seq_len // s)
+        pages = meta.block_table[b, :n_pages]
+        keys = k_cache[pages].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
+        vals = v_cache[pages].flatten(0, 1)[:seq_len]
+        qb = q[start:start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        kb = keys.transpose(0, 1).repeat_interleave(g, dim=0)  # [Hq, L, D]
+        vb = vals.transpose(0, 1).repeat_interleave(g, dim=0)
+        prefix = seq_len - q_len
+        # query i (absolute position prefix+i) sees keys 0..prefix+i
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= (
+            prefix + torch.arange(q_len, device=q.device)[:, None])
+        ob = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), attn_mask=mask, scale=scale)
+        out[start:start + q_len] = ob.transpose(0, 1)
+        start += q_len
+    return out

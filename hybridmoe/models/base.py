@@ -1,0 +1,100 @@
+"""A decoder-only MoE transformer assembled from layers, parametrized by an `ArchSpec`.
+
+Parameter names equal the Hugging Face checkpoint names (model.layers.N.self_attn.q_proj.weight,
+...), so the loader copies tensors by name; the routed experts are the exception: their per-expert
+tensors are stacked and handed to an MoEExperts backend (see moe/experts.py).
+
+Legend: T tokens, H hidden, V vocabulary, B sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridmoe.layers.attention.layer import Attention, ForwardContext
+from hybridmoe.layers.mlp import GatedMLP
+from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.layers.rotary import RotaryEmbedding, rope_theta_of
+from hybridmoe.moe.layer import SparseMoEBlock
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What distinguishes one architecture family from another."""
+
+    name: str
+    moe_module: str  # attribute name of the MoE block in a layer ("mlp", "block_sparse_moe")
+    expert_names: tuple[str, str, str]  # per-expert tensor names: gate, up, down
+    gate_name: str = "gate"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    renormalize: bool = True
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    dense_intermediate: int = 0
+    shared_intermediate: int = 0
+    moe_layers: tuple[int, ...] = ()
+
+    def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, str, str]:
+        prefix = f"model.layers.{layer}.{self.moe_module}.experts.{expert}"
+        return tuple(f"{prefix}.{n}.weight" for n in self.expert_names)  # type: ignore[return-value]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, idx: int, cfg, spec: ArchSpec, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(idx, h, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, rotary,
+                                   qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, rms_eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.is_moe = idx in spec.moe_layers
+        if self.is_moe:
+            block = SparseMoEBlock(idx, h, spec.num_experts, spec.top_k, spec.moe_intermediate, spec.renormalize,
+                                   spec.shared_intermediate, spec.gate_name)
+            self.add_module(spec.moe_module, block)
+        else:
+            self.mlp = GatedMLP(h, spec.dense_intermediate, cfg.hidden_act)
+        self.ffn_name = spec.moe_module if self.is_moe else "mlp"
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg, spec: ArchSpec, max_position: int) -> None:
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary = RotaryEmbedding(head_dim, max_position, rope_theta_of(cfg))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(i, cfg, spec, self.rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MoECausalLM(nn.Module):
+    """The whole model: embeddings, decoder layers, final norm and LM head."""
+
+    def __init__(self, cfg, spec: ArchSpec, max_position: int) -> None:
+        super().__init__()
+        self.config, self.spec = cfg, spec
+        self.model = _Backbone(cfg, spec, max_position)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        for layer in self.model.layers:
+            x = layer(x, positions, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V]
+        return self.lm_head(hidden)
+
+    def moe_blocks(self) -> list[SparseMoEBlock]:
+        return [getattr(layer, self.spec.moe_module) for layer in self.model.layers if layer.is_moe]

@@ -1,0 +1,53 @@
+"""Tiny random-weight Hugging Face MoE checkpoints built with transformers, for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+# hidden not a power of two, top-k above 2; GQA ratio 1 (qwen2) and > 1 (qwen3, mixtral)
+CONFIGS: dict[str, dict] = {
+    "qwen3_moe": dict(
+        cls="Qwen3MoeForCausalLM", cfg="Qwen3MoeConfig", vocab_size=211, hidden_size=72, intermediate_size=96,
+        moe_intermediate_size=40, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+        num_experts=10, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "mixtral": dict(
+        cls="MixtralForCausalLM", cfg="MixtralConfig", vocab_size=203, hidden_size=80, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=6,
+        num_experts_per_tok=3, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=None,
+        bos_token_id=None),
+    "qwen2_moe": dict(
+        cls="Qwen2MoeForCausalLM", cfg="Qwen2MoeConfig", vocab_size=199, hidden_size=60, intermediate_size=64,
+        moe_intermediate_size=24, shared_expert_intermediate_size=56, num_hidden_layers=3, num_attention_heads=5,
+        num_key_value_heads=5, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=2,
+        max_position_embeddings=1024, tie_word_embeddings=True),
+}
+
+
+def make_tiny_model(kind: str, path: Path, seed: int = 0, std: float = 0.2, head_std: float = 0.5,
+                    **overrides) -> Path:
+    """Save a random tiny model of `kind` to `path`; weights with a larger std than the default
+    init so that logits are far from uniform and greedy decoding is not a coin toss."""
+    spec = dict(CONFIGS[kind], **overrides)
+    cls = getattr(transformers, spec.pop("cls"))
+    cfg = getattr(transformers, spec.pop("cfg"))(**spec)
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif "embed" in name or "lm_head" in name:
+                p.normal_(0.0, head_std)
+            else:
+                p.normal_(0.0, std)
+    model.save_pretrained(str(path))
+    return path
+
+
+def hf_model(path: Path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
