@@ -1,0 +1,80 @@
+"""Checkpoint loading: sharded files, dtypes, and clear errors for bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybridmoe import LLM
+from hybridmoe.config import ConfigError
+from hybridmoe.weights.loader import CheckpointError
+from tiny_models import hf_model, make_tiny_model
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    path = make_tiny_model("mixtral", tmp_path / "m")
+    model = hf_model(path)
+    model.save_pretrained(str(tmp_path / "sharded"), max_shard_size="60KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    a = LLM(str(path), device="cpu", progress=False).generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+    b = LLM(str(tmp_path / "sharded"), device="cpu", progress=False).generate(input_ids=[1, 2, 3],
+                                                                             sampling_params=GREEDY)
+    assert a["output_ids"] == b["output_ids"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_load(tmp_path, dtype):
+    path = make_tiny_model("qwen3_moe", tmp_path / "m")
+    hf_model(path).to(dtype).save_pretrained(str(tmp_path / "h"))
+    logits = LLM(str(tmp_path / "h"), device="cpu", progress=False).prompt_logits([5, 6, 7])
+    assert logits.shape == (3, 211) and torch.isfinite(logits).all()
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = _copy(make_tiny_model("qwen3_moe", tmp_path / "m"), tmp_path / "broken")
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.2.mlp.experts.7.up_proj.weight"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.7\.up_proj\.weight.*missing"):
+        LLM(str(path), device="cpu", progress=False)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    path = _copy(make_tiny_model("qwen3_moe", tmp_path / "m"), tmp_path / "broken")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(5, 5)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight.*shape \(5, 5\), expected \(96, 72\)"):
+        LLM(str(path), device="cpu", progress=False)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    path = _copy(make_tiny_model("qwen3_moe", tmp_path / "m"), tmp_path / "other")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["model_type"] = "llama"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM") as e:
+        LLM(str(path), device="cpu", progress=False)
+    assert "MixtralForCausalLM" in str(e.value) and "LlamaForCausalLM" in str(e.value)
+
+
+def test_missing_directory_and_bad_option(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        LLM(str(tmp_path / "nothing"), device="cpu", progress=False)
+    with pytest.raises(ConfigError, match="unknown option"):
+        LLM(str(tmp_path), device="cpu", progress=False, kt_num_gpu_expert=3)
+    with pytest.raises(ConfigError, match="--kt-method"):
+        LLM(str(tmp_path), device="cpu", progress=False, kt_method="INT3")
