@@ -47,6 +47,7 @@ class EngineArgs:
     random_seed: int = 0
     log_level: str = "info"
     skip_tokenizer_init: bool = False
+    load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks)
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -90,6 +91,7 @@ class EngineArgs:
 
         need(self.device in ("auto", "cuda", "cpu"), "device", "cuda, cpu or auto")
         need(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
+        need(self.load_format in ("auto", "dummy"), "load-format", "auto or dummy")
         need(self.page_size >= 1, "page-size", "a positive integer")
         need(self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1, "chunked-prefill-size",
              "a positive integer, or -1 to disable chunking")

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from hybridmoe import LLM
 from hybridmoe.config import ConfigError
 from hybridmoe.weights.loader import CheckpointError
+
 from tiny_models import hf_model, make_tiny_model
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}

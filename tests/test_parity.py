@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridmoe import LLM
+
 from tiny_models import CONFIGS, hf_model
 
 KINDS = sorted(CONFIGS)

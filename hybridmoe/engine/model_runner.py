@@ -60,7 +60,7 @@ class ModelRunner:
         self.context_len = args.context_length or model_max
         self.model = load_model(
             args.model_path, hf_config, self.dtype, self.device, self._make_experts,
-            max_position=max(self.context_len, model_max), progress=progress,
+            max_position=max(self.context_len, model_max), progress=progress, load_format=args.load_format,
         )
         self._alloc_kv_cache()
         self.vocab_size = hf_config.vocab_size

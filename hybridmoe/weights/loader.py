@@ -87,6 +87,29 @@ class SafetensorsIndex:
         return t
 
 
+    def fill(self, name: str, dst: torch.Tensor) -> None:
+        """Copy tensor `name` into dst, checking its shape."""
+        dst.copy_(self.get(name, tuple(dst.shape)))
+
+
+class DummyWeights:
+    """Random weights generated in place on the target device (`--load-format dummy`), for
+    benchmarks of full-size shapes without a checkpoint on disk."""
+
+    def __init__(self, std: float = 0.02, seed: int = 0) -> None:
+        self.std = std
+        self.seed = seed
+
+    def __contains__(self, name: str) -> bool:
+        return True
+
+    def fill(self, name: str, dst: torch.Tensor) -> None:
+        if "norm" in name:
+            dst.fill_(1.0)
+        else:
+            dst.normal_(0.0, self.std)
+
+
 ExpertsBuilder = Callable[[ExpertWeights, int], MoEExperts]
 
 
@@ -99,6 +122,7 @@ def load_model(
     expert_device: Callable[[int], torch.device] | None = None,
     max_position: int | None = None,
     progress: bool = True,
+    load_format: str = "auto",
 ) -> MoECausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint.
 
@@ -106,7 +130,7 @@ def load_model(
     says where that layer's stacked expert tensors are assembled (default: `device`).
     """
     spec = arch_spec(config, f"{model_path}/config.json")
-    index = SafetensorsIndex(model_path)
+    index = DummyWeights() if load_format == "dummy" else SafetensorsIndex(model_path)
     max_position = max_position or getattr(config, "max_position_embeddings", 4096)
     with torch.device("meta"):
         model = MoECausalLM(config, spec, max_position)
@@ -125,11 +149,11 @@ def load_model(
             src = name
             if name == "lm_head.weight" and name not in index and model.tie_word_embeddings:
                 src = "model.embed_tokens.weight"
-            params[name].copy_(index.get(src, tuple(params[name].shape)))
+            index.fill(src, params[name])
         bar = tqdm(range(config.num_hidden_layers), desc="Loading weights", unit="layer", disable=not progress)
         for i in bar:
             for name in by_layer.get(i, []):
-                params[name].copy_(index.get(name, tuple(params[name].shape)))
+                index.fill(name, params[name])
             layer = model.model.layers[i]
             if layer.is_moe:
                 block = getattr(layer, spec.moe_module)
@@ -141,7 +165,7 @@ def load_model(
 
 
 def read_expert_weights(
-    index: SafetensorsIndex, spec: ArchSpec, layer: int, hidden: int, dtype: torch.dtype, device: torch.device
+    index: SafetensorsIndex | DummyWeights, spec: ArchSpec, layer: int, hidden: int, dtype: torch.dtype, device: torch.device
 ) -> ExpertWeights:
     """Stack one layer's per-expert tensors: gate_up [E, 2I, H], down [E, H, I]."""
     e_n, i_n = spec.num_experts, spec.moe_intermediate
@@ -149,7 +173,7 @@ def read_expert_weights(
     down = torch.empty(e_n, hidden, i_n, dtype=dtype, device=device)
     for e in range(e_n):
         g, u, d = spec.expert_tensor_names(layer, e)
-        gate_up[e, :i_n].copy_(index.get(g, (i_n, hidden)))
-        gate_up[e, i_n:].copy_(index.get(u, (i_n, hidden)))
-        down[e].copy_(index.get(d, (hidden, i_n)))
+        index.fill(g, gate_up[e, :i_n])
+        index.fill(u, gate_up[e, i_n:])
+        index.fill(d, down[e])
     return ExpertWeights(gate_up=gate_up, down=down)

@@ -46,7 +46,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
 
 
 def _extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    hq, d = q.shape[1], q.shape[2]
+    hq = q.shape[1]
     s, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     out = torch.empty_like(q)

@@ -1,0 +1,60 @@
+"""Command-line flags of the engine (SGLang + kt names) -> EngineArgs. Shared by `serve` and
+`generate`; each flag is the EngineArgs field of the same name in snake_case."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from hybridmoe.config import DEMO_MODEL_PATH, DTYPES, KT_METHODS, PLACEMENT_STRATEGIES, EngineArgs
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineArgs()
+    m = p.add_argument_group("model")
+    m.add_argument("--model-path", "--model", dest="model_path", default=DEMO_MODEL_PATH,
+                   help="Hugging Face model directory (default: the bundled demo model)")
+    m.add_argument("--tokenizer-path", default=None)
+    m.add_argument("--served-model-name", default=None)
+    m.add_argument("--trust-remote-code", action="store_true")
+    m.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
+    m.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    m.add_argument("--context-length", type=int, default=None)
+    m.add_argument("--random-seed", type=int, default=d.random_seed)
+    m.add_argument("--skip-tokenizer-init", action="store_true")
+    m.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+                   help="dummy: random weights (benchmarks without a checkpoint)")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="fraction of GPU memory for weights and KV cache (default 0.85)")
+    r.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
+    r.add_argument("--page-size", type=int, default=d.page_size)
+    r.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    r.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    r.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    r.add_argument("--disable-radix-cache", action="store_true", help="turn prefix caching off")
+    r.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    r.add_argument("--moe-backend", default=None, choices=["torch", "triton", "cpu"])
+    r.add_argument("--disable-cuda-graph", action="store_true")
+    r.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+    r.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    k = p.add_argument_group("hybrid CPU/GPU experts (KTransformers-compatible)")
+    k.add_argument("--kt-weight-path", default=None, help="CPU expert weights written by `hybridmoe convert`")
+    k.add_argument("--kt-method", default=d.kt_method, type=str.upper, choices=KT_METHODS)
+    k.add_argument("--kt-cpuinfer", type=int, default=None, help="CPU expert threads")
+    k.add_argument("--kt-threadpool-count", type=int, default=d.kt_threadpool_count)
+    k.add_argument("--kt-numa-nodes", default=None)
+    k.add_argument("--kt-num-gpu-experts", type=int, default=None, help="GPU-resident experts per MoE layer")
+    k.add_argument("--kt-gpu-experts-ratio", type=float, default=None)
+    k.add_argument("--kt-expert-placement-strategy", default=d.kt_expert_placement_strategy,
+                   choices=PLACEMENT_STRATEGIES)
+    k.add_argument("--init-expert-location", default=None)
+    k.add_argument("--kt-max-deferred-experts-per-token", type=int, default=d.kt_max_deferred_experts_per_token)
+    k.add_argument("--kt-gpu-prefill-token-threshold", type=int, default=None)
+    k.add_argument("--kt-enable-dynamic-expert-update", action="store_true")
+    k.add_argument("--record-expert-distribution", default=None)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs.from_kwargs(**{k: v for k, v in vars(ns).items() if k in names})

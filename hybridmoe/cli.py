@@ -1,0 +1,76 @@
+"""`hybridmoe` command line: one entry point, sub-commands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hybridmoe.args import add_engine_args, engine_args_from
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from hybridmoe.engine.llm import LLM
+
+    args = engine_args_from(ns)
+    llm = LLM(**{k: v for k, v in vars(args).items() if k != "extra"})
+    prompt = ns.prompt
+    if ns.chat:
+        if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+            print("error: --chat needs a tokenizer with a chat template", file=sys.stderr)
+            return 2
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                   add_generation_prompt=True)
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
+    if ns.seed is not None:
+        params["sampling_seed"] = ns.seed
+    print(ns.prompt, end="" if not ns.chat else "\n", flush=True)
+    shown = ""
+    for chunk in llm.generate(prompt=prompt, sampling_params=params, stream=True):
+        print(chunk["text"][len(shown):], end="", flush=True)  # text is cumulative
+        shown = chunk["text"]
+    meta = chunk["meta_info"]
+    print(f"\n[{meta['completion_tokens']} tokens, finish {meta['finish_reason']}, {meta['e2e_latency']:.2f} s]")
+    return 0
+
+
+def _not_yet(name: str) -> int:
+    print(f"hybridmoe {name}: not yet available in this version", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridmoe", description="Serve MoE LLMs on one GPU plus a large CPU.")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion offline (no server)")
+    add_engine_args(g)
+    g.add_argument("--prompt", default="The module provides")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    for name, text in (("serve", "HTTP server (SGLang and OpenAI APIs)"), ("convert", "HF checkpoint -> CPU experts"),
+                       ("check", "environment report"), ("bench", "benchmarks")):
+        sub.add_parser(name, help=f"{text} [not yet available]")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    level = getattr(ns, "log_level", "info").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.command == "generate":
+        from hybridmoe.config import ConfigError
+        from hybridmoe.weights.loader import CheckpointError
+
+        try:
+            return _generate(ns)
+        except (ConfigError, CheckpointError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return _not_yet(ns.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
