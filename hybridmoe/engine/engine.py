@@ -79,7 +79,9 @@ class Engine:
         self.tokenizer = _load_tokenizer(args)
         self.runner = ModelRunner(args, self.hf_config, progress=progress)
         self.kv = KVCacheManager(self.runner.num_pages, args.page_size, enable_prefix_cache=not args.disable_radix_cache)
-        self.scheduler = Scheduler(self.kv, args.max_running_requests, args.chunked_prefill_size,
+        # Tokens per step: the chunk size, and never more than --max-prefill-tokens.
+        chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
+        self.scheduler = Scheduler(self.kv, args.max_running_requests, min(chunk, args.max_prefill_tokens),
                                    self.runner.context_len)
         self.eos_ids = _eos_ids(args.model_path, self.hf_config, self.tokenizer)
         self.sampler = Sampler(self.hf_config.vocab_size, self.eos_ids)
