@@ -45,25 +45,33 @@ def test_gpu_bf16_parity(kind, attention_backend, tiny_model_dir):
     """bf16 on the GPU against transformers in bf16 on the GPU.
 
     Tolerance: prompt logits within 3e-2 relative (bf16 has 8 bits of mantissa; two stacks of
-    bf16 matmuls with different reduction orders differ by ~1e-2), and greedy tokens equal to the
-    fp32 reference for at least the first 8 tokens (later ones may flip on near-ties).
+    bf16 matmuls with different reduction orders differ by ~1e-2). Greedy tokens: each of the 32
+    must be the fp32 reference's argmax at that position (teacher-forced on our own output), or
+    within 0.15 logits of it: a bf16 run may take the other branch of a near-tie, never a token
+    the fp32 model clearly ranks lower.
     """
+    import gc
+
     path = tiny_model_dir(kind)
     ref32 = hf_model(path)
     ref = hf_model(path).to("cuda", torch.bfloat16)
     vocab = ref.config.vocab_size
     for graphs in (True, False):
         llm = LLM(str(path), device="cuda", dtype="bfloat16", progress=False, attention_backend=attention_backend,
-                  disable_cuda_graph=not graphs, cuda_graph_max_bs=8)
+                  disable_cuda_graph=not graphs, cuda_graph_max_bs=8, max_total_tokens=4096)
         prompt = _prompt(vocab, 45, 7)
         with torch.no_grad():
             ref_logits = ref(torch.tensor([prompt], device="cuda")).logits[0].float().cpu()
         ours = llm.prompt_logits(prompt)
         rel = ((ours - ref_logits).norm() / ref_logits.norm()).item()
         assert rel < 3e-2, f"{kind}: bf16 prompt logits differ, relative error {rel:.2e}"
-        ref_ids = ref32.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
-                                 do_sample=False)[0, len(prompt):].tolist()
         out = llm.generate(input_ids=prompt, sampling_params={"max_new_tokens": 32, "temperature": 0,
-                                                              "ignore_eos": True})
-        assert out["output_ids"][:8] == ref_ids[:8], f"{kind}: bf16 greedy tokens differ (graphs={graphs})"
+                                                              "ignore_eos": True})["output_ids"]
+        with torch.no_grad():
+            ref_logits32 = ref32(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]  # [32, V]
+        gap = ref_logits32.max(-1).values - ref_logits32.gather(1, torch.tensor(out)[:, None])[:, 0]
+        assert gap.max().item() < 0.15, f"{kind}: bf16 token far from the fp32 argmax (graphs={graphs}): {gap}"
+        assert (gap == 0).float().mean().item() >= 0.9, f"{kind}: too many near-tie flips: {gap}"
         del llm
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -91,7 +91,11 @@ class ModelRunner:
         else:
             tokens = max(4 * self.context_len, 32768)
             tokens = min(tokens, 1 << 20)
-        num_pages = max(2, -(-tokens // self.page_size) + 1)  # +1: page 0 is the scratch page
+        if tokens < 2 * self.page_size:
+            raise RuntimeError(
+                f"no memory left for the KV cache ({tokens} tokens fit after loading the weights); "
+                "lower the model size, raise --mem-fraction-static, or set --max-total-tokens")
+        num_pages = -(-tokens // self.page_size) + 1  # +1: page 0 is the scratch page
         shape = (num_pages, self.page_size, hkv, head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(layers)]

@@ -1,9 +1,11 @@
-"""RMSNorm, computed in float32 like the reference implementations."""
+"""RMSNorm, computed in float32 like the reference implementations (fused kernel on CUDA)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hybridmoe.layers.fused_ops import add_rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +15,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        shape = x.shape
+        out, _ = add_rmsnorm(x.reshape(-1, shape[-1]), None, self.weight, self.eps)
+        return out.view(shape)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass. x, residual: [T, size]."""
+        return add_rmsnorm(x, residual, self.weight, self.eps)

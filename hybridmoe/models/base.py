@@ -62,9 +62,18 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(h, spec.dense_intermediate, cfg.hidden_act)
         self.ffn_name = spec.moe_module if self.is_moe else "mlp"
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
-        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it): the residual add is
+        fused into the next norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(h, positions, ctx)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return getattr(self, self.ffn_name)(h), residual
 
 
 class _Backbone(nn.Module):
@@ -89,9 +98,10 @@ class MoECausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, H]
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, positions, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, ctx)
+        return self.model.norm.add_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V]
         return self.lm_head(hidden)

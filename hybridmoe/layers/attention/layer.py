@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hybridmoe.layers.attention.base import AttentionBackend, AttentionMetadata
+from hybridmoe.layers.fused_ops import qk_norm_rope
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding
 
@@ -49,6 +50,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, rms_eps)
             self.k_norm = RMSNorm(head_dim, rms_eps)
         self.qk_norm = qk_norm
+        self.rms_eps = rms_eps
         self.rotary = [rotary]  # shared table; a list keeps it out of this module's state_dict
         self.scale = head_dim**-0.5
 
@@ -57,9 +59,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        rope = self.rotary[0]
+        q = qk_norm_rope(q, self.q_norm.weight if self.qk_norm else None, self.rms_eps, rope.cos, rope.sin, positions)
+        k = qk_norm_rope(k, self.k_norm.weight if self.qk_norm else None, self.rms_eps, rope.cos, rope.sin, positions)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, -1))

@@ -46,7 +46,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
 
 
 def _extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    hq = q.shape[1]
+    hq, d = q.shape[1], q.shape[2]
     s, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     out = torch.empty_like(q)
@@ -65,7 +65,13 @@ def _extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
         # query i (absolute position prefix+i) sees keys 0..prefix+i
         mask = torch.arange(seq_len, device=q.device)[None, :] <= (
             prefix + torch.arange(q_len, device=q.device)[:, None])
-        ob = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), attn_mask=mask, scale=scale)
+        if qb.is_cuda and (d * qb.element_size()) % 16:
+            # CUDA SDPA kernels need 16-byte aligned rows; odd head dims take the plain path.
+            scores = (qb.float() @ kb.float().transpose(1, 2)) * scale
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            ob = (probs @ vb.float()).to(qb.dtype)
+        else:
+            ob = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), attn_mask=mask, scale=scale)
         out[start:start + q_len] = ob.transpose(0, 1)
         start += q_len
     return out
