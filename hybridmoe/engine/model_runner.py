@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from hybridmoe.config import EngineArgs
+from hybridmoe.config import ConfigError, EngineArgs
 from hybridmoe.engine.cuda_graph import DecodeGraphs
 from hybridmoe.engine.scheduler import ScheduledBatch
 from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend
@@ -53,7 +53,7 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
         self.page_size = args.page_size
-        self.moe_backend = args.moe_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.moe_backend = self._choose_moe_backend(args)
         attn = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(attn)
         model_max = getattr(hf_config, "max_position_embeddings", 4096)
@@ -61,6 +61,8 @@ class ModelRunner:
         self.model = load_model(
             args.model_path, hf_config, self.dtype, self.device, self._make_experts,
             max_position=max(self.context_len, model_max), progress=progress, load_format=args.load_format,
+            # CPU experts are assembled (and quantized) in host memory, never on the GPU
+            expert_device=(lambda _layer: torch.device("cpu")) if self.moe_backend == "cpu" else None,
         )
         self._alloc_kv_cache()
         self.vocab_size = hf_config.vocab_size
@@ -70,6 +72,16 @@ class ModelRunner:
             self.graphs.capture()
 
     # ---- setup ----
+    def _choose_moe_backend(self, args: EngineArgs) -> str:
+        if args.kt_num_gpu_experts == 0 or args.kt_gpu_experts_ratio == 0.0:
+            return "cpu"  # every routed expert on the CPU engine (--kt-method picks the format)
+        if args.kt_num_gpu_experts is not None or args.kt_gpu_experts_ratio is not None:
+            raise ConfigError("--kt-num-gpu-experts / --kt-gpu-experts-ratio above 0 (hybrid GPU+CPU experts) is "
+                              "not yet available; use 0 (all experts on the CPU) or leave them unset (all on the GPU)")
+        if args.kt_weight_path is not None:
+            raise ConfigError("--kt-weight-path is not yet available (weights are quantized at load)")
+        return args.moe_backend or ("triton" if self.device.type == "cuda" else "torch")
+
     def _make_experts(self, weights: ExpertWeights, layer_idx: int) -> MoEExperts:
         options = {k: v for k, v in vars(self.args).items() if k.startswith("kt_")}
         options["device"] = self.device

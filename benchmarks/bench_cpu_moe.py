@@ -1,0 +1,180 @@
+"""CPU expert engine benchmark: one MoE layer per call, rotating over several layers with fresh random
+routing so the weights are not cache-resident.
+
+For each T prints us/layer, effective weight bandwidth (bytes of the distinct experts touched / time),
+TFLOP/s (2 * T * k * 3 * H * I / time), and the ratio to the stream-read bandwidth measured in the
+same process with the library's own thread pool. Writes JSON with --out.
+
+  python benchmarks/bench_cpu_moe.py --method AMXINT8 --out results.json
+  (default layer: Qwen3-30B-A3B, E=128 k=8 H=2048 I=768)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridmoe.cpu import native  # noqa: E402
+from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool  # noqa: E402
+from hybridmoe.cpu.quant import PackedLayer, PackedMatrix, pack_layer  # noqa: E402
+
+DEFAULT_T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+
+
+def clone_layer(p: PackedLayer) -> PackedLayer:
+    """Same values in fresh memory (a distinct layer for the caches)."""
+
+    def cm(m: PackedMatrix) -> PackedMatrix:
+        c = lambda t: None if t is None else t.clone()  # noqa: E731
+        return PackedMatrix(c(m.data), m.n, m.k, c(m.scale), c(m.zero), c(m.wsum))
+
+    return PackedLayer(
+        p.method,
+        p.num_experts,
+        p.hidden,
+        p.inter,
+        p.hidden_pad,
+        p.inter_pad,
+        p.group_size,
+        p.symmetric,
+        p.activation,
+        cm(p.w13),
+        cm(p.w2),
+    )
+
+
+def expert_bytes(p: PackedLayer) -> float:
+    return sum(t.numel() * t.element_size() for t in p.tensors().values()) / p.num_experts
+
+
+def run(args) -> dict:
+    torch.manual_seed(0)
+    e, k, h, i = args.E, args.k, args.H, args.I
+    pool = CPUThreadPool(args.threads, args.threadpool_count)
+    t0 = time.time()
+    gu = torch.randn(e, 2 * i, h) / h**0.5
+    dn = torch.randn(e, h, i) / i**0.5
+    base = pack_layer(gu, dn, args.method, group_size=args.group_size, symmetric=not args.asym)
+    del gu, dn
+    packs = [base] + [clone_layer(base) for _ in range(args.layers - 1)]
+    layers = [CPUMoELayer(p, isa=args.isa, pool=pool) for p in packs]
+    prep_s = time.time() - t0
+    ebytes = expert_bytes(base)
+    stream = pool.stream_read_gbps(args.stream_bytes, 10)
+    print(
+        f"# method={args.method} isa={layers[0].isa} threads={pool.threads} subpools={pool.subpools} "
+        f"E={e} k={k} H={h} I={i} layers={args.layers} expert={ebytes / 1e6:.2f} MB prep={prep_s:.1f}s"
+    )
+    print(f"# stream-read bandwidth (library pool, {args.stream_bytes >> 20} MiB): {stream:.1f} GB/s")
+    print(f"{'T':>6} {'us/layer':>10} {'GB/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'experts':>8}")
+    rows = []
+    for t in args.T:
+        x = torch.randn(t, h).to(torch.bfloat16)
+        out = torch.empty(t, h, dtype=torch.bfloat16)
+
+        def route(t=t, k=k):  # fresh random routing for every call
+            ids = torch.rand(t, e).topk(k, dim=-1).indices.to(torch.int32).contiguous()
+            return ids, torch.rand(t, k).contiguous()
+
+        for j in range(min(2, len(layers))):  # warm-up (page faults, workspace growth)
+            layers[j].forward(x, *route(), out=out)
+        native.profile(reset=True)
+        times, byts = [], []
+        deadline = time.time() + args.seconds
+        n = 0
+        while n < args.min_iters or (time.time() < deadline and n < args.max_iters):
+            layer = layers[n % len(layers)]
+            ids, w = route()
+            s = time.perf_counter()
+            tid = layer.submit(x, ids, w, out)
+            layer.sync(tid)
+            times.append(time.perf_counter() - s)
+            byts.append(torch.unique(ids).numel() * ebytes)
+            n += 1
+        med = statistics.median(times)
+        bw = statistics.median(b / s for b, s in zip(byts, times)) / 1e9
+        tflops = 2.0 * t * k * 3 * h * i / med / 1e12
+        experts = statistics.mean(b / ebytes for b in byts)
+        prof = native.profile(reset=True)
+        phases = {k: v / max(1.0, prof["tasks"]) * 1e6 for k, v in prof.items() if k != "tasks"}
+        rows.append(
+            {
+                "T": t,
+                "phase_us": phases,
+                "us_per_layer": med * 1e6,
+                "eff_bw_gbps": bw,
+                "ratio_to_stream": bw / stream,
+                "tflops": tflops,
+                "distinct_experts": experts,
+                "iters": n,
+            }
+        )
+        ph = " ".join(f"{k}={v:.0f}" for k, v in phases.items()) if args.profile else ""
+        print(
+            f"{t:>6} {med * 1e6:>10.1f} {bw:>8.1f} {bw / stream:>6.2f} {tflops:>8.2f} {experts:>8.1f}  {ph}", flush=True
+        )
+    return {
+        "config": {
+            "method": args.method,
+            "isa": layers[0].isa,
+            "kernel": layers[0].kernel_name,
+            "threads": pool.threads,
+            "threadpool_count": pool.subpools,
+            "cpus": pool.cpus,
+            "E": e,
+            "k": k,
+            "H": h,
+            "I": i,
+            "group_size": args.group_size,
+            "asym": args.asym,
+            "layers": args.layers,
+            "expert_bytes": ebytes,
+            "host": platform.node(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+        },
+        "stream_read_gbps": stream,
+        "results": rows,
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--E", type=int, default=128)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--H", type=int, default=2048)
+    ap.add_argument("--I", type=int, default=768)
+    ap.add_argument("--method", default="AMXINT8", choices=["AMXINT8", "AMXINT4", "BF16"])
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--asym", action="store_true", help="asymmetric int4")
+    ap.add_argument("--threads", type=int, default=None, help="default: physical cores - 1")
+    ap.add_argument("--threadpool-count", type=int, default=1)
+    ap.add_argument("--isa", default=None, choices=[None, *native.ISAS])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--T", type=lambda s: [int(v) for v in s.split(",")], default=DEFAULT_T)
+    ap.add_argument("--seconds", type=float, default=1.0, help="time budget per T")
+    ap.add_argument("--min-iters", type=int, default=3)
+    ap.add_argument("--max-iters", type=int, default=200)
+    ap.add_argument("--stream-bytes", type=int, default=1 << 30)
+    ap.add_argument("--profile", action="store_true", help="print mean us per phase")
+    ap.add_argument("--out", default=None, help="JSON output path")
+    args = ap.parse_args(argv)
+    res = run(args)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+// The C ABI loaded by hybridmoe/cpu/native.py through ctypes. Tensors cross as raw pointers and
+// shapes; nothing here depends on torch. Compiled for baseline x86-64: every entry point that could
+// reach AVX2 code first checks the CPU (dispatch.cpp), so a missing ISA is an error, never SIGILL.
+// Errors inside a task are caught, recorded with the task id, and returned by hm_sync.
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "common.h"
+#include "moe.h"
+#include "threadpool.h"
+
+extern "C" int hm_isa_check(int isa, char* msg, int len);
+
+namespace hm {
+const Kernels* kernels_checked(int isa);
+extern double g_profile[8];
+}
+
+namespace {
+
+struct Pool {
+  hm::ThreadPool tp;
+  hm::Workspace* ws;
+  std::mutex em;
+  std::deque<std::pair<int64_t, std::string>> errors;
+  Pool(int n, const int* cpus, int nsub) : tp(n, cpus, nsub), ws(hm::workspace_create(tp.size())) {}
+  ~Pool() {
+    tp.wait_pending(0);
+    hm::workspace_destroy(ws);
+  }
+  void record(std::string msg) {
+    std::lock_guard<std::mutex> lk(em);
+    errors.emplace_back(tp.completed() + 1, std::move(msg));  // tasks run in order: this is our id
+  }
+};
+
+void put(char* buf, int len, const std::string& s) {
+  if (buf && len > 0) std::snprintf(buf, size_t(len), "%s", s.c_str());
+}
+
+}  // namespace
+
+extern "C" {
+
+struct HmHostCall {      // userdata of the host-function entry points
+  void* pool;
+  HmTask task;
+  int64_t id;            // set by hm_submit_hostfn; hm_sync_hostfn waits for it (<= 0: use max_pending)
+  int64_t max_pending;
+  int32_t status;        // hm_sync_hostfn: 0 ok, 1 the task failed (message kept for hm_sync)
+  int32_t pad_;
+};
+
+int hm_abi_version() { return 1; }
+
+void* hm_pool_create(int n, const int* cpus, int nsub, char* err, int errlen) {
+  char why[256];
+  if (!hm_isa_check(hm::ISA_AVX2, why, sizeof(why))) {
+    put(err, errlen, std::string("the CPU engine needs AVX2: ") + why);
+    return nullptr;
+  }
+  try {
+    return new Pool(n, cpus, nsub);
+  } catch (const std::exception& e) {
+    put(err, errlen, e.what());
+    return nullptr;
+  }
+}
+
+void hm_pool_destroy(void* p) { delete static_cast<Pool*>(p); }
+int hm_pool_size(void* p) { return static_cast<Pool*>(p)->tp.size(); }
+int hm_pool_num_sub(void* p) { return static_cast<Pool*>(p)->tp.num_sub(); }
+
+void* hm_layer_create(const hm::LayerDesc* d, int isa, char* err, int errlen) {
+  char why[512];
+  if (!hm_isa_check(isa, why, sizeof(why))) {
+    put(err, errlen, why);
+    return nullptr;
+  }
+  const hm::Kernels* k = hm::kernels_checked(isa);
+  std::string bad;
+  if (d->method < hm::M_INT8 || d->method > hm::M_BF16) bad = "unknown method";
+  else if (d->method == hm::M_INT4 && d->group != 32 && d->group != 64 && d->group != 128) bad = "int4 group must be 32, 64 or 128";
+  else if (d->Hp % 64 || d->Ip % 64 || d->Hp < d->H || d->Ip < d->I || d->H < 1 || d->I < 1 || d->E < 1) bad = "bad padded sizes";
+  else if (d->w13.N != 2 * d->Ip || d->w13.Kd != d->Hp || d->w2.N != d->Hp || d->w2.Kd != d->Ip) bad = "matrix shapes disagree with sizes";
+  else if (d->method == hm::M_INT4 && (d->Hp % d->group || d->Ip % d->group)) bad = "padded sizes not a multiple of the group";
+  else if (!d->w13.data || !d->w2.data || (d->method != hm::M_BF16 && (!d->w13.scale || !d->w2.scale)) ||
+           (d->method == hm::M_INT8 && (!d->w13.wsum || !d->w2.wsum)))
+    bad = "null weight pointer";
+  else if (d->act < hm::ACT_SILU || d->act > hm::ACT_SWIGLU_CLAMP) bad = "unknown activation";
+  if (!bad.empty()) {
+    put(err, errlen, bad);
+    return nullptr;
+  }
+  return new hm::HmLayer{*d, k, isa};
+}
+
+void hm_layer_destroy(void* l) { delete static_cast<hm::HmLayer*>(l); }
+const char* hm_layer_kernel_name(void* l) { return static_cast<hm::HmLayer*>(l)->k->name; }
+
+// Queues the task and returns its id at once. Pointers must stay valid until it completes.
+int64_t hm_submit(void* p, const HmTask* task) {
+  Pool* pool = static_cast<Pool*>(p);
+  HmTask t = *task;
+  return pool->tp.submit([pool, t] {
+    std::string err;
+    try {
+      err = hm::run_moe_task(pool->tp, *pool->ws, t);
+    } catch (const std::exception& e) {
+      err = std::string("CPU MoE task failed: ") + e.what();
+    } catch (...) {
+      err = "CPU MoE task failed (unknown exception)";
+    }
+    if (!err.empty()) pool->record(err);
+  });
+}
+
+// Waits for task `id` (id > 0) or until at most max_pending tasks remain (id <= 0). Returns 0, or 1
+// with the first error of the finished tasks (all their errors are then cleared) in err.
+int hm_sync(void* p, int64_t id, int64_t max_pending, char* err, int errlen) {
+  Pool* pool = static_cast<Pool*>(p);
+  if (id > 0)
+    pool->tp.wait_task(id);
+  else
+    pool->tp.wait_pending(max_pending);
+  std::lock_guard<std::mutex> lk(pool->em);
+  if (pool->errors.empty()) return 0;
+  std::string msg = "task " + std::to_string(pool->errors.front().first) + ": " + pool->errors.front().second;
+  if (pool->errors.size() > 1) msg += " (and " + std::to_string(pool->errors.size() - 1) + " more failed tasks)";
+  pool->errors.clear();
+  put(err, errlen, msg);
+  return 1;
+}
+
+int64_t hm_pending(void* p) {
+  Pool* pool = static_cast<Pool*>(p);
+  return pool->tp.submitted() - pool->tp.completed();
+}
+
+// Copies the phase-time sums (route, quant1, gemm1, quant2, gemm2, reduce, tasks, -) and resets
+// them when reset != 0. Read between tasks (not synchronized with a running task).
+void hm_profile(double* out8, int reset) {
+  for (int i = 0; i < 8; ++i) {
+    out8[i] = hm::g_profile[i];
+    if (reset) hm::g_profile[i] = 0;
+  }
+}
+
+int64_t hm_completed(void* p) { return static_cast<Pool*>(p)->tp.completed(); }
+
+// CUDA host-function forms (void fn(void*)), for cuLaunchHostFunc: no Python, no exceptions out.
+void hm_submit_hostfn(void* userdata) {
+  HmHostCall* c = static_cast<HmHostCall*>(userdata);
+  c->status = 0;
+  c->id = hm_submit(c->pool, &c->task);
+}
+
+void hm_sync_hostfn(void* userdata) {
+  HmHostCall* c = static_cast<HmHostCall*>(userdata);
+  Pool* pool = static_cast<Pool*>(c->pool);
+  if (c->id > 0)
+    pool->tp.wait_task(c->id);
+  else
+    pool->tp.wait_pending(c->max_pending);
+  std::lock_guard<std::mutex> lk(pool->em);
+  c->status = 0;
+  for (auto& e : pool->errors)
+    if (e.first == c->id) c->status = 1;
+}
+
+// Stream-read bandwidth (GB/s) of a `bytes` buffer read by all pool threads, best of `iters`.
+double hm_stream_read(void* p, int64_t bytes, int iters) {
+  Pool* pool = static_cast<Pool*>(p);
+  double gbs = 0.0;
+  int64_t id = pool->tp.submit([&] {
+    try {
+      gbs = hm::stream_read(pool->tp, bytes, iters);
+    } catch (...) {
+      gbs = 0.0;
+    }
+  });
+  pool->tp.wait_task(id);
+  return gbs;
+}
+
+}  // extern "C"

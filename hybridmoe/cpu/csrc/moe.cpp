@@ -1,0 +1,400 @@
+// The MoE layer driver (see moe.h). Phases, each spread over all pool threads:
+//   1 quantize x per slot  2 w13 GEMM + activation  3 quantize the activation
+//   4 w2 GEMM into y[slot]  5 out[t] (+)= sum_j w_j * y[slot(t, j)]
+// GEMM work is cut into items (expert, N-block range, row range) taken dynamically by the threads
+// of the sub-pool that owns the N-block range, so small T spreads each expert's rows over all
+// threads (weights streamed once) and large T gets cache-sized tiles.
+#include "moe.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+namespace hm {
+
+namespace {
+
+constexpr int MC = 256;       // rows per GEMM item
+constexpr int CW1 = 2;        // N-blocks per w13 item (one gate/up pair) for few rows (decode)
+constexpr int CW2 = 4;        // N-blocks per w2 item for few rows
+constexpr int CW_BIG = 8;     // N-blocks per item when an expert has >= BIG_ROWS rows: the rows'
+constexpr int BIG_ROWS = 64;  //   activations are then reused across 8 blocks from L2
+constexpr int HCHUNK = 256;   // output columns per reduction unit
+constexpr int PADROWS = 32;   // extra activation rows (AMX tiles read up to 32 rows past an expert)
+constexpr int MAXSUB = 64;
+
+// This unit is compiled for baseline x86-64 (so template instances it emits are safe everywhere);
+// only the functions marked HM_AVX2 use AVX2/FMA/F16C, and they run after the CPU check.
+#define HM_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+struct Buf {
+  uint8_t* p = nullptr;
+  size_t cap = 0;
+  ~Buf() { std::free(p); }
+  template <class T>
+  T* get(size_t count) {
+    size_t n = count * sizeof(T);
+    if (n > cap) {
+      std::free(p);
+      p = nullptr;
+      cap = 0;
+      size_t c = size_t(round_up(int64_t(n + n / 4 + 64), 4096));
+      p = static_cast<uint8_t*>(std::aligned_alloc(64, c));
+      if (!p) throw std::bad_alloc();
+      std::memset(p, 0, c);
+      cap = c;
+    }
+    return reinterpret_cast<T*>(p);
+  }
+};
+
+struct Item {
+  int e, nb0, nb1, m0, m1;
+};
+
+struct alignas(64) Counter {
+  std::atomic<int64_t> v{0};
+};
+
+HM_AVX2 inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// o[0..16) = act(g) * u
+HM_AVX2 void act16(const LayerDesc& d, const float* g, const float* u, float* o) {
+  if (d.act == ACT_SILU) {
+    for (int h = 0; h < 16; h += 8) {
+      __m256 G = _mm256_loadu_ps(g + h), U = _mm256_loadu_ps(u + h);
+      __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), G)));
+      _mm256_storeu_ps(o + h, _mm256_div_ps(_mm256_mul_ps(G, U), den));
+    }
+  } else if (d.act == ACT_GELU_TANH) {
+    for (int h = 0; h < 16; ++h) {
+      float x = g[h];
+      o[h] = 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[h];
+    }
+  } else {  // clamped SwiGLU (gpt-oss): min(g, L) * sigmoid(alpha * .) * (clamp(u, -L, L) + 1)
+    for (int h = 0; h < 16; ++h) {
+      float x = std::min(g[h], d.act_limit), v = std::max(std::min(u[h], d.act_limit), -d.act_limit);
+      o[h] = x / (1.0f + std::exp(-d.act_alpha * x)) * (v + 1.0f);
+    }
+  }
+}
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// 8 floats -> 8 bf16, round to nearest even
+HM_AVX2 inline __m128i f32_to_bf16_8(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  u = _mm256_srli_epi32(u, 16);
+  __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+  return _mm_packus_epi32(lo, hi);
+}
+
+}  // namespace
+
+struct Workspace {
+  Buf a1, a2, sx1, sx2, g1, g2, af, y, slot_tok, slot_w, tok_slot, xq, xs, xg;
+  std::vector<Buf> cbuf;
+  std::vector<int64_t> count, offs, pos;
+  std::vector<Item> items;
+  std::vector<std::vector<Item>> per_sub;
+  explicit Workspace(int n) : cbuf(size_t(n)) {}
+};
+
+Workspace* workspace_create(int nthreads) { return new Workspace(nthreads); }
+void workspace_destroy(Workspace* w) { delete w; }
+
+namespace {
+
+struct Ctx {
+  const HmTask* t;
+  const LayerDesc* d;
+  const Kernels* k;
+  ThreadPool* pool;
+  Workspace* ws;
+  int64_t S, ld1, ld2;
+  int gs1, gs2, xes;
+  uint8_t *A1, *A2, *XQ;  // XQ: x quantized once per token
+  float* XS;
+  int32_t* XG;
+  float *sx1, *sx2, *af, *y;
+  int32_t *g1, *g2, *slot_tok, *tok_slot;
+  float* slot_w;
+  int64_t sub_beg[MAXSUB + 1];
+  Counter next[MAXSUB];
+  std::atomic<int> bad{0};
+};
+
+inline void range_of(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
+  b = n * tid / nth;
+  e = n * (tid + 1) / nth;
+}
+
+// x is converted once per token, then copied to the token's slots (rows grouped by expert).
+void ph_quant_tokens(int tid, void* p) {
+  Ctx& c = *static_cast<Ctx*>(p);
+  int64_t b, e;
+  range_of(c.t->T, tid, c.pool->size(), b, e);
+  const uint8_t* x = static_cast<const uint8_t*>(c.t->x);
+  for (int64_t r = b; r < e; ++r)
+    if (!c.k->quant_row(c.d->method, x + r * c.d->H * c.xes, c.t->x_dtype, c.d->H, c.d->Hp, c.d->group,
+                        c.XQ + r * c.ld1, c.XS + r, c.XG + r * c.gs1))
+      c.bad.store(1);
+}
+
+void ph_gather(int tid, void* p) {
+  Ctx& c = *static_cast<Ctx*>(p);
+  int64_t b, e;
+  range_of(c.S, tid, c.pool->size(), b, e);
+  for (int64_t s = b; s < e; ++s) {
+    int64_t r = c.slot_tok[s];
+    std::memcpy(c.A1 + s * c.ld1, c.XQ + r * c.ld1, size_t(c.ld1));
+    c.sx1[s] = c.XS[r];
+    std::memcpy(c.g1 + s * c.gs1, c.XG + r * c.gs1, size_t(c.gs1) * 4);
+  }
+}
+
+void ph_quant2(int tid, void* p) {
+  Ctx& c = *static_cast<Ctx*>(p);
+  int64_t b, e;
+  range_of(c.S, tid, c.pool->size(), b, e);
+  for (int64_t s = b; s < e; ++s)
+    if (!c.k->quant_row(c.d->method, c.af + s * c.d->Ip, DT_F32, c.d->I, c.d->Ip, c.d->group, c.A2 + s * c.ld2,
+                        c.sx2 + s, c.g2 + s * c.gs2))
+      c.bad.store(1);
+}
+
+template <bool STAGE1>
+HM_AVX2 void ph_gemm(int tid, void* p) {
+  Ctx& c = *static_cast<Ctx*>(p);
+  const LayerDesc& d = *c.d;
+  int sub = c.pool->sub_of(tid);
+  int64_t beg = c.sub_beg[sub], n = c.sub_beg[sub + 1] - beg;
+  float* C = STAGE1 ? c.ws->cbuf[size_t(tid)].get<float>(size_t(MC) * CW_BIG * 16) : nullptr;
+  for (;;) {
+    int64_t i = c.next[sub].v.fetch_add(1, std::memory_order_relaxed);
+    if (i >= n) break;
+    const Item& it = c.ws->items[size_t(beg + i)];
+    int64_t r0 = c.ws->offs[size_t(it.e)] + it.m0;
+    int M = it.m1 - it.m0;
+    if (STAGE1) {
+      ActView A{c.A1 + r0 * c.ld1, c.ld1, c.sx1 + r0, c.g1 + r0 * c.gs1, c.gs1};
+      int64_t ldc = int64_t(it.nb1 - it.nb0) * 16;
+      c.k->gemm(d.method, d.w13, it.e, A, M, it.nb0, it.nb1, C, ldc, d.group);
+      for (int r = 0; r < M; ++r)
+        for (int pr = 0; pr < (it.nb1 - it.nb0) / 2; ++pr) {
+          const float* g = C + r * ldc + pr * 32;
+          act16(d, g, g + 16, c.af + (r0 + r) * d.Ip + (it.nb0 / 2 + pr) * 16);
+        }
+    } else {
+      ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2};
+      c.k->gemm(d.method, d.w2, it.e, A, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp, d.group);
+    }
+  }
+}
+
+HM_AVX2 void ph_reduce(int tid, void* p) {
+  Ctx& c = *static_cast<Ctx*>(p);
+  const HmTask& t = *c.t;
+  const int H = c.d->H, K = t.K;
+  int64_t nch = (H + HCHUNK - 1) / HCHUNK, b, e;
+  range_of(t.T * nch, tid, c.pool->size(), b, e);
+  alignas(32) float acc[HCHUNK];
+  for (int64_t u = b; u < e; ++u) {
+    int64_t tok = u / nch;
+    int h0 = int(u % nch) * HCHUNK, hn = std::min(HCHUNK, H - h0);
+    float* of = t.out_dtype == DT_F32 ? static_cast<float*>(t.out) + tok * H + h0 : nullptr;
+    uint16_t* ob = t.out_dtype == DT_BF16 ? static_cast<uint16_t*>(t.out) + tok * H + h0 : nullptr;
+    for (int h = 0; h < hn; ++h) acc[h] = !t.accumulate ? 0.0f : of ? of[h] : bf16_to_f32(ob[h]);
+    for (int j = 0; j < K; ++j) {
+      int32_t s = c.tok_slot[tok * K + j];
+      if (s < 0) continue;
+      const float* ys = c.y + int64_t(s) * c.d->Hp + h0;
+      __m256 w = _mm256_set1_ps(c.slot_w[s]);
+      int h = 0;
+      for (; h + 8 <= hn; h += 8)
+        _mm256_store_ps(acc + h, _mm256_fmadd_ps(w, _mm256_loadu_ps(ys + h), _mm256_load_ps(acc + h)));
+      for (; h < hn; ++h) acc[h] += c.slot_w[s] * ys[h];
+    }
+    if (of) {
+      std::memcpy(of, acc, size_t(hn) * 4);
+    } else {
+      int h = 0;
+      for (; h + 8 <= hn; h += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + h), f32_to_bf16_8(_mm256_load_ps(acc + h)));
+      for (; h < hn; ++h) {
+        uint32_t x;
+        std::memcpy(&x, &acc[h], 4);
+        ob[h] = uint16_t((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+      }
+    }
+  }
+}
+
+// Items for one GEMM stage: per active expert, row chunks x N-block chunks, grouped by sub-pool.
+void build_items(Ctx& c, int NB, int cw) {
+  Workspace& ws = *c.ws;
+  int nsub = std::min(c.pool->num_sub(), MAXSUB);
+  ws.per_sub.resize(size_t(nsub));
+  for (auto& v : ws.per_sub) v.clear();
+  for (int e = 0; e < c.d->E; ++e) {
+    int64_t M = ws.count[size_t(e)];
+    const int w = M >= BIG_ROWS ? CW_BIG : cw;
+    for (int64_t m0 = 0; m0 < M; m0 += MC)
+      for (int nb = 0; nb < NB; nb += w) {
+        int sub = int(int64_t(nb) * nsub / NB);
+        ws.per_sub[size_t(sub)].push_back(Item{e, nb, std::min(nb + w, NB), int(m0), int(std::min<int64_t>(M, m0 + MC))});
+      }
+  }
+  ws.items.clear();
+  for (int s = 0; s < nsub; ++s) {
+    c.sub_beg[s] = int64_t(ws.items.size());
+    ws.items.insert(ws.items.end(), ws.per_sub[size_t(s)].begin(), ws.per_sub[size_t(s)].end());
+    c.next[s].v.store(0);
+  }
+  c.sub_beg[nsub] = int64_t(ws.items.size());
+}
+
+std::string route(Ctx& c) {
+  const HmTask& t = *c.t;
+  Workspace& ws = *c.ws;
+  const int E = c.d->E;
+  const int64_t TK = t.T * t.K;
+  ws.count.assign(size_t(E), 0);
+  ws.offs.assign(size_t(E) + 1, 0);
+  auto id_at = [&](int64_t i) -> int64_t {
+    return t.ids_dtype == 1 ? static_cast<const int64_t*>(t.ids)[i] : static_cast<const int32_t*>(t.ids)[i];
+  };
+  for (int64_t i = 0; i < TK; ++i) {
+    int64_t id = id_at(i);
+    if (id < 0) continue;
+    if (id >= E) return "expert id " + std::to_string(id) + " out of range [0, " + std::to_string(E) + ")";
+    if (!std::isfinite(t.weights[i])) return "non-finite routing weight at token " + std::to_string(i / t.K);
+    if (t.skip && t.skip[id]) continue;
+    ws.count[size_t(id)]++;
+  }
+  for (int e = 0; e < E; ++e) ws.offs[size_t(e) + 1] = ws.offs[size_t(e)] + ws.count[size_t(e)];
+  c.S = ws.offs[size_t(E)];
+  c.slot_tok = ws.slot_tok.get<int32_t>(size_t(c.S) + 1);
+  c.slot_w = ws.slot_w.get<float>(size_t(c.S) + 1);
+  c.tok_slot = ws.tok_slot.get<int32_t>(size_t(TK) + 1);
+  ws.pos.assign(ws.offs.begin(), ws.offs.end() - 1);
+  for (int64_t i = 0; i < TK; ++i) {
+    int64_t id = id_at(i);
+    if (id < 0 || (t.skip && t.skip[id])) {
+      c.tok_slot[i] = -1;
+      continue;
+    }
+    int64_t s = ws.pos[size_t(id)]++;
+    c.slot_tok[s] = int32_t(i / t.K);
+    c.slot_w[s] = t.weights[i];
+    c.tok_slot[i] = int32_t(s);
+  }
+  return "";
+}
+
+}  // namespace
+
+// Phase timing (seconds, summed over tasks): route, quant1, gemm1, quant2, gemm2, reduce.
+double g_profile[8] = {0};
+namespace {
+struct Stopwatch {
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void lap(int i) {
+    auto n = std::chrono::steady_clock::now();
+    g_profile[i] += std::chrono::duration<double>(n - t).count();
+    t = n;
+  }
+};
+}  // namespace
+
+std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
+  if (!t.layer) return "null layer";
+  const HmLayer& L = *static_cast<const HmLayer*>(t.layer);
+  const LayerDesc& d = L.d;
+  if (t.T < 0 || t.K < 1 || t.K > 256) return "bad task shape (T or K)";
+  if (t.T == 0) return "";
+  if (!t.x || !t.ids || !t.weights || !t.out) return "null tensor pointer";
+  if ((t.x_dtype != DT_F32 && t.x_dtype != DT_BF16) || (t.out_dtype != DT_F32 && t.out_dtype != DT_BF16) ||
+      (t.ids_dtype != 0 && t.ids_dtype != 1))
+    return "unsupported dtype";
+  if (t.T * int64_t(t.K) >= (int64_t(1) << 31)) return "too many tokens";
+  Ctx c;
+  c.t = &t;
+  c.d = &d;
+  c.k = L.k;
+  c.pool = &pool;
+  c.ws = &ws;
+  c.xes = t.x_dtype == DT_F32 ? 4 : 2;
+  Stopwatch sw;
+  std::string err = route(c);
+  if (!err.empty()) return err;
+  if (c.S > 0) {
+    const int G = d.method == M_INT4 ? d.group : 64;
+    c.ld1 = L.k->act_row_bytes(d.method, d.Hp);
+    c.ld2 = L.k->act_row_bytes(d.method, d.Ip);
+    c.gs1 = d.Hp / G;
+    c.gs2 = d.Ip / G;
+    size_t rows = size_t(c.S) + PADROWS;
+    c.A1 = ws.a1.get<uint8_t>(rows * size_t(c.ld1));
+    c.A2 = ws.a2.get<uint8_t>(rows * size_t(c.ld2));
+    c.sx1 = ws.sx1.get<float>(rows);
+    c.sx2 = ws.sx2.get<float>(rows);
+    c.g1 = ws.g1.get<int32_t>(rows * size_t(c.gs1));
+    c.g2 = ws.g2.get<int32_t>(rows * size_t(c.gs2));
+    c.af = ws.af.get<float>(size_t(c.S) * size_t(d.Ip));
+    c.y = ws.y.get<float>(size_t(c.S) * size_t(d.Hp));
+    sw.lap(0);
+    c.XQ = ws.xq.get<uint8_t>(size_t(t.T) * size_t(c.ld1));
+    c.XS = ws.xs.get<float>(size_t(t.T));
+    c.XG = ws.xg.get<int32_t>(size_t(t.T) * size_t(c.gs1));
+    pool.parallel(ph_quant_tokens, &c);
+    if (c.bad.load()) return "input x holds NaN or Inf";
+    pool.parallel(ph_gather, &c);
+    sw.lap(1);
+    build_items(c, d.w13.N / 16, CW1);
+    pool.parallel(ph_gemm<true>, &c);
+    sw.lap(2);
+    pool.parallel(ph_quant2, &c);
+    if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";
+    sw.lap(3);
+    build_items(c, d.w2.N / 16, CW2);
+    pool.parallel(ph_gemm<false>, &c);
+    sw.lap(4);
+  } else {
+    c.y = nullptr;
+  }
+  pool.parallel(ph_reduce, &c);
+  sw.lap(5);
+  g_profile[6] += 1;  // task count
+  return "";
+}
+
+}  // namespace hm

@@ -1,0 +1,43 @@
+// One MoE layer task on the pool: routing, activation quantization, the two expert GEMMs,
+// and the weighted reduction into the output. Compiled with -mavx2 -mfma -mf16c; callers must
+// have checked the CPU (dispatch.cpp) before constructing anything from this unit.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "threadpool.h"
+
+extern "C" {
+// The task as it crosses the C ABI (mirrored by a ctypes Structure in native.py).
+struct HmTask {
+  void* layer;             // HmLayer*
+  const void* x;           // [T, H] x_dtype
+  const void* ids;         // [T, K] int32 (ids_dtype 0) or int64 (1); negative id = no expert
+  const float* weights;    // [T, K]
+  const uint8_t* skip;     // [E] nonzero = skip this expert; may be null
+  void* out;               // [T, H] out_dtype
+  int64_t T;
+  int32_t K, x_dtype, ids_dtype, out_dtype, accumulate, pad_;
+};
+}
+
+namespace hm {
+
+struct HmLayer {
+  LayerDesc d;
+  const Kernels* k;
+  int isa;
+};
+
+struct Workspace;  // scratch buffers, one per pool (tasks run one at a time)
+Workspace* workspace_create(int nthreads);
+void workspace_destroy(Workspace*);
+
+// Runs the task with the pool's threads (call on the leader thread). Returns "" or an error text.
+std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& task);
+
+// Stream-read bandwidth of `bytes` with all pool threads (leader thread), GB/s.
+double stream_read(ThreadPool& pool, int64_t bytes, int iters);
+
+}  // namespace hm

@@ -1,0 +1,119 @@
+// AMX kernels (tile + int8 + bf16) for many rows per expert; int4 and small row counts use the
+// AVX-512 kernels (same activation formats: u8 = q + 128 for int8, bf16 rows for BF16).
+// Tiles: C0..C3 = 32 rows x 32 outputs (int32 / fp32), A4/A5 = 2 x 16 activation rows,
+// B6/B7 = two N-blocks; the packed block layout is exactly the AMX B-tile (VNNI) layout, so a B
+// tile is 1 KiB of contiguous weights. Rows past M are read from the workspace padding and dropped.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels_avx512.h"
+
+namespace hm {
+namespace {
+
+// Local helpers instead of std:: templates: an out-of-line template instance compiled with this
+// unit's ISA flags could otherwise be picked by the linker for baseline code.
+inline int imin(int a, int b) { return a < b ? a : b; }
+inline float fmaxf_(float a, float b) { return a > b ? a : b; }
+
+constexpr int AMX_MIN_ROWS = 16;  // fewer rows per expert: AVX-512 (memory bound anyway)
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+thread_local bool t_configured = false;
+
+void configure_tiles() {
+  if (t_configured) return;
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  t_configured = true;
+}
+
+template <bool INT8>
+void amx_pair(const uint8_t* b0, const uint8_t* b1, int Kd, const ActView& A, int m, int M, const float* sw0,
+              const float* sw1, const int32_t* ws0, const int32_t* ws1, float* C, int64_t ldc) {
+  alignas(64) int32_t cb[4][256];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const uint8_t* a0 = A.data + int64_t(m) * A.ld;
+  const uint8_t* a1 = a0 + 16 * A.ld;
+  const int kt_n = INT8 ? Kd / 64 : Kd / 32;
+  for (int kt = 0; kt < kt_n; ++kt) {
+    _tile_loadd(4, a0 + kt * 64, A.ld);
+    _tile_loadd(5, a1 + kt * 64, A.ld);
+    _tile_loadd(6, b0 + kt * 1024, 64);
+    _tile_loadd(7, b1 + kt * 1024, 64);
+    if (INT8) {
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(1, 4, 7);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cb[0], 64);
+  _tile_stored(1, cb[1], 64);
+  _tile_stored(2, cb[2], 64);
+  _tile_stored(3, cb[3], 64);
+  const int rows = imin(32, M - m);
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < 2; ++j) {
+      const int32_t* src = cb[(r / 16) * 2 + j] + (r % 16) * 16;
+      float* dst = C + int64_t(m + r) * ldc + j * 16;
+      if (INT8) {
+        __m512i comp = _mm512_slli_epi32(_mm512_loadu_si512(j ? ws1 : ws0), 7);
+        __m512i v = _mm512_sub_epi32(_mm512_loadu_si512(src), comp);
+        __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(A.scale[m + r]));
+        _mm512_storeu_ps(dst, _mm512_mul_ps(f, _mm512_loadu_ps(j ? sw1 : sw0)));
+      } else {
+        _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_loadu_si512(src)));
+      }
+    }
+}
+
+void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc,
+          int G) {
+  if (method == M_INT4 || M < AMX_MIN_ROWS) return avx512::gemm(method, W, e, A, M, nb0, nb1, C, ldc, G);
+  configure_tiles();
+  const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
+  const int64_t bbytes = method == M_INT8 ? int64_t(16) * W.Kd : int64_t(32) * W.Kd;
+  // rows outer, block pairs inner: the 32 activation rows stay in L1/L2 across the item's blocks
+  for (int m = 0; m < M; m += 32)
+    for (int nb = nb0; nb < nb1; nb += 2) {
+      const uint8_t* b0 = base + nb * bbytes;
+      float* Cb = C + (nb - nb0) * 16;
+      if (method == M_INT8) {
+        const int64_t so = int64_t(e) * W.N + nb * 16;
+        amx_pair<true>(b0, b0 + bbytes, W.Kd, A, m, M, W.scale + so, W.scale + so + 16, W.wsum + so,
+                       W.wsum + so + 16, Cb, ldc);
+      } else {
+        amx_pair<false>(b0, b0 + bbytes, W.Kd, A, m, M, nullptr, nullptr, nullptr, nullptr, Cb, ldc);
+      }
+    }
+}
+
+const Kernels kTableAmx = {"amx", avx512::act_row_bytes, avx512::quant_row, gemm};
+
+}  // namespace
+}  // namespace hm
+
+extern "C" const hm::Kernels* hm_kernels_amx() { return &hm::kTableAmx; }

@@ -1,0 +1,214 @@
+// AVX-512 kernels (F/BW/VL + VNNI + BF16). Activation formats: int8 method -> u8 = q + 128 per row
+// (dot = dpbusd(u8, w) - 128 * rowsum(w)); int4 -> s8 q (dpbusd(nibble, q)); BF16 -> bf16 rows
+// (dpbf16ps). q = round(x * 127/amax), scale = amax/127, exactly as the AVX2 path.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels_avx512.h"
+
+namespace hm {
+namespace avx512 {
+namespace {
+
+// Local helpers instead of std:: templates: an out-of-line template instance compiled with this
+// unit's ISA flags could otherwise be picked by the linker for baseline code.
+inline int imin(int a, int b) { return a < b ? a : b; }
+inline float fmaxf_(float a, float b) { return a > b ? a : b; }
+
+constexpr int MT = 8;  // rows per register block
+
+inline int32_t load_i32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline __m512 load16(const void* src, int dt, int64_t i, __mmask16 m) {
+  if (dt == DT_F32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(src) + i);
+  __m256i v = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(src) + i);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+
+template <int R>
+void blk_i8(const uint8_t* wb, int Kd, const ActView& A, int m0, const float* sw, const int32_t* wsum, float* C,
+            int64_t ldc) {
+  __m512i acc[2][R];
+  for (int t = 0; t < R; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_si512();
+  const uint8_t* x[R];
+  for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
+  for (int s = 0; s < Kd / 4; s += 2) {
+    __m512i w0 = _mm512_loadu_si512(wb + s * 64), w1 = _mm512_loadu_si512(wb + s * 64 + 64);
+    for (int t = 0; t < R; ++t) {
+      acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], _mm512_set1_epi32(load_i32(x[t] + 4 * s)), w0);
+      acc[1][t] = _mm512_dpbusd_epi32(acc[1][t], _mm512_set1_epi32(load_i32(x[t] + 4 * s + 4)), w1);
+    }
+  }
+  __m512i comp = _mm512_slli_epi32(_mm512_loadu_si512(wsum), 7);
+  __m512 vsw = _mm512_loadu_ps(sw);
+  for (int t = 0; t < R; ++t) {
+    __m512i v = _mm512_sub_epi32(_mm512_add_epi32(acc[0][t], acc[1][t]), comp);
+    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(A.scale[m0 + t]));
+    _mm512_storeu_ps(C + t * ldc, _mm512_mul_ps(f, vsw));
+  }
+}
+
+template <int R, bool ASYM>
+void blk_i4(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* d, const float* z, float* C,
+            int64_t ldc) {
+  __m512 facc[R];
+  for (int t = 0; t < R; ++t) facc[t] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const uint8_t* x[R];
+  for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
+  const int upg = G / 8;
+  for (int g = 0; g < Kd / G; ++g) {
+    __m512i ia[R], ib[R];
+    for (int t = 0; t < R; ++t) ia[t] = ib[t] = _mm512_setzero_si512();
+    for (int u = g * upg; u < (g + 1) * upg; ++u) {
+      __m512i v = _mm512_loadu_si512(wb + u * 64);
+      __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      for (int t = 0; t < R; ++t) {
+        ia[t] = _mm512_dpbusd_epi32(ia[t], lo, _mm512_set1_epi32(load_i32(x[t] + 8 * u)));
+        ib[t] = _mm512_dpbusd_epi32(ib[t], hi, _mm512_set1_epi32(load_i32(x[t] + 8 * u + 4)));
+      }
+    }
+    __m512 dg = _mm512_loadu_ps(d + g * 16);
+    for (int t = 0; t < R; ++t) {
+      const float sx = A.scale[m0 + t];
+      const int32_t gs = A.gsum[(m0 + t) * A.gstride + g];
+      __m512i sum = _mm512_add_epi32(ia[t], ib[t]);
+      if (ASYM) {
+        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dg, _mm512_set1_ps(sx)), facc[t]);
+        facc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(z + g * 16), _mm512_set1_ps(sx * float(gs)), facc[t]);
+      } else {
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * gs));
+        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dg, _mm512_set1_ps(sx)), facc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, facc[t]);
+}
+
+template <int R>
+void blk_bf16(const uint8_t* wb, int Kd, const ActView& A, int m0, float* C, int64_t ldc) {
+  __m512 acc[2][R];
+  for (int t = 0; t < R; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+  const uint8_t* x[R];
+  for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
+  for (int s = 0; s < Kd / 2; s += 2) {
+    __m512i w0 = _mm512_loadu_si512(wb + s * 64), w1 = _mm512_loadu_si512(wb + s * 64 + 64);
+    for (int t = 0; t < R; ++t) {
+      acc[0][t] = _mm512_dpbf16_ps(acc[0][t], (__m512bh)w0, (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * s)));
+      acc[1][t] = _mm512_dpbf16_ps(acc[1][t], (__m512bh)w1, (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * s + 4)));
+    }
+  }
+  for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, _mm512_add_ps(acc[0][t], acc[1][t]));
+}
+
+
+#define HM_SWITCH_R(n, CALL) \
+  switch (n) {               \
+    case 8: CALL(8); break;  \
+    case 7: CALL(7); break;  \
+    case 6: CALL(6); break;  \
+    case 5: CALL(5); break;  \
+    case 4: CALL(4); break;  \
+    case 3: CALL(3); break;  \
+    case 2: CALL(2); break;  \
+    default: CALL(1);        \
+  }
+
+}  // namespace
+
+int64_t act_row_bytes(int method, int Kdp) { return method == M_BF16 ? int64_t(Kdp) * 2 : int64_t(Kdp); }
+
+bool quant_row(int method, const void* src, int dt, int K, int Kdp, int G, uint8_t* dst, float* scale,
+               int32_t* gsum) {
+  const __m512 inf = _mm512_set1_ps(INFINITY);
+  __m512 vmax = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  for (int i = 0; i < K; i += 16) {
+    __m512 a = _mm512_abs_ps(load16(src, dt, i, tail_mask(K - i)));
+    vmax = _mm512_max_ps(vmax, a);
+    bad = __mmask16(bad | _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ));
+  }
+  if (bad) return false;
+  if (method == M_BF16) {
+    for (int i = 0; i < Kdp; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i),
+                          (__m256i)_mm512_cvtneps_pbh(load16(src, dt, i, tail_mask(K - i))));
+    return true;
+  }
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const __m512 vinv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  *scale = amax / 127.0f;
+  if (method == M_INT4)
+    for (int g = 0; g < Kdp / G; ++g) gsum[g] = 0;
+  for (int i = 0; i < Kdp; i += 16) {
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(src, dt, i, tail_mask(K - i)), vinv));
+    if (method == M_INT8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128))));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(q));
+      gsum[i / G] += _mm512_reduce_add_epi32(q);
+    }
+  }
+  return true;
+}
+
+void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc,
+          int G) {
+  const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
+  const int NBT = W.N / 16, Kd = W.Kd;
+  for (int nb = nb0; nb < nb1; ++nb) {
+    float* Cb = C + (nb - nb0) * 16;
+    if (method == M_INT8) {
+      const uint8_t* wb = base + int64_t(nb) * 16 * Kd;
+      const float* sw = W.scale + int64_t(e) * W.N + nb * 16;
+      const int32_t* ws = W.wsum + int64_t(e) * W.N + nb * 16;
+      for (int m = 0; m < M; m += MT) {
+#define HM_CALL(r) blk_i8<r>(wb, Kd, A, m, sw, ws, Cb + m * ldc, ldc)
+        HM_SWITCH_R(imin(MT, M - m), HM_CALL)
+#undef HM_CALL
+      }
+    } else if (method == M_INT4) {
+      const uint8_t* wb = base + int64_t(nb) * 8 * Kd;
+      int64_t so = (int64_t(e) * NBT + nb) * (Kd / G) * 16;
+      const float* d = W.scale + so;
+      const float* z = W.zero ? W.zero + so : nullptr;
+      for (int m = 0; m < M; m += MT) {
+        if (z) {
+#define HM_CALL(r) blk_i4<r, true>(wb, Kd, G, A, m, d, z, Cb + m * ldc, ldc)
+          HM_SWITCH_R(imin(MT, M - m), HM_CALL)
+#undef HM_CALL
+        } else {
+#define HM_CALL(r) blk_i4<r, false>(wb, Kd, G, A, m, d, z, Cb + m * ldc, ldc)
+          HM_SWITCH_R(imin(MT, M - m), HM_CALL)
+#undef HM_CALL
+        }
+      }
+    } else {
+      const uint8_t* wb = base + int64_t(nb) * 32 * Kd;
+      for (int m = 0; m < M; m += MT) {
+#define HM_CALL(r) blk_bf16<r>(wb, Kd, A, m, Cb + m * ldc, ldc)
+        HM_SWITCH_R(imin(MT, M - m), HM_CALL)
+#undef HM_CALL
+      }
+    }
+  }
+}
+
+}  // namespace avx512
+
+namespace {
+const Kernels kTable512 = {"avx512", avx512::act_row_bytes, avx512::quant_row, avx512::gemm};
+}
+}  // namespace hm
+
+extern "C" const hm::Kernels* hm_kernels_avx512() { return &hm::kTable512; }

@@ -1,0 +1,166 @@
+#include "threadpool.h"
+
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+#include <cstdlib>
+
+namespace hm {
+
+namespace {
+constexpr int64_t kYieldAfterNs = 20000;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+void pin_to(int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
+}
+}  // namespace
+
+ThreadPool::ThreadPool(int n, const int* cpus, int nsub) : n_(n < 1 ? 1 : n), nsub_(nsub < 1 ? 1 : nsub) {
+  if (nsub_ > n_) nsub_ = n_;
+  const char* s = std::getenv("HYBRIDMOE_CPU_SPIN_US");
+  spin_ns_ = (s ? std::atoll(s) : 1000) * 1000;
+  cpus_.assign(n_, -1);
+  if (cpus)
+    for (int i = 0; i < n_; ++i) cpus_[i] = cpus[i];
+  threads_.reserve(n_);
+  threads_.emplace_back([this] { leader_loop(); });
+  for (int t = 1; t < n_; ++t) threads_.emplace_back([this, t] { worker(t); });
+}
+
+ThreadPool::~ThreadPool() {
+  wait_pending(0);
+  {
+    std::lock_guard<std::mutex> lk(qm_);
+    stop_.store(true);
+  }
+  qcv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lk(pm_);
+    gen_.fetch_add(1);
+  }
+  pcv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+bool ThreadPool::spin_until(const std::function<bool()>& ready) const {
+  int64_t t0 = now_ns();
+  for (int i = 0;; ++i) {
+    if (ready()) return true;
+    _mm_pause();
+    if ((i & 255) == 255) {
+      int64_t el = now_ns() - t0;
+      if (el > spin_ns_) return false;
+      if (el > kYieldAfterNs) std::this_thread::yield();  // let a descheduled peer run (oversubscribed CPU)
+    }
+  }
+}
+
+void ThreadPool::run_phase_worker(int tid, uint64_t& seen) {
+  auto ready = [&] { return gen_.load(std::memory_order_acquire) != seen; };
+  if (!spin_until(ready)) {
+    std::unique_lock<std::mutex> lk(pm_);
+    sleepers_.fetch_add(1);
+    pcv_.wait(lk, ready);
+    sleepers_.fetch_sub(1);
+  }
+  seen = gen_.load(std::memory_order_acquire);
+  if (stop_.load()) return;
+  job_(tid, ctx_);
+  remaining_.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+void ThreadPool::worker(int tid) {
+  pin_to(cpus_[tid]);
+  uint64_t seen = 0;
+  while (!stop_.load()) run_phase_worker(tid, seen);
+}
+
+void ThreadPool::parallel(PhaseFn fn, void* ctx) {
+  if (n_ == 1) {
+    fn(0, ctx);
+    return;
+  }
+  job_ = fn;
+  ctx_ = ctx;
+  remaining_.store(n_ - 1, std::memory_order_relaxed);
+  gen_.fetch_add(1);  // seq_cst: pairs with sleepers_ increment in run_phase_worker
+  if (sleepers_.load() > 0) {
+    std::lock_guard<std::mutex> lk(pm_);
+    pcv_.notify_all();
+  }
+  fn(0, ctx);
+  int64_t t0 = 0;
+  for (int i = 0; remaining_.load(std::memory_order_acquire) != 0; ++i) {
+    _mm_pause();
+    if ((i & 255) == 255) {  // a worker is late: after a while yield, so it gets the core if it shares ours
+      if (!t0) t0 = now_ns();
+      else if (now_ns() - t0 > kYieldAfterNs) std::this_thread::yield();
+    }
+  }
+}
+
+int64_t ThreadPool::submit(std::function<void()> task) {
+  int64_t id;
+  {
+    std::lock_guard<std::mutex> lk(qm_);
+    queue_.push_back(std::move(task));
+    id = submitted_.fetch_add(1) + 1;
+  }
+  if (task_waiters_.load() > 0) qcv_.notify_one();
+  return id;
+}
+
+void ThreadPool::leader_loop() {
+  pin_to(cpus_[0]);
+  for (;;) {
+    std::function<void()> task;
+    auto ready = [&] { return completed_.load() < submitted_.load() || stop_.load(); };
+    if (!spin_until(ready)) {
+      std::unique_lock<std::mutex> lk(qm_);
+      task_waiters_.fetch_add(1);
+      qcv_.wait(lk, ready);
+      task_waiters_.fetch_sub(1);
+    }
+    {
+      std::lock_guard<std::mutex> lk(qm_);
+      if (queue_.empty()) {
+        if (stop_.load()) return;
+        continue;
+      }
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();  // must not throw (the api wraps tasks)
+    completed_.fetch_add(1);
+    if (done_waiters_.load() > 0) {
+      std::lock_guard<std::mutex> lk(qm_);
+      dcv_.notify_all();
+    }
+  }
+}
+
+void ThreadPool::wait_task(int64_t id) {
+  auto ready = [&] { return completed_.load() >= id; };
+  if (spin_until(ready)) return;
+  std::unique_lock<std::mutex> lk(qm_);
+  done_waiters_.fetch_add(1);
+  dcv_.wait(lk, ready);
+  done_waiters_.fetch_sub(1);
+}
+
+void ThreadPool::wait_pending(int64_t max_pending) {
+  if (max_pending < 0) max_pending = 0;
+  wait_task(submitted_.load() - max_pending);
+}
+
+}  // namespace hm

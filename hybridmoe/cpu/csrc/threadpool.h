@@ -1,0 +1,69 @@
+// The library's thread pool: `n` threads pinned to given CPUs, split into `nsub` sub-pools (one per
+// NUMA node). Thread 0 is the leader: it takes tasks from an in-order queue and runs them; inside a
+// task it calls parallel() to run a phase on all threads (itself included), with a barrier at the end.
+// Idle threads spin for a short while (HYBRIDMOE_CPU_SPIN_US, default 1000) and then sleep.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace hm {
+
+class ThreadPool {
+ public:
+  using PhaseFn = void (*)(int tid, void* ctx);
+
+  ThreadPool(int n, const int* cpus, int nsub);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return n_; }
+  int num_sub() const { return nsub_; }
+  int sub_of(int tid) const { return int(int64_t(tid) * nsub_ / n_); }
+  int sub_begin(int s) const { return int((int64_t(s) * n_ + nsub_ - 1) / nsub_); }
+  int sub_size(int s) const { return sub_begin(s + 1) - sub_begin(s); }
+
+  // Runs fn(tid, ctx) on all threads and returns when all finished. Leader thread only.
+  void parallel(PhaseFn fn, void* ctx);
+
+  // Task queue (any thread). Tasks run in submission order; ids start at 1.
+  int64_t submit(std::function<void()> task);
+  void wait_task(int64_t id);          // until task `id` has finished
+  void wait_pending(int64_t max_pending);  // until at most max_pending tasks are queued or running
+  int64_t submitted() const { return submitted_.load(); }
+  int64_t completed() const { return completed_.load(); }
+
+ private:
+  void worker(int tid);
+  void leader_loop();
+  void run_phase_worker(int tid, uint64_t& seen);
+  bool spin_until(const std::function<bool()>& ready) const;
+
+  int n_, nsub_;
+  int64_t spin_ns_;
+  std::vector<std::thread> threads_;
+  std::vector<int> cpus_;
+  // phases
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> remaining_{0};
+  std::atomic<int> sleepers_{0};
+  PhaseFn job_ = nullptr;
+  void* ctx_ = nullptr;
+  std::mutex pm_;
+  std::condition_variable pcv_;
+  // tasks
+  std::mutex qm_;
+  std::condition_variable qcv_, dcv_;
+  std::deque<std::function<void()>> queue_;
+  std::atomic<int64_t> submitted_{0}, completed_{0};
+  std::atomic<int> task_waiters_{0}, done_waiters_{0};
+  std::atomic<bool> stop_{false};
+};
+
+}  // namespace hm

@@ -1,0 +1,264 @@
+"""Python face of the CPU expert engine: the thread pool and one MoE layer's packed experts.
+
+Legend: T tokens, K top-k, E experts, H hidden.
+
+    pool = CPUThreadPool(threads=15)                      # or default_pool()
+    layer = CPUMoELayer(pack_layer(gate_up, down, "AMXINT8"), pool=pool)
+    task = layer.submit(x, ids, w, out=buf, accumulate=True, skip_mask=on_gpu)   # returns at once
+    ...                                                    # GPU work
+    layer.sync(task)                                       # waits; raises CPUMoEError on failure
+    y = layer.forward(x, ids, w)                           # submit + sync
+
+Tasks run on the pool in submission order. A failed task (bad expert id, NaN input, ...) raises at
+the sync that covers it; later tasks run normally.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes as C
+import threading
+
+import torch
+
+from hybridmoe.cpu import native
+from hybridmoe.cpu.quant import ACTIVATIONS, PackedLayer, PackedMatrix, method_code
+from hybridmoe.cpu.topology import node_of, plan_threads
+
+
+class CPUMoEError(RuntimeError):
+    """A CPU expert task failed."""
+
+
+class CPUThreadPool:
+    def __init__(self, threads: int | None = None, threadpool_count: int = 1):
+        cpus, nsub = plan_threads(threads, threadpool_count)
+        arr = (C.c_int * len(cpus))(*cpus)
+        err = C.create_string_buffer(512)
+        handle = native.lib().hm_pool_create(len(cpus), arr, nsub, err, len(err))
+        if not handle:
+            raise native.CpuIsaError(err.value.decode())
+        self._h = handle
+        self.cpus = cpus
+        self.threads = len(cpus)
+        self.subpools = native.lib().hm_pool_num_sub(handle)
+        self._refs: dict[int, tuple] = {}  # task id -> tensors kept alive until synced
+        self._mu = threading.Lock()
+
+    @property
+    def handle(self) -> int:
+        return self._h
+
+    def close(self) -> None:
+        if getattr(self, "_h", None):
+            native.lib().hm_pool_destroy(self._h)
+            self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def submit(self, task: native.Task, keep: tuple) -> int:
+        if not self._h:
+            raise CPUMoEError("the CPU thread pool is closed")
+        tid = native.lib().hm_submit(self._h, C.byref(task))
+        with self._mu:
+            self._refs[tid] = keep
+        return tid
+
+    def sync(self, task_id: int | None = None, max_pending: int = 0) -> None:
+        """Waits for task `task_id` (or until at most `max_pending` tasks are pending); raises the first
+        error of the tasks finished meanwhile."""
+        if not self._h:
+            raise CPUMoEError("the CPU thread pool is closed")
+        err = C.create_string_buffer(1024)
+        lb = native.lib()
+        failed = lb.hm_sync(self._h, int(task_id or 0), int(max_pending), err, len(err))
+        done = lb.hm_completed(self._h)
+        with self._mu:
+            for k in [k for k in self._refs if k <= done]:
+                del self._refs[k]
+        if failed:
+            raise CPUMoEError(err.value.decode())
+
+    def subpool_nodes(self) -> list[int]:
+        """NUMA node of each sub-pool (that of its first CPU)."""
+        n, s = self.threads, self.subpools
+        return [node_of(self.cpus[(i * n + s - 1) // s]) for i in range(s)]
+
+    def pending(self) -> int:
+        return native.lib().hm_pending(self._h)
+
+    def stream_read_gbps(self, nbytes: int = 1 << 30, iters: int = 5) -> float:
+        """Stream-read bandwidth measured with this pool's threads (GB/s)."""
+        return native.lib().hm_stream_read(self._h, int(nbytes), int(iters))
+
+
+_default_pool: CPUThreadPool | None = None
+_pool_lock = threading.Lock()
+
+
+def default_pool(threads: int | None = None, threadpool_count: int = 1) -> CPUThreadPool:
+    """The process-wide pool (created on first use with the given settings)."""
+    global _default_pool
+    with _pool_lock:
+        if _default_pool is None:
+            _default_pool = CPUThreadPool(threads, threadpool_count)
+            atexit.register(_close_default_pool)  # join the native threads before interpreter teardown
+        return _default_pool
+
+
+def _close_default_pool() -> None:
+    if _default_pool is not None:
+        _default_pool.close()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def _mat(m: PackedMatrix, e: int) -> native.PackedMat:
+    return native.PackedMat(_ptr(m.data), m.data.numel() // e, _ptr(m.scale), _ptr(m.zero), _ptr(m.wsum), m.n, m.k)
+
+
+class CPUMoELayer:
+    """One layer's routed experts on the CPU engine."""
+
+    def __init__(
+        self,
+        packed: PackedLayer,
+        isa: str | None = None,
+        pool: CPUThreadPool | None = None,
+        act_alpha: float = 1.702,
+        act_limit: float = 7.0,
+    ):
+        self.packed = packed
+        self.isa = native.resolve_isa(isa)
+        self.pool = pool or default_pool()
+        for name, t in packed.tensors().items():
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"packed tensor {name} must be a contiguous CPU tensor")
+        p = packed
+        self._desc = native.LayerDesc(
+            method_code(p.method),
+            p.num_experts,
+            p.hidden,
+            p.inter,
+            p.hidden_pad,
+            p.inter_pad,
+            p.group_size,
+            ACTIVATIONS[p.activation],
+            act_alpha,
+            act_limit,
+            _mat(p.w13, p.num_experts),
+            _mat(p.w2, p.num_experts),
+        )
+        err = C.create_string_buffer(512)
+        h = native.lib().hm_layer_create(C.byref(self._desc), native.ISAS[self.isa], err, len(err))
+        if not h:
+            raise native.CpuIsaError(f"cannot create CPU MoE layer on {self.isa!r}: {err.value.decode()}")
+        self._h = h
+        self.kernel_name = native.lib().hm_layer_kernel_name(h).decode()
+        self.numa_unplaced = 0
+        if self.pool.subpools > 1:  # each sub-pool's rows into its node's memory
+            nodes = self.pool.subpool_nodes()
+            arr = (C.c_int * len(nodes))(*nodes)
+            self.numa_unplaced = native.lib().hm_layer_bind_numa(h, arr, len(nodes))
+
+    def __del__(self):
+        h = getattr(self, "_h", None)
+        if h:
+            try:
+                if self.pool.handle:  # a closed pool has already finished every task
+                    self.pool.sync(max_pending=0)
+            except Exception:
+                pass
+            native.lib().hm_layer_destroy(h)
+            self._h = None
+
+    def make_task(self, x, topk_ids, topk_weights, out, accumulate=False, skip_mask=None):
+        """Validates and converts the arguments; returns (Task struct, tensors to keep alive, out)."""
+        p = self.packed
+        if x.dim() != 2 or x.shape[1] != p.hidden:
+            raise ValueError(f"x must be [T, {p.hidden}], got {tuple(x.shape)}")
+        t = x.shape[0]
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+            raise ValueError(
+                f"topk_ids/topk_weights must both be [T={t}, K], got {tuple(topk_ids.shape)} and "
+                f"{tuple(topk_weights.shape)}"
+            )
+        if not 1 <= topk_ids.shape[1] <= 256:
+            raise ValueError("K must be in [1, 256]")
+        for name, v in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("out", out)):
+            if v.device.type != "cpu" or not v.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous CPU tensor")
+        if x.dtype not in (torch.float32, torch.bfloat16) or out.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("x and out must be float32 or bfloat16")
+        if out.shape != x.shape:
+            raise ValueError(f"out must be {tuple(x.shape)}, got {tuple(out.shape)}")
+        if topk_ids.dtype not in (torch.int32, torch.int64) or topk_weights.dtype != torch.float32:
+            raise ValueError("topk_ids must be int32/int64 and topk_weights float32")
+        if skip_mask is not None:
+            if skip_mask.shape != (p.num_experts,) or skip_mask.device.type != "cpu":
+                raise ValueError(f"skip_mask must be a CPU tensor [{p.num_experts}]")
+            skip_mask = skip_mask.to(torch.uint8).contiguous()
+        task = native.Task(
+            self._h,
+            _ptr(x),
+            _ptr(topk_ids),
+            _ptr(topk_weights),
+            _ptr(skip_mask),
+            _ptr(out),
+            t,
+            topk_ids.shape[1],
+            native.DT_BF16 if x.dtype == torch.bfloat16 else native.DT_F32,
+            1 if topk_ids.dtype == torch.int64 else 0,
+            native.DT_BF16 if out.dtype == torch.bfloat16 else native.DT_F32,
+            1 if accumulate else 0,
+            0,
+        )
+        return task, (x, topk_ids, topk_weights, out, skip_mask)
+
+    def submit(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor,
+        accumulate: bool = False,
+        skip_mask: torch.Tensor | None = None,
+    ) -> int:
+        """Queues out[T, H] (+)= MoE(x); returns a task id at once. All tensors: contiguous CPU (pinned for
+        GPU overlap); they must stay unchanged until sync."""
+        task, keep = self.make_task(x, topk_ids, topk_weights, out, accumulate, skip_mask)
+        return self.pool.submit(task, keep)
+
+    def sync(self, task_id: int | None = None, max_pending: int = 0) -> None:
+        self.pool.sync(task_id, max_pending)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None = None,
+        accumulate: bool = False,
+        skip_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Synchronous: returns out (allocated in x's dtype when not given; any device/dtype input is
+        copied to CPU float32/bfloat16 first)."""
+        xc = x.detach().to("cpu")
+        if xc.dtype not in (torch.float32, torch.bfloat16):
+            xc = xc.float()
+        xc = xc.contiguous()
+        ids = topk_ids.detach().to("cpu").contiguous()
+        if ids.dtype not in (torch.int32, torch.int64):
+            ids = ids.long()
+        w = topk_weights.detach().to("cpu", torch.float32).contiguous()
+        res = out if out is not None else torch.empty(xc.shape, dtype=xc.dtype)
+        skip = skip_mask.detach().to("cpu") if skip_mask is not None else None
+        tid = self.submit(xc, ids, w, res, accumulate, skip)
+        self.sync(tid)
+        return res

@@ -1,0 +1,209 @@
+"""Loads the CPU engine's native library (ctypes) and describes its C ABI.
+
+Where the library comes from, first found wins: $HYBRIDMOE_CPU_LIB; the file `pip install` built
+next to this module (if not older than the sources); a build of the sources into
+~/.cache/hybridmoe (a source checkout that was never installed).
+ISA names: "avx2" < "avx512" < "amx"; $HYBRIDMOE_CPU_ISA forces one (an absent one is an error).
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import os
+import threading
+from pathlib import Path
+
+from hybridmoe.cpu import build as _build
+
+ISAS = {"avx2": 0, "avx512": 1, "amx": 2}
+ISA_NAMES = {v: k for k, v in ISAS.items()}
+DT_F32, DT_BF16 = 0, 1
+
+
+class CpuIsaError(RuntimeError):
+    """The requested ISA path cannot run on this CPU (or was not compiled)."""
+
+
+class PackedMat(C.Structure):
+    _fields_ = [
+        ("data", C.c_void_p),
+        ("expert_stride", C.c_int64),
+        ("scale", C.c_void_p),
+        ("zero", C.c_void_p),
+        ("wsum", C.c_void_p),
+        ("N", C.c_int),
+        ("Kd", C.c_int),
+    ]
+
+
+class LayerDesc(C.Structure):
+    _fields_ = [(n, C.c_int) for n in ("method", "E", "H", "I", "Hp", "Ip", "group", "act")] + [
+        ("act_alpha", C.c_float),
+        ("act_limit", C.c_float),
+        ("w13", PackedMat),
+        ("w2", PackedMat),
+    ]
+
+
+class Task(C.Structure):
+    _fields_ = [
+        ("layer", C.c_void_p),
+        ("x", C.c_void_p),
+        ("ids", C.c_void_p),
+        ("weights", C.c_void_p),
+        ("skip", C.c_void_p),
+        ("out", C.c_void_p),
+        ("T", C.c_int64),
+    ] + [(n, C.c_int32) for n in ("K", "x_dtype", "ids_dtype", "out_dtype", "accumulate", "pad_")]
+
+
+class HostCall(C.Structure):
+    """userdata of hm_submit_hostfn / hm_sync_hostfn (for cuLaunchHostFunc)."""
+
+    _fields_ = [
+        ("pool", C.c_void_p),
+        ("task", Task),
+        ("id", C.c_int64),
+        ("max_pending", C.c_int64),
+        ("status", C.c_int32),
+        ("pad_", C.c_int32),
+    ]
+
+
+_lib = None
+_lock = threading.Lock()
+
+
+def _packaged_path() -> Path | None:
+    """The library setuptools built next to this module (named with the interpreter's EXT_SUFFIX)."""
+    found = sorted(Path(__file__).resolve().parent.glob(_build.LIB_BASENAME + "*.so"))
+    return found[-1] if found else None
+
+
+def _stale(lib: Path) -> bool:
+    try:
+        t = lib.stat().st_mtime
+        return any(p.stat().st_mtime > t for p in _build.CSRC.glob("*"))
+    except OSError:
+        return True
+
+
+def _locate() -> Path:
+    env = os.environ.get("HYBRIDMOE_CPU_LIB")
+    if env:
+        return Path(env)
+    pkg = _packaged_path()
+    if pkg is not None and not _stale(pkg):
+        return pkg
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hybridmoe" / _build.sources_digest()
+    target = cache / _build.lib_filename()
+    if not target.exists():
+        _build.build_library(target, log=lambda m: None)
+    return target
+
+
+def _declare(lib) -> None:
+    vp, i32, i64, cp = C.c_void_p, C.c_int, C.c_int64, C.c_char_p
+    sig = {
+        "hm_abi_version": (i32, []),
+        "hm_cpu_features": (C.c_uint, []),
+        "hm_isa_check": (i32, [i32, cp, i32]),
+        "hm_isa_best": (i32, []),
+        "hm_pool_create": (vp, [i32, C.POINTER(C.c_int), i32, cp, i32]),
+        "hm_pool_destroy": (None, [vp]),
+        "hm_pool_size": (i32, [vp]),
+        "hm_pool_num_sub": (i32, [vp]),
+        "hm_layer_create": (vp, [C.POINTER(LayerDesc), i32, cp, i32]),
+        "hm_layer_destroy": (None, [vp]),
+        "hm_layer_kernel_name": (cp, [vp]),
+        "hm_layer_bind_numa": (i32, [vp, C.POINTER(C.c_int), i32]),
+        "hm_submit": (i64, [vp, C.POINTER(Task)]),
+        "hm_sync": (i32, [vp, i64, i64, cp, i32]),
+        "hm_pending": (i64, [vp]),
+        "hm_completed": (i64, [vp]),
+        "hm_profile": (None, [C.POINTER(C.c_double), i32]),
+        "hm_submit_hostfn": (None, [vp]),
+        "hm_sync_hostfn": (None, [vp]),
+        "hm_stream_read": (C.c_double, [vp, i64, i32]),
+    }
+    for name, (res, args) in sig.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+
+
+def lib():
+    """The loaded library (ctypes.CDLL: calls release the GIL)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = _locate()
+            handle = C.CDLL(str(path))
+            _declare(handle)
+            if handle.hm_abi_version() != 1:
+                raise RuntimeError(f"{path}: unexpected ABI version; rebuild with pip install -e .")
+            _lib = handle
+        return _lib
+
+
+def isa_missing(isa: str) -> str:
+    """'' when the ISA path can run here, else why not."""
+    if isa not in ISAS:
+        raise CpuIsaError(f"unknown CPU ISA {isa!r}; choose one of {sorted(ISAS)}")
+    buf = C.create_string_buffer(512)
+    ok = lib().hm_isa_check(ISAS[isa], buf, len(buf))
+    return "" if ok else buf.value.decode()
+
+
+def available_isas() -> list[str]:
+    return [name for name in ISAS if not isa_missing(name)]
+
+
+def best_isa() -> str:
+    best = lib().hm_isa_best()
+    if best < 0:
+        raise CpuIsaError(f"the CPU expert engine needs at least AVX2+FMA+F16C: {isa_missing('avx2')}")
+    return ISA_NAMES[best]
+
+
+def resolve_isa(isa: str | None = None) -> str:
+    """isa, else $HYBRIDMOE_CPU_ISA, else the best available; raises CpuIsaError if it cannot run."""
+    isa = isa or os.environ.get("HYBRIDMOE_CPU_ISA") or None
+    if isa is None:
+        return best_isa()
+    isa = isa.lower()
+    why = isa_missing(isa)
+    if why:
+        raise CpuIsaError(f"CPU ISA path {isa!r} was requested but cannot run here: {why}")
+    return isa
+
+
+PROFILE_PHASES = ("route", "quant1", "gemm1", "quant2", "gemm2", "reduce")
+
+
+def profile(reset: bool = True) -> dict[str, float]:
+    """Seconds spent in each task phase since the last reset (all pools), and the task count."""
+    buf = (C.c_double * 8)()
+    lib().hm_profile(buf, int(reset))
+    res = dict(zip(PROFILE_PHASES, buf[:6]))
+    res["tasks"] = buf[6]
+    return res
+
+
+def report() -> dict:
+    """What `hybridmoe check` can print about the CPU engine."""
+    from hybridmoe.cpu import topology
+
+    return {
+        "library": str(_locate()),
+        "isa_paths": {name: (isa_missing(name) or "ok") for name in ISAS},
+        "best_isa": ISA_NAMES.get(lib().hm_isa_best(), "none (AVX2 missing)"),
+        "physical_cores": len(topology.physical_cores()),
+        "numa_nodes": sorted(topology.numa_nodes()),
+        "default_threads": topology.default_threads(),
+    }
+
+
+def host_functions() -> tuple[int, int]:
+    """Addresses of hm_submit_hostfn and hm_sync_hostfn (CUhostFn: void fn(void* userdata))."""
+    lb = lib()
+    return (C.cast(lb.hm_submit_hostfn, C.c_void_p).value, C.cast(lb.hm_sync_hostfn, C.c_void_p).value)

@@ -1,0 +1,290 @@
+"""CPU expert weight formats: reference quantizers/dequantizers and the packed layout the kernels read.
+
+Legend: E experts, I intermediate, H hidden, N output rows, K reduction size, G int4 group size,
+NB = N/16 row blocks, "p" = padded (H, I padded to a multiple of 64 and of G).
+
+Methods (names kept from KTransformers' --kt-method; none of them needs AMX):
+  AMXINT8  int8, symmetric, one fp32 scale per output row:  w = s[n] * q,  q in [-127, 127]
+  AMXINT4  int4 in groups of G along K (32, 64, 128): symmetric w = d * (u - 8), u in [0, 15]
+           (d = amax/7, q clamped to [-8, 7]) or asymmetric w = d * u + m (m = group min)
+  BF16     bf16 weights
+The integer methods quantize activations per row on the fly: q = round(x * (127/amax)) in fp32,
+scale = amax / 127 (`quantize_act_int8`, mirrored bit for bit by the kernels).
+
+Packed layout (see csrc/common.h): per expert, rows in blocks of 16; inside a block, 4-byte steps
+holding 4 bytes of each of the 16 rows = the AMX B-tile / AVX-512 VNNI layout. gate_up is packed
+as "w13" with gate and up rows interleaved every 16 rows so one block pair yields act(g) * u.
+Everything here is torch on CPU, so `convert` can write the packed tensors and load them by mmap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+METHODS = {"AMXINT8": 0, "AMXINT4": 1, "BF16": 2}
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 1, "swiglu_clamp": 2}
+GROUP_SIZES = (32, 64, 128)
+
+
+def method_code(method: str) -> int:
+    m = method.upper()
+    if m not in METHODS:
+        raise ValueError(f"unknown CPU expert method {method!r}; available: {sorted(METHODS)}")
+    return METHODS[m]
+
+
+# ---- reference quantizers (any leading dims; rows along dim -2, K along dim -1) ----------------
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] -> q int8 [..., N, K], scale f32 [..., N]; symmetric per output row."""
+    w = w.float()
+    amax = w.abs().amax(dim=-1)
+    scale = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    q = torch.round(w * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.unsqueeze(-1)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = True):
+    """[..., N, K] (K % G == 0) -> u uint8 [..., N, K] in [0, 15], d f32 [..., N, K/G], m f32 [..., N, K/G]."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size}")
+    *lead, n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of the group size {group_size}")
+    g = w.float().reshape(*lead, n, k // group_size, group_size)
+    if symmetric:
+        d = g.abs().amax(dim=-1) / 7.0
+        inv = torch.where(d > 0, 1.0 / d.clamp_min(1e-30), torch.zeros_like(d))
+        u = torch.round(g * inv.unsqueeze(-1)).clamp_(-8, 7) + 8
+        m = -8.0 * d
+    else:
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        d = (hi - lo) / 15.0
+        inv = torch.where(d > 0, 1.0 / d.clamp_min(1e-30), torch.zeros_like(d))
+        u = torch.round((g - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp_(0, 15)
+        m = lo
+    return u.to(torch.uint8).reshape(*lead, n, k), d, m
+
+
+def dequantize_int4(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
+    *lead, n, k = u.shape
+    g = u.float().reshape(*lead, n, k // group_size, group_size)
+    return (g * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(*lead, n, k)
+
+
+def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row activation quantization exactly as the kernels do it: [R, K] -> q int8, scale f32 [R]."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax.clamp_min(1e-38), torch.zeros_like(amax))
+    q = torch.round(x * inv.unsqueeze(-1)).to(torch.int8)
+    return q, amax / 127.0
+
+
+# ---- packing --------------------------------------------------------------------------------
+def _pad2(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    pn, pk = n - w.shape[-2], k - w.shape[-1]
+    return torch.nn.functional.pad(w, (0, pk, 0, pn)) if pn or pk else w
+
+
+def interleave_w13(gate_up: torch.Tensor, ip: int, hp: int) -> torch.Tensor:
+    """[E, 2I, H] (gate rows first) -> [E, 2Ip, Hp], rows: gate 0-15, up 0-15, gate 16-31, ..."""
+    e, two_i, _ = gate_up.shape
+    i = two_i // 2
+    gate = _pad2(gate_up[:, :i], ip, hp).reshape(e, ip // 16, 1, 16, hp)
+    up = _pad2(gate_up[:, i:], ip, hp).reshape(e, ip // 16, 1, 16, hp)
+    return torch.cat([gate, up], dim=2).reshape(e, 2 * ip, hp)
+
+
+def deinterleave_w13(w13: torch.Tensor, i: int, h: int) -> torch.Tensor:
+    e, two_ip, hp = w13.shape
+    v = w13.reshape(e, two_ip // 32, 2, 16, hp)
+    gate = v[:, :, 0].reshape(e, two_ip // 2, hp)[:, :i, :h]
+    up = v[:, :, 1].reshape(e, two_ip // 2, hp)[:, :i, :h]
+    return torch.cat([gate, up], dim=1)
+
+
+def pack_blocks(q: torch.Tensor, bytes_per_value: int) -> torch.Tensor:
+    """[E, N, K] int8/bf16 -> [E, N/16, K/step, 16, step] (step = 4 bytes), as raw uint8 [E, bytes]."""
+    e, n, k = q.shape
+    step = 4 // bytes_per_value
+    p = q.reshape(e, n // 16, 16, k // step, step).permute(0, 1, 3, 2, 4).contiguous()
+    return p.view(torch.uint8).reshape(e, -1)
+
+
+def unpack_blocks(p: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    e = p.shape[0]
+    step = 4 // torch.empty(0, dtype=dtype).element_size()
+    v = p.reshape(e, -1).view(dtype).reshape(e, n // 16, k // step, 16, step)
+    return v.permute(0, 1, 3, 2, 4).reshape(e, n, k)
+
+
+def pack_int4_blocks(u: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] nibbles in [0, 15] -> uint8 [E, N/16 * K/8 * 64]: low nibble = step 2j, high = 2j+1."""
+    e, n, k = u.shape
+    lay = u.reshape(e, n // 16, 16, k // 4, 4).permute(0, 1, 3, 2, 4).reshape(e, n // 16, k // 8, 2, 64)
+    return (lay[:, :, :, 0] | (lay[:, :, :, 1] << 4)).contiguous().reshape(e, -1)
+
+
+def unpack_int4_blocks(p: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    e = p.shape[0]
+    v = p.reshape(e, n // 16, k // 8, 1, 64)
+    lay = torch.cat([v & 0xF, v >> 4], dim=3).reshape(e, n // 16, k // 4, 16, 4)
+    return lay.permute(0, 1, 3, 2, 4).reshape(e, n, k)
+
+
+def pack_group_params(d: torch.Tensor) -> torch.Tensor:
+    """[E, N, K/G] -> [E, N/16, K/G, 16] f32 (the 16 rows of a block side by side)."""
+    e, n, ng = d.shape
+    return d.reshape(e, n // 16, 16, ng).permute(0, 1, 3, 2).contiguous().float()
+
+
+def unpack_group_params(p: torch.Tensor, n: int) -> torch.Tensor:
+    e, nb, ng, _ = p.shape
+    return p.permute(0, 1, 3, 2).reshape(e, n, ng)
+
+
+@dataclass
+class PackedMatrix:
+    """One stacked matrix [E, N, K] in kernel layout (N, K padded)."""
+
+    data: torch.Tensor  # uint8 [E, bytes]
+    n: int
+    k: int
+    scale: torch.Tensor | None = None  # int8 [E, N] | int4 d [E, N/16, K/G, 16]
+    zero: torch.Tensor | None = None  # int4 asymmetric m
+    wsum: torch.Tensor | None = None  # int8 [E, N] int32 row sums
+
+
+@dataclass
+class PackedLayer:
+    method: str
+    num_experts: int
+    hidden: int
+    inter: int
+    hidden_pad: int
+    inter_pad: int
+    group_size: int
+    symmetric: bool
+    activation: str
+    w13: PackedMatrix
+    w2: PackedMatrix
+    extra: dict = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Flat name -> tensor dict (for writing to disk)."""
+        out = {}
+        for name, m in (("w13", self.w13), ("w2", self.w2)):
+            for part in ("data", "scale", "zero", "wsum"):
+                t = getattr(m, part)
+                if t is not None:
+                    out[f"{name}.{part}"] = t
+        return out
+
+    def meta(self) -> dict:
+        return {
+            k: getattr(self, k)
+            for k in (
+                "method",
+                "num_experts",
+                "hidden",
+                "inter",
+                "hidden_pad",
+                "inter_pad",
+                "group_size",
+                "symmetric",
+                "activation",
+            )
+        }
+
+    @classmethod
+    def from_tensors(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> PackedLayer:
+        hp, ip = meta["hidden_pad"], meta["inter_pad"]
+        mats = {}
+        for name, n, k in (("w13", 2 * ip, hp), ("w2", hp, ip)):
+            mats[name] = PackedMatrix(
+                tensors[f"{name}.data"], n, k, *(tensors.get(f"{name}.{p}") for p in ("scale", "zero", "wsum"))
+            )
+        return cls(**meta, w13=mats["w13"], w2=mats["w2"])
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights the kernels effectively use, fp32: gate_up [E, 2I, H], down [E, H, I]."""
+        w13 = dequantize_matrix(self.w13, self.method, self.group_size)
+        w2 = dequantize_matrix(self.w2, self.method, self.group_size)
+        return deinterleave_w13(w13, self.inter, self.hidden), w2[:, : self.hidden, : self.inter].contiguous()
+
+
+def pad_sizes(hidden: int, inter: int, method: str, group_size: int) -> tuple[int, int]:
+    mult = max(64, group_size) if method.upper() == "AMXINT4" else 64
+    return -(-hidden // mult) * mult, -(-inter // mult) * mult
+
+
+def pack_matrix(w: torch.Tensor, method: str, group_size: int = 128, symmetric: bool = True) -> PackedMatrix:
+    """[E, N, K] (already padded: N % 64 == 0, K % max(64, G) == 0) -> PackedMatrix."""
+    _, n, k = w.shape
+    method = method.upper()
+    if method == "AMXINT8":
+        q, s = quantize_int8(w)
+        return PackedMatrix(pack_blocks(q, 1), n, k, scale=s.contiguous(), wsum=q.sum(dim=-1, dtype=torch.int32))
+    if method == "AMXINT4":
+        u, d, m = quantize_int4(w, group_size, symmetric)
+        zero = None if symmetric else pack_group_params(m)
+        return PackedMatrix(pack_int4_blocks(u), n, k, scale=pack_group_params(d), zero=zero)
+    if method == "BF16":
+        return PackedMatrix(pack_blocks(w.to(torch.bfloat16), 2), n, k)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def dequantize_matrix(p: PackedMatrix, method: str, group_size: int) -> torch.Tensor:
+    method = method.upper()
+    if method == "AMXINT8":
+        return dequantize_int8(unpack_blocks(p.data, p.n, p.k, torch.int8), p.scale)
+    if method == "AMXINT4":
+        u = unpack_int4_blocks(p.data, p.n, p.k)
+        d = unpack_group_params(p.scale, p.n)
+        m = unpack_group_params(p.zero, p.n) if p.zero is not None else -8.0 * d
+        return dequantize_int4(u, d, m, group_size)
+    return unpack_blocks(p.data, p.n, p.k, torch.bfloat16).float()
+
+
+def _cat(parts: list[PackedMatrix]) -> PackedMatrix:
+    def c(name):
+        ts = [getattr(p, name) for p in parts]
+        return None if ts[0] is None else torch.cat(ts, dim=0)
+
+    return PackedMatrix(c("data"), parts[0].n, parts[0].k, c("scale"), c("zero"), c("wsum"))
+
+
+def pack_layer(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    method: str = "AMXINT8",
+    group_size: int = 128,
+    symmetric: bool = True,
+    activation: str = "silu",
+    chunk: int = 8,
+) -> PackedLayer:
+    """Quantizes and packs one layer's experts (gate_up [E, 2I, H], down [E, H, I]); `chunk` experts at a
+    time to bound the fp32 temporaries."""
+    method = method.upper()
+    method_code(method)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; available: {sorted(ACTIVATIONS)}")
+    e, two_i, h = gate_up.shape
+    i = two_i // 2
+    if down.shape != (e, h, i):
+        raise ValueError(f"down has shape {tuple(down.shape)}, expected {(e, h, i)}")
+    hp, ip = pad_sizes(h, i, method, group_size)
+    w13, w2 = [], []
+    for e0 in range(0, e, chunk):
+        gu = gate_up[e0 : e0 + chunk].detach().to("cpu", torch.float32)
+        dn = down[e0 : e0 + chunk].detach().to("cpu", torch.float32)
+        w13.append(pack_matrix(interleave_w13(gu, ip, hp), method, group_size, symmetric))
+        w2.append(pack_matrix(_pad2(dn, hp, ip), method, group_size, symmetric))
+    return PackedLayer(method, e, h, i, hp, ip, group_size, symmetric, activation, _cat(w13), _cat(w2))

@@ -1,0 +1,190 @@
+"""The engine's contract: asynchronous in-order tasks, errors that reach Python, ISA forcing, the
+host-function entry points, the stream-read probe, and the "cpu" experts backend."""
+
+import ctypes as C
+
+import pytest
+import torch
+
+from hybridmoe.cpu import native
+from hybridmoe.cpu.engine import CPUMoEError, CPUMoELayer
+from hybridmoe.cpu.quant import pack_layer
+from hybridmoe.cpu.reference import moe_reference, rel_error
+
+E, H, INTER, K = 8, 128, 64, 2
+
+
+@pytest.fixture(scope="module")
+def weights():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(E, 2 * INTER, H, generator=g) / H**0.5, torch.randn(E, H, INTER, generator=g) / INTER**0.5
+
+
+@pytest.fixture(scope="module")
+def layer(weights, pool):
+    try:
+        return CPUMoELayer(pack_layer(*weights, "AMXINT8"), pool=pool)
+    except native.CpuIsaError as e:  # HYBRIDMOE_CPU_ISA forces a path this CPU lacks
+        pytest.skip(str(e))
+
+
+def inputs(t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t, H, generator=g), torch.randint(0, E, (t, K), generator=g), torch.rand(t, K, generator=g)
+
+
+def test_async_in_order(layer):
+    x1, i1, w1 = inputs(4, 1)
+    x2, i2, w2 = inputs(4, 2)
+    r1, r2 = layer.forward(x1, i1, w1), layer.forward(x2, i2, w2)
+    out = torch.zeros(4, H)
+    a = layer.submit(x1, i1, w1, out)  # overwrite
+    b = layer.submit(x2, i2, w2, out, accumulate=True)  # then add: only right if run in order
+    assert b == a + 1
+    layer.sync(b)
+    assert torch.allclose(out, r1 + r2, atol=1e-5)
+    ids = [layer.submit(x1, i1, w1, torch.empty(4, H)) for _ in range(5)]
+    layer.sync(max_pending=2)
+    assert layer.pool.pending() <= 2
+    layer.sync()
+    assert layer.pool.pending() == 0 and ids[-1] > ids[0]
+
+
+def test_failing_task_raises_and_next_runs(layer):
+    x, ids, w = inputs(3)
+    good = layer.forward(x, ids, w)
+    bad_ids = ids.clone()
+    bad_ids[1, 0] = E + 3
+    layer.submit(x, bad_ids, w, torch.empty(3, H))
+    with pytest.raises(CPUMoEError, match="out of range"):
+        layer.sync()
+    xn = x.clone()
+    xn[2, 5] = float("nan")
+    with pytest.raises(CPUMoEError, match="NaN"):
+        layer.forward(xn, ids, w)
+    assert torch.equal(layer.forward(x, ids, w), good)
+
+
+def test_bad_shapes_raise_at_submit(layer):
+    x, ids, w = inputs(3)
+    with pytest.raises(ValueError):
+        layer.submit(x[:, :-1].contiguous(), ids, w, torch.empty(3, H - 1))
+    with pytest.raises(ValueError):
+        layer.submit(x, ids[:2], w[:2], torch.empty(3, H))
+    with pytest.raises(ValueError):
+        layer.submit(x, ids, w, torch.empty(3, H + 1))
+
+
+def test_negative_id_means_no_expert(layer, weights):
+    x, ids, w = inputs(5)
+    ids[0, 1] = -1
+    p = layer.packed
+    ref = moe_reference(x, ids, w, *p.dequantized(), act_quant="int8")
+    assert rel_error(layer.forward(x, ids, w), ref) < 2e-3
+
+
+def test_half_and_float64_inputs_via_forward(layer):
+    x, ids, w = inputs(3)
+    ref = layer.forward(x, ids, w)
+    out = layer.forward(x.half(), ids.int(), w.double())
+    assert out.dtype == torch.float32 and rel_error(out, ref) < 0.04  # fp16 input re-rolls the int8 rounding
+
+
+def test_forced_isa_missing_is_a_clear_error(weights, pool, monkeypatch):
+    missing = [isa for isa in native.ISAS if native.isa_missing(isa)]
+    if not missing:
+        pytest.skip("this CPU has every ISA path")
+    monkeypatch.setenv("HYBRIDMOE_CPU_ISA", missing[-1])
+    with pytest.raises(native.CpuIsaError, match="cannot run here"):
+        CPUMoELayer(pack_layer(*weights, "BF16"), pool=pool)
+    with pytest.raises(native.CpuIsaError, match="unknown"):
+        native.resolve_isa("sse2")
+
+
+def test_env_forces_available_isa(weights, pool, monkeypatch):
+    monkeypatch.setenv("HYBRIDMOE_CPU_ISA", "avx2")
+    assert CPUMoELayer(pack_layer(*weights, "BF16"), pool=pool).kernel_name == "avx2"
+
+
+def test_host_function_entry_points(layer, pool):
+    lb = native.lib()
+    x, ids, w = inputs(6)
+    out = torch.zeros(6, H)
+    task, keep = layer.make_task(x, ids, w, out)
+    call = native.HostCall(pool.handle, task, 0, 0, -1, 0)
+    hostfn = C.CFUNCTYPE(None, C.c_void_p)
+    submit_addr, sync_addr = native.host_functions()
+    hostfn(submit_addr)(C.addressof(call))  # what cuLaunchHostFunc would do
+    assert call.id > 0
+    hostfn(sync_addr)(C.addressof(call))
+    assert call.status == 0
+    assert torch.allclose(out, layer.forward(x, ids, w), atol=1e-6)
+    bad = ids.clone()
+    bad[0, 0] = 99
+    task, keep = layer.make_task(x, bad, w, out)
+    call = native.HostCall(pool.handle, task, 0, 0, -1, 0)
+    lb.hm_submit_hostfn(C.addressof(call))
+    lb.hm_sync_hostfn(C.addressof(call))
+    assert call.status == 1
+    with pytest.raises(CPUMoEError):  # the error also reaches the next Python sync
+        pool.sync()
+
+
+def test_stream_read(pool):
+    assert pool.stream_read_gbps(16 << 20, 2) > 0.1
+
+
+def test_cpu_backend_registered(weights):
+    from hybridmoe.moe import cpu_experts
+    from hybridmoe.moe.experts import _BACKENDS, ExpertWeights
+
+    assert _BACKENDS["cpu"] is cpu_experts.make_cpu_experts
+    ew = ExpertWeights(weights[0].bfloat16(), weights[1].bfloat16())
+    be = cpu_experts.make_cpu_experts(ew, 0, {"kt_method": "AMXINT4", "kt_cpuinfer": 2, "group_size": 64})
+    x, ids, w = inputs(4)
+    y = be.forward(x.bfloat16(), ids, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (4, H)
+    ref = moe_reference(x, ids, w, weights[0].bfloat16().float(), weights[1].bfloat16().float())
+    assert rel_error(y.float(), ref) < 0.3
+
+
+def test_subpools_and_numa_binding(weights):
+    from hybridmoe.cpu.engine import CPUThreadPool
+
+    pool2 = CPUThreadPool(threads=2, threadpool_count=2)
+    try:
+        assert pool2.subpools == 2
+        for method in ("AMXINT8", "AMXINT4"):
+            p = pack_layer(*weights, method, group_size=64)
+            lay = CPUMoELayer(p, pool=pool2)  # binds each sub-pool's rows to its node (node 0 here)
+            assert lay.numa_unplaced >= 0
+            x, ids, w = inputs(70)
+            ref = moe_reference(x, ids, w, *p.dequantized(), act_quant="int8")
+            assert rel_error(lay.forward(x, ids, w), ref) < 2e-3
+            del lay
+    finally:
+        pool2.close()
+
+
+@pytest.mark.parametrize("spin_us", ["0", "5000"])
+def test_many_tasks_sleeping_and_spinning_pool(weights, monkeypatch, spin_us):
+    """Hundreds of small tasks through a pool whose threads sleep between phases (spin 0) or spin:
+    in-order accumulation must come out exact."""
+    from hybridmoe.cpu.engine import CPUThreadPool
+
+    monkeypatch.setenv("HYBRIDMOE_CPU_SPIN_US", spin_us)
+    pool3 = CPUThreadPool(threads=3)
+    try:
+        lay = CPUMoELayer(pack_layer(*weights, "AMXINT8"), pool=pool3)
+        x, ids, w = inputs(3, 5)
+        one = lay.forward(x, ids, w)
+        out = torch.zeros(3, H)
+        for j in range(150):
+            lay.submit(x, ids, w, out, accumulate=j > 0)
+            if j % 50 == 49:
+                lay.sync(max_pending=3)
+        lay.sync()
+        assert torch.allclose(out, one * 150, rtol=1e-4, atol=1e-4)
+        del lay
+    finally:
+        pool3.close()
