@@ -1,0 +1,332 @@
+"""Triton kernels and host-side launch code for the fused (grouped) MoE expert computation.
+
+Legend: T tokens, H hidden size, I expert intermediate size, E experts of the layer, K top-k,
+P = T*K (token, slot) pairs, S = padded slots (static worst case, a multiple of BM), B = S // BM blocks,
+BM / BN / BK block sizes along the pair (M), output (N) and reduction (K) dimensions.
+
+Pipeline, with no host synchronization (every shape depends only on T, K, E and the config, so the
+whole forward can be captured in a CUDA graph for a fixed T):
+  1. `align_pairs`: group the P pairs by expert (stable), pad each expert's group to a multiple of BM
+     in a buffer of S = P + min(E, P) * (BM - 1) slots (rounded up to BM); unused slots hold the
+     sentinel P. Each BM-block gets its expert id, or E for a block past the last used one (those
+     programs exit at once). Decode (P <= 512): one single-program Triton kernel; else ~20 torch ops.
+  2. `_gate_up_kernel`: for each (block, N-tile of I): x[token(pair)] @ gate_up[e]^T for the gate rows
+     and the up rows, silu(gate) * up fused in the epilogue -> inter[pair, I].
+  3. `_down_kernel`: inter[pair] @ down[e]^T times the pair's routing weight -> out_pairs[pair, H].
+  4. out = out_pairs.view(T, K, H).sum(1) in fp32 (deterministic; no atomics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    """Tile sizes for one forward. `block_m` is shared by both kernels (it is the alignment unit)."""
+
+    block_m: int = 16
+    gu_block_n: int = 32  # N tile over I in the gate/up kernel (gate and up each get this many rows)
+    gu_block_k: int = 128  # reduction tile over H
+    gu_warps: int = 4
+    gu_stages: int = 4
+    dn_block_n: int = 64  # N tile over H in the down kernel
+    dn_block_k: int = 128  # reduction tile over I
+    dn_warps: int = 4
+    dn_stages: int = 4
+    group_m: int = 8  # blocks of M visited together for L2 reuse of weight tiles (prefill)
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> MoEKernelConfig:
+    """Config heuristic by T (through the average number of pairs per expert, T*K/E).
+
+    Decode (few pairs per expert): BM=16 and narrow N tiles so that even T=1 (K experts touched)
+    launches several hundred programs, each streaming a slice of one expert's weights once.
+    Prefill: larger BM/BN so each weight tile is reused across many rows (compute-bound regime).
+    """
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    if per_expert <= 16:  # decode and small batches: memory-bound
+        narrow = num_tokens * top_k <= 16  # only a handful of experts touched: split N finer
+        return MoEKernelConfig(
+            block_m=16,
+            gu_block_n=16 if narrow else 32,
+            gu_block_k=128,
+            dn_block_n=32 if narrow else 64,
+            dn_block_k=128,
+            gu_warps=4,
+            dn_warps=4,
+            gu_stages=4,
+            dn_stages=4,
+        )
+    if per_expert <= 48:
+        return MoEKernelConfig(block_m=32, gu_block_n=64, gu_block_k=64, dn_block_n=64, dn_block_k=64,
+                               gu_warps=4, dn_warps=4, gu_stages=4, dn_stages=4)
+    if per_expert <= 192:
+        return MoEKernelConfig(block_m=64, gu_block_n=64, gu_block_k=64, dn_block_n=128, dn_block_k=64,
+                               gu_warps=4, dn_warps=4, gu_stages=4, dn_stages=4)
+    return MoEKernelConfig(block_m=128, gu_block_n=64, gu_block_k=64, dn_block_n=128, dn_block_k=64,
+                           gu_warps=8, dn_warps=8, gu_stages=3, dn_stages=3)
+
+
+ALIGN_TRITON_MAX_PAIRS = 512  # one-program align: ~30 us at P=512 but ~390 us at P=8192 (H200, E=128)
+
+
+def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """S: at most min(E, P) experts are touched, each wasting at most BM-1 slots; a multiple of BM."""
+    cap = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(cap, block_m) * block_m
+
+
+def align_pairs(
+    topk_ids: torch.Tensor,  # [T, K] int
+    num_experts: int,
+    block_m: int,
+    method: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs by expert, each group padded to a multiple of `block_m`.
+
+    Returns (sorted_pairs [S] int32: pair index t*K + j, or the sentinel P in padding slots;
+    block_expert [B] int32: expert of each block, E for unused blocks). Pairs of one expert keep
+    their order (stable). Shapes are fixed by (T, K, E, block_m): no host sync, CUDA-graph capturable.
+    method: "triton" (one launch; decode), "torch" (sort-based; large P), or "auto".
+    """
+    num_pairs = topk_ids.numel()
+    if method == "auto":
+        method = "triton" if num_pairs <= ALIGN_TRITON_MAX_PAIRS else "torch"
+    if method == "torch":
+        return _align_pairs_torch(topk_ids, num_experts, block_m)
+    cap = padded_capacity(num_pairs, num_experts, block_m)
+    ids = topk_ids.reshape(-1)
+    sorted_pairs = torch.empty(cap, dtype=torch.int32, device=ids.device)  # [S]
+    block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=ids.device)  # [B]
+    e_pow2 = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(1024, 8192 // e_pow2))
+    _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_pairs, num_experts, cap,
+                        cap // block_m, BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, num_warps=8)
+    return sorted_pairs, block_expert
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, cap, num_blocks,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program: counts per expert (one-hot sums), padded offsets (cumsum), padding fill,
+    block experts, then each pair's slot = its group's start + its rank (one-hot cumsum; stable)."""
+    offs_e = tl.arange(0, E_POW2)
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [Ep]
+    pad_end = tl.cumsum(padded, axis=0)  # [Ep]
+    pad_start = pad_end - padded
+    real_e = offs_e < num_experts
+    for s0 in range(0, cap, CHUNK):
+        offs = s0 + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=offs < cap)
+    for b0 in range(0, num_blocks, CHUNK):  # expert of a block: number of groups ending at or before it
+        blk = b0 + tl.arange(0, CHUNK)
+        be = tl.sum(((pad_end[None, :] <= (blk * BLOCK_M)[:, None]) & real_e[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blk, be, mask=blk < num_blocks)
+    tl.debug_barrier()  # the padding fill above is ordered before the pair stores below
+    running = pad_start
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [C, Ep]
+        rank = tl.cumsum(onehot, axis=0) - 1 + running[None, :]
+        dest = tl.sum(onehot * rank, axis=1)  # [C]
+        tl.store(sorted_pairs_ptr + dest, offs, mask=offs < num_pairs)
+        running += tl.sum(onehot, axis=0)
+
+
+def _align_pairs_torch(
+    topk_ids: torch.Tensor,  # [T, K] int
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_pairs` with ~20 torch ops (sort, cumsum, searchsorted...): any size, launch-heavy."""
+    dev = topk_ids.device
+    num_pairs = topk_ids.numel()
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [P]
+    sorted_e, order = torch.sort(flat, stable=True)  # [P], [P]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    padded = (counts + (block_m - 1)) // block_m * block_m  # [E]
+    pad_end = torch.cumsum(padded, 0)  # [E] inclusive ends of each expert's padded group
+    pad_start = pad_end - padded  # [E]
+    start = torch.cumsum(counts, 0) - counts  # [E] start of each expert's run in sorted order
+    rank = torch.arange(num_pairs, device=dev) - start[sorted_e]  # [P] position inside its group
+    dest = pad_start[sorted_e] + rank  # [P] slot in the padded buffer
+    # At most min(E, P) experts are touched, each wasting at most BM-1 slots.
+    cap = padded_capacity(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((cap,), num_pairs, dtype=torch.int64, device=dev)  # [S]
+    sorted_pairs.scatter_(0, dest, order)
+    block_start = torch.arange(0, cap, block_m, device=dev)  # [B]
+    block_expert = torch.searchsorted(pad_end, block_start, right=True)  # [B] in [0, E]
+    return sorted_pairs.to(torch.int32), block_expert.to(torch.int32)
+
+
+@triton.jit
+def _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M consecutive M blocks share each N tile (weight reuse in L2)."""
+    width = GROUP_M * num_n_blocks
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
+    num_pairs, num_experts, num_m_blocks, H, I_SIZE, top_k,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ip, stride_ii,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """inter[pair, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one [BM pairs, BN] tile."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(I_SIZE, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= num_experts:  # padding block past the last used expert group
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)  # [BM]
+    valid_m = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I_SIZE
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BM, BK]
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wh  # [BK, BN]
+    u_ptrs = g_ptrs + I_SIZE * stride_wn
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_left = H - k0
+        a = tl.load(a_ptrs, mask=valid_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        wmask = (offs_k[:, None] < k_left) & mask_n[None, :]
+        g = tl.load(g_ptrs, mask=wmask, other=0.0)
+        u = tl.load(u_ptrs, mask=wmask, other=0.0)
+        if IEEE:
+            acc_g += tl.dot(a, g, input_precision="ieee")
+            acc_u += tl.dot(a, u, input_precision="ieee")
+        else:
+            acc_g += tl.dot(a, g)
+            acc_u += tl.dot(a, u)
+        a_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+    out_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * stride_ip + offs_n[None, :] * stride_ii
+    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    inter_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr,
+    num_pairs, num_experts, num_m_blocks, H, I_SIZE,
+    stride_ip, stride_ii, stride_we, stride_wn, stride_wk, stride_op, stride_oh,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """out_pairs[pair, n] = w[pair] * (inter[pair] . down_e[n]) for one [BM pairs, BN] tile."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= num_experts:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)  # [BM]
+    valid_m = pairs < num_pairs
+    rows = pairs.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = inter_ptr + rows[:, None] * stride_ip + offs_k[None, :] * stride_ii  # [BM, BK]
+    b_ptrs = (w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+              + offs_k[:, None] * stride_wk)  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I_SIZE, BLOCK_K):
+        k_left = I_SIZE - k0
+        a = tl.load(a_ptrs, mask=valid_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K * stride_ii
+        b_ptrs += BLOCK_K * stride_wk
+
+    rw = tl.load(weights_ptr + rows, mask=valid_m, other=0.0).to(tl.float32)  # [BM] routing weights
+    acc = acc * rw[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_op + offs_n[None, :] * stride_oh
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & mask_n[None, :])
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    down: torch.Tensor,  # [E, H, I]
+    topk_ids: torch.Tensor,  # [T, K] int
+    topk_weights: torch.Tensor,  # [T, K] float
+    config: MoEKernelConfig | None = None,
+) -> torch.Tensor:  # [T, H], dtype of x
+    """out[t] = sum_j w[t, j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, j]. Sync-free."""
+    num_tokens, hidden = x.shape
+    num_experts = gate_up.shape[0]
+    inter_size = down.shape[2]
+    top_k = topk_ids.shape[1]
+    assert gate_up.shape == (num_experts, 2 * inter_size, hidden), gate_up.shape
+    assert down.shape == (num_experts, hidden, inter_size), down.shape
+    assert topk_ids.shape == topk_weights.shape == (num_tokens, top_k)
+    if num_tokens == 0:
+        return torch.empty((0, hidden), dtype=x.dtype, device=x.device)
+    cfg = config or default_config(num_tokens, num_experts, top_k, hidden, inter_size)
+    num_pairs = num_tokens * top_k
+    sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, cfg.block_m)
+    num_m_blocks = block_expert.shape[0]
+    weights = topk_weights.reshape(-1).contiguous()  # [P]
+    ieee = x.dtype == torch.float32
+    act_dtype = x.dtype
+
+    inter = torch.empty((num_pairs, inter_size), dtype=act_dtype, device=x.device)  # [P, I]
+    grid1 = (num_m_blocks * triton.cdiv(inter_size, cfg.gu_block_n),)
+    _gate_up_kernel[grid1](
+        x, gate_up, inter, sorted_pairs, block_expert,
+        num_pairs, num_experts, num_m_blocks, hidden, inter_size, top_k,
+        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        inter.stride(0), inter.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k, GROUP_M=cfg.group_m,
+        IEEE=ieee, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
+    )
+
+    out_pairs = torch.empty((num_pairs, hidden), dtype=act_dtype, device=x.device)  # [P, H]
+    grid2 = (num_m_blocks * triton.cdiv(hidden, cfg.dn_block_n),)
+    _down_kernel[grid2](
+        inter, down, out_pairs, weights, sorted_pairs, block_expert,
+        num_pairs, num_experts, num_m_blocks, hidden, inter_size,
+        inter.stride(0), inter.stride(1), down.stride(0), down.stride(1), down.stride(2),
+        out_pairs.stride(0), out_pairs.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, GROUP_M=cfg.group_m,
+        IEEE=ieee, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
+    )
+    if top_k == 1:
+        return out_pairs
+    return out_pairs.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
