@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from hybridmoe.client import AsyncClient, Client, SGLangClient
     from hybridmoe.engine.llm import LLM
     from hybridmoe.engine.request import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["AsyncClient", "Client", "LLM", "SGLangClient", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: `import hybridmoe` stays cheap (no torch import)
@@ -22,4 +23,8 @@ def __getattr__(name: str):  # lazy: `import hybridmoe` stays cheap (no torch im
         from hybridmoe.engine.request import SamplingParams
 
         return SamplingParams
+    if name in ("Client", "AsyncClient", "SGLangClient"):
+        from hybridmoe import client
+
+        return getattr(client, name)
     raise AttributeError(f"module 'hybridmoe' has no attribute {name!r}")

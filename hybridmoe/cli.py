@@ -50,13 +50,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    for name, text in (("serve", "HTTP server (SGLang and OpenAI APIs)"), ("convert", "HF checkpoint -> CPU experts"),
-                       ("check", "environment report"), ("bench", "benchmarks")):
+    sub.add_parser("serve", help="HTTP server (SGLang and OpenAI APIs); `hybridmoe serve --help` for its flags",
+                   add_help=False)
+    sub.add_parser("check", help="environment report and recommended flags", add_help=False)
+    for name, text in (("convert", "HF checkpoint -> CPU experts"), ("bench", "benchmarks")):
         sub.add_parser(name, help=f"{text} [not yet available]")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from hybridmoe.launch_server import serve_main
+
+        return serve_main(argv[1:])
+    if argv[:1] == ["check"]:
+        from hybridmoe.check import check_main
+
+        return check_main(argv[1:])
     ns = build_parser().parse_args(argv)
     level = getattr(ns, "log_level", "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

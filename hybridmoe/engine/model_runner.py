@@ -8,6 +8,7 @@ L layers, N pages, S page size, Hkv kv heads, D head dim.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -51,6 +52,10 @@ class ModelRunner:
         self.args = args
         self.config = hf_config
         self.device = resolve_device(args.device)
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # torch's OpenMP workers busy-wait: leave a core to the server loop and the OS, or one
+            # other busy process slows every step tenfold.
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
         self.page_size = args.page_size
         self.moe_backend = self._choose_moe_backend(args)

@@ -1,0 +1,260 @@
+"""The FastAPI application: SGLang's native routes, error handling, API-key check, lifespan.
+
+OpenAI routes live in openai_api.py; the engine thread bridge in async_engine.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from hybridmoe.config import EngineArgs
+from hybridmoe.engine.engine import Engine, RequestError
+from hybridmoe.server import openai_api
+from hybridmoe.server.async_engine import AsyncEngine, EngineFailed, RequestStream, Unavailable
+from hybridmoe.server.errors import APIError, error_body, error_response, format_validation_errors
+from hybridmoe.server.metrics import CONTENT_TYPE, ServerMetrics
+from hybridmoe.server.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
+from hybridmoe.server.state import ServerState
+from hybridmoe.server.streaming import DONE, guarded, results, sse, visible_text
+
+log = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (streams and disconnect detection pass through untouched): `Authorization: Bearer
+    <key>` on every route except /health*, /metrics and CORS pre-flight."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or path.startswith("/health") \
+                or path == "/metrics":
+            return await self.app(scope, receive, send)
+        got = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(got, self.expected):
+            return await self.app(scope, receive, send)
+        response = JSONResponse(error_body(401, "missing or wrong API key: send 'Authorization: Bearer <key>'"),
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        message = format_validation_errors(list(e.errors()))
+        content_type = request.headers.get("content-type", "")
+        if content_type and "json" not in content_type:
+            message = f"send the body as JSON with 'Content-Type: application/json' (got {content_type!r}); {message}"
+        return error_response(400, message)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, e: RequestError) -> JSONResponse:
+        return error_response(400, str(e))
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(_: Request, e: Unavailable) -> JSONResponse:
+        return JSONResponse(error_body(503, str(e)), status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineFailed)
+    async def _failed(_: Request, e: EngineFailed) -> JSONResponse:
+        return error_response(500, str(e))
+
+
+def _batch_size(body: GenerateRequest) -> int | None:
+    """None for one prompt, else the batch size."""
+    if isinstance(body.text, list):
+        return len(body.text)
+    if body.input_ids and isinstance(body.input_ids[0], list):
+        return len(body.input_ids)
+    return None
+
+
+def _pick(value: Any, i: int, n: int, name: str) -> Any:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise APIError(400, f"{name} has {len(value)} entries for {n} prompts", param=name)
+        return value[i]
+    return value
+
+
+async def _generate_events(stream: RequestStream, stops: list[str]) -> AsyncIterator[bytes]:
+    try:
+        async for out in stream:
+            yield sse(dict(out, text=visible_text(out, stops)))
+    except EngineFailed as e:
+        yield sse(error_body(500, str(e)))
+    yield DONE
+
+
+def _register_native_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        """200 once the model is loaded and the server takes requests, else 503."""
+        state.engine.check_available()
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """200 when the engine generates one token within the time limit."""
+        req = state.build_req(input_ids=[0], params={"max_new_tokens": 1, "temperature": 0.0},
+                              rid=f"health-{uuid.uuid4().hex}")
+        stream = state.submit([req])[0]
+        try:
+            await asyncio.wait_for(stream.result(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            state.engine.abort(req.rid, "health check timed out")
+            raise Unavailable("the engine did not generate a token in time") from None
+        return Response(status_code=200)
+
+    @app.post("/generate", response_model=None)
+    async def generate(body: GenerateRequest, request: Request) -> Any:
+        """SGLang's native generation: text or input_ids, one prompt or a batch."""
+        if body.lora_path is not None and any(p is not None for p in (
+                body.lora_path if isinstance(body.lora_path, list) else [body.lora_path])):
+            raise APIError(400, "LoRA adapters (lora_path) are not yet available in this version", param="lora_path")
+        n = _batch_size(body)
+        if n is None:
+            req = state.build_req(prompt=body.text, input_ids=body.input_ids, params=body.sampling_params,
+                                  rid=body.rid, return_logprob=body.return_logprob,
+                                  top_logprobs_num=body.top_logprobs_num)
+            stream = state.submit([req])[0]
+            if body.stream:
+                events = _generate_events(stream, req.params.stop_strs)
+                return StreamingResponse(guarded(stream, state.engine, events), media_type="text/event-stream")
+            return (await results(request, state.engine, [stream]))[0]
+        if body.stream:
+            raise APIError(400, "stream=true takes one prompt, not a batch", param="stream")
+        if n == 0:
+            raise APIError(400, "the batch is empty")
+        texts = body.text if isinstance(body.text, list) else None
+        ids = body.input_ids if texts is None else None
+        if texts is not None and body.input_ids is not None:
+            raise APIError(400, "give exactly one of `text` and `input_ids`")
+        reqs = [state.build_req(prompt=texts[i] if texts is not None else None,
+                                input_ids=ids[i] if ids is not None else None,  # type: ignore[index]
+                                params=_pick(body.sampling_params, i, n, "sampling_params"),
+                                rid=_pick(body.rid, i, n, "rid"), return_logprob=body.return_logprob,
+                                top_logprobs_num=body.top_logprobs_num) for i in range(n)]
+        return await results(request, state.engine, state.submit(reqs))
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        core = state.core
+        cfg = core.hf_config
+        return {"model_path": state.args.model_path, "tokenizer_path": state.args.tokenizer_path or
+                state.args.model_path, "served_model_name": state.model_name, "is_generation": True,
+                "context_length": core.context_len, "vocab_size": cfg.vocab_size,
+                "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
+                "eos_token_ids": list(core.eos_ids), "preferred_sampling_params": None}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return state.server_info()
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """Forget the prefix cache; refused (400) while requests are in flight."""
+        def flush(engine: Engine) -> bool:
+            return not engine.has_work() and engine.kv.reset_prefix_cache()
+
+        if not await state.engine.call(flush):
+            raise APIError(400, "cannot flush the cache while requests are running; retry when idle")
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest) -> Response:
+        """Abort one request by rid (or all); unknown rids are ignored."""
+        if body.abort_all:
+            state.engine.abort_all("aborted by /abort_request")
+        elif body.rid:
+            state.engine.abort(body.rid, "aborted by /abort_request")
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        tok = state.tokenizer()
+        ctx = state.core.context_len
+        if isinstance(body.prompt, str):
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            return {"tokens": ids, "count": len(ids), "max_model_len": ctx}
+        all_ids = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
+        return {"tokens": all_ids, "count": [len(x) for x in all_ids], "max_model_len": ctx}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        tok = state.tokenizer()
+        vocab = state.core.hf_config.vocab_size
+        batch = bool(body.tokens) and isinstance(body.tokens[0], list)
+        seqs = body.tokens if batch else [body.tokens]
+        for seq in seqs:
+            if not all(0 <= t < vocab for t in seq):  # type: ignore[union-attr]
+                raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
+        texts = [tok.decode(seq, skip_special_tokens=body.skip_special_tokens) for seq in seqs]
+        return {"text": texts if batch else texts[0]}
+
+    if state.args.enable_metrics and state.metrics is not None:
+        metrics = state.metrics
+
+        @app.get("/metrics")
+        async def prometheus_metrics() -> Response:
+            return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] | None = None) -> FastAPI:
+    """The application; the engine thread starts (and loads the model) with the app's lifespan."""
+    model_name = args.served_model_name or args.model_path
+    metrics = ServerMetrics(model_name)  # cheap; exposed at /metrics only with --enable-metrics
+    state = ServerState(args=args, engine=AsyncEngine(args, metrics, engine_factory), metrics=metrics,
+                        model_name=model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start(asyncio.get_running_loop())
+        watcher = asyncio.ensure_future(_watch_load(state))
+        yield
+        watcher.cancel()
+        state.engine.draining = True
+        state.engine.abort_all("the server is shutting down")
+        await asyncio.to_thread(state.engine.stop)
+
+    app = FastAPI(title="hybridmoe", version="0.1.0", lifespan=lifespan)
+    app.state.hybridmoe = state
+    _install_error_handlers(app)
+    _register_native_routes(app, state)
+    openai_api.register_routes(app, state)
+    if args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    return app
+
+
+async def _watch_load(state: ServerState) -> None:
+    """Stop the server (exit code 1) if the model fails to load."""
+    ok = await asyncio.to_thread(state.engine.wait_loaded)
+    if not ok:
+        state.exit_code = 1
+        if state.server is not None:
+            state.server.should_exit = True

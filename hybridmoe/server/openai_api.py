@@ -1,0 +1,228 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (streamed or not)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from hybridmoe.engine.request import Req
+from hybridmoe.server.async_engine import EngineFailed, RequestStream
+from hybridmoe.server.errors import APIError, error_body
+from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from hybridmoe.server.state import ServerState
+from hybridmoe.server.streaming import DONE, guarded, results, sse, visible_text
+
+
+def _sampling(body: SamplingFields, max_new_tokens: int) -> dict[str, Any]:
+    """OpenAI fields -> SGLang sampling parameters (validated by the engine)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens, "min_new_tokens": body.min_tokens, "temperature": body.temperature,
+        "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty, "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty, "stop": body.stop, "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
+        "no_stop_trim": body.no_stop_trim, "n": body.n}
+    if body.seed is not None:
+        params["sampling_seed"] = body.seed
+    return params
+
+
+def _finish(out: dict[str, Any]) -> tuple[str | None, Any]:
+    """(OpenAI finish_reason, matched stop) of an output."""
+    reason = out["meta_info"]["finish_reason"]
+    if reason is None:
+        return None, None
+    return reason["type"], reason.get("matched")
+
+
+def _usage(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs)
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class _Tokens:
+    """Token id -> display string for logprobs."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+
+    def __call__(self, tid: int) -> str:
+        return self.tok.decode([tid]) if self.tok is not None else str(tid)
+
+
+def _completion_logprobs(meta: dict[str, Any], start: int, names: _Tokens, offset: int) -> dict[str, Any]:
+    toks = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [])[start:]
+    strs = [names(t) for _, t, _ in toks]
+    offsets, pos = [], offset
+    for s in strs:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": strs, "token_logprobs": [lp for lp, _, _ in toks],
+            "top_logprobs": [{names(t): lp for lp, t, _ in top} for top in tops] if tops else None,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(meta: dict[str, Any], start: int, names: _Tokens) -> dict[str, Any]:
+    toks = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [])[start:] or [[] for _ in toks]
+
+    def entry(lp: float, tid: int) -> dict[str, Any]:
+        s = names(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return {"content": [dict(entry(lp, t), top_logprobs=[entry(v, u) for v, u, _ in top])
+                        for (lp, t, _), top in zip(toks, tops)]}
+
+
+def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    tok = state.tokenizer()
+    if not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions")
+    messages = []
+    for m in body.messages:
+        msg = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):  # content parts: keep the text ones
+            msg["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+        messages.append(msg)
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not body.continue_final_message,
+                                       continue_final_message=body.continue_final_message,
+                                       **(body.chat_template_kwargs or {}))
+    except Exception as e:  # jinja2 TemplateError and friends: the messages do not fit the template
+        raise APIError(400, f"the messages cannot be rendered with the chat template: {e}", param="messages") from e
+    return tok.encode(text, add_special_tokens=False)
+
+
+def register_routes(app: FastAPI, state: ServerState) -> None:
+    """Add the OpenAI routes to app."""
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        core = state.core
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
+                                             "owned_by": "hybridmoe", "root": state.args.model_path,
+                                             "max_model_len": core.context_len}]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        state.check_model(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompts: list[Any]
+        p = body.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if body.stream and len(prompts) > 1:
+            raise APIError(400, "stream=true takes one prompt", param="prompt")
+        max_tokens = body.max_tokens if body.max_tokens is not None else state.core.context_len
+        params = _sampling(body, max_tokens)
+        k = body.logprobs
+        reqs = [state.build_req(prompt=x if isinstance(x, str) else None, input_ids=None if isinstance(x, str) else x,
+                                params=dict(params), rid=body.rid if len(prompts) == 1 else None,
+                                return_logprob=k is not None, top_logprobs_num=k or 0,
+                                check_max_tokens=body.max_tokens is not None) for x in prompts]
+        names = _Tokens(state.core.tokenizer)
+        echo = [_echo_text(state, r) if body.echo else "" for r in reqs]
+        streams = state.submit(reqs)
+        created = int(time.time())
+        cid = f"cmpl-{reqs[0].rid}"
+        base = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name}
+        if body.stream:
+            events = _completion_events(streams[0], reqs[0], base, echo[0], names, body)
+            return StreamingResponse(guarded(streams[0], state.engine, events), media_type="text/event-stream")
+        outs = await results(request, state.engine, streams)
+        choices = []
+        for i, out in enumerate(outs):
+            reason, matched = _finish(out)
+            lp = _completion_logprobs(out["meta_info"], 0, names, len(echo[i])) if k is not None else None
+            choices.append({"index": i, "text": echo[i] + out["text"], "logprobs": lp, "finish_reason": reason,
+                            "matched_stop": matched})
+        return dict(base, choices=choices, usage=_usage(outs))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        state.check_model(body.model)
+        ids = _chat_prompt_ids(state, body)
+        explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = _sampling(body, explicit if explicit is not None else state.core.context_len)
+        top = body.top_logprobs or 0
+        req = state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
+                              top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None)
+        names = _Tokens(state.core.tokenizer)
+        stream = state.submit([req])[0]
+        base = {"id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),
+                "model": state.model_name}
+        if body.stream:
+            events = _chat_events(stream, req, dict(base, object="chat.completion.chunk"), names, body)
+            return StreamingResponse(guarded(stream, state.engine, events), media_type="text/event-stream")
+        out = (await results(request, state.engine, [stream]))[0]
+        reason, matched = _finish(out)
+        choice = {"index": 0, "message": {"role": "assistant", "content": out["text"], "reasoning_content": None,
+                                          "tool_calls": None},
+                  "logprobs": _chat_logprobs(out["meta_info"], 0, names) if body.logprobs else None,
+                  "finish_reason": reason, "matched_stop": matched}
+        return dict(base, choices=[choice], usage=_usage([out]))
+
+
+def _echo_text(state: ServerState, req: Req) -> str:
+    tok = state.core.tokenizer
+    return tok.decode(req.prompt_ids) if tok is not None else ""
+
+
+async def _completion_events(stream: RequestStream, req: Req, base: dict[str, Any], echo: str, names: _Tokens,
+                             body: CompletionRequest) -> AsyncIterator[bytes]:
+    sent_text, sent_tokens, stops = "", 0, req.params.stop_strs
+    if echo:
+        yield sse(dict(base, choices=[{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]))
+    try:
+        async for out in stream:
+            text = visible_text(out, stops)
+            reason, matched = _finish(out)
+            lp = None
+            if body.logprobs is not None:
+                lp = _completion_logprobs(out["meta_info"], sent_tokens, names, len(echo) + len(sent_text))
+            sent_tokens = out["meta_info"]["completion_tokens"]
+            delta, sent_text = text[len(sent_text):], text
+            if delta or reason is not None or lp is not None:
+                choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+                yield sse(dict(base, choices=[choice]))
+            if reason is not None and body.stream_options and body.stream_options.include_usage:
+                yield sse(dict(base, choices=[], usage=_usage([out])))
+    except EngineFailed as e:
+        yield sse(error_body(500, str(e)))
+    yield DONE
+
+
+async def _chat_events(stream: RequestStream, req: Req, base: dict[str, Any], names: _Tokens,
+                       body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+    sent_text, sent_tokens, stops = "", 0, req.params.stop_strs
+    yield sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}]))
+    try:
+        async for out in stream:
+            text = visible_text(out, stops)
+            reason, matched = _finish(out)
+            lp = _chat_logprobs(out["meta_info"], sent_tokens, names) if body.logprobs else None
+            sent_tokens = out["meta_info"]["completion_tokens"]
+            delta, sent_text = text[len(sent_text):], text
+            if delta or reason is not None or lp is not None:
+                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                          "finish_reason": reason, "matched_stop": matched}
+                yield sse(dict(base, choices=[choice]))
+            if reason is not None and body.stream_options and body.stream_options.include_usage:
+                yield sse(dict(base, choices=[], usage=_usage([out])))
+    except EngineFailed as e:
+        yield sse(error_body(500, str(e)))
+    yield DONE

@@ -1,0 +1,102 @@
+"""What every route needs: the options, the engine bridge, metrics, and request construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridmoe.config import EngineArgs
+from hybridmoe.engine.engine import Engine, RequestError
+from hybridmoe.engine.request import Req
+from hybridmoe.server.async_engine import AsyncEngine, RequestStream
+from hybridmoe.server.errors import APIError
+from hybridmoe.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    args: EngineArgs
+    engine: AsyncEngine
+    metrics: ServerMetrics | None
+    model_name: str
+    server: Any = None  # the uvicorn.Server, to stop it if the model fails to load
+    exit_code: int = 0
+
+    @property
+    def core(self) -> Engine:
+        """The Engine (only its thread-safe parts may be used here: make_request, tokenizer, config)."""
+        self.engine.check_available()
+        assert self.engine.engine is not None
+        return self.engine.engine
+
+    def check_model(self, model: str | None) -> None:
+        """An OpenAI `model` field must name this server's model."""
+        names = (self.model_name, self.args.model_path, Path(self.args.model_path).name, "default")
+        if model is None or model in names:
+            return
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                       param="model")
+
+    def tokenizer(self):
+        tok = self.core.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer: send and receive token ids")
+        return tok
+
+    def build_req(self, *, prompt: str | None = None, input_ids: list[int] | None = None,
+                  params: dict[str, Any] | None = None, rid: str | None = None, return_logprob: bool = False,
+                  top_logprobs_num: int = 0, check_max_tokens: bool = True) -> Req:
+        """Validate and tokenize one request; APIError(400) with the engine's message when bad.
+
+        An explicit max_new_tokens that does not fit in the context with the prompt is an error
+        (the engine would silently shorten it).
+        """
+        engine = self.core
+        if params is not None and not isinstance(params, dict):
+            raise APIError(400, "sampling_params must be an object")
+        try:
+            req = engine.make_request(prompt=prompt, input_ids=input_ids, sampling_params=params, rid=rid,
+                                      return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+        except RequestError as e:
+            raise APIError(400, str(e)) from e
+        wanted = (params or {}).get("max_new_tokens")
+        ctx = engine.context_len
+        if check_max_tokens and isinstance(wanted, int) and wanted + len(req.prompt_ids) > ctx:
+            raise APIError(400, f"max_new_tokens={wanted} plus the prompt's {len(req.prompt_ids)} tokens exceed "
+                                f"the context length {ctx}", param="max_new_tokens")
+        return req
+
+    def submit(self, reqs: list[Req]) -> list[RequestStream]:
+        """Queue requests; all or none (503 past the queue bound, 400 on a duplicate rid)."""
+        streams: list[RequestStream] = []
+        try:
+            for req in reqs:
+                streams.append(self.engine.submit(req))
+        except ValueError as e:
+            self._abort(streams)
+            raise APIError(400, str(e), param="rid") from e
+        except BaseException:
+            self._abort(streams)
+            raise
+        return streams
+
+    def _abort(self, streams: list[RequestStream]) -> None:
+        for s in streams:
+            self.engine.abort(s.rid, "a request of the same batch was refused")
+
+    def server_info(self) -> dict[str, Any]:
+        """Options (API key redacted) and the engine's internal state."""
+        info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "extra"}
+        if info.get("api_key"):
+            info["api_key"] = "<redacted>"
+        from hybridmoe import __version__
+
+        stats = dict(self.engine.stats)
+        info.update(stats)
+        info.update({"version": __version__, "served_model_name": self.model_name, "ready": self.engine.ready,
+                     "num_queued_streams": self.engine.num_queued, "internal_states": [stats]})
+        if self.engine.engine is not None:
+            info["context_length"] = self.engine.engine.context_len
+        return info

@@ -1,0 +1,79 @@
+"""Helpers shared by the native and OpenAI routes: SSE framing, stop-string hold-back, and running a
+request to its end while watching for the client going away (its KV pages are freed at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from hybridmoe.server.async_engine import AsyncEngine, RequestStream
+from hybridmoe.server.errors import APIError
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+def holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that could be the start of a stop string.
+
+    A streamed request withholds that tail: if the stop string completes, the engine trims it from
+    the text, and a client must never have seen it.
+    """
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def visible_text(out: dict[str, Any], stops: list[str]) -> str:
+    """The text a stream may show now: all of it once finished, else minus the hold-back."""
+    text = out["text"]
+    if out["meta_info"]["finish_reason"] is not None or not stops:
+        return text
+    return text[: len(text) - holdback(text, stops)]
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def results(request: Request, engine: AsyncEngine, streams: list[RequestStream]) -> list[dict[str, Any]]:
+    """Wait for every stream's final output; if the client disconnects first, abort them all."""
+    waiter = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter.done():
+            return waiter.result()
+        raise APIError(499, "the client disconnected")  # nobody reads it; ends the handler
+    finally:
+        watcher.cancel()
+        if not waiter.done():
+            waiter.cancel()
+        for s in streams:
+            if not s.finished:
+                engine.abort(s.rid, "the client disconnected")
+
+
+async def guarded(stream: RequestStream, engine: AsyncEngine, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Wrap a streaming body so that a disconnect (the body is cancelled) aborts the request."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        if not stream.finished:
+            engine.abort(stream.rid, "the client disconnected")
