@@ -53,6 +53,23 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
+class JSONBodyMiddleware:
+    """Treat a POST body sent without a JSON content type (`curl -d '{...}'` sends
+    application/x-www-form-urlencoded) as JSON, as SGLang's server does; a body that is not JSON
+    still fails validation with a message that says so."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            ctype = dict(scope.get("headers") or []).get(b"content-type", b"")
+            if not ctype or ctype.startswith(b"application/x-www-form-urlencoded") or ctype.startswith(b"text/plain"):
+                scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -246,6 +263,7 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] 
     _install_error_handlers(app)
     _register_native_routes(app, state)
     openai_api.register_routes(app, state)
+    app.add_middleware(JSONBodyMiddleware)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     return app

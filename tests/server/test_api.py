@@ -142,3 +142,14 @@ def test_abort_request_by_rid(http, server):
         events = _sse(lines)
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert events[-1]["meta_info"]["completion_tokens"] < 1000
+
+
+def test_generate_without_json_content_type(server):
+    """`curl -d '{...}'` sends form encoding; the body is still read as JSON, as SGLang does."""
+    body = json.dumps({"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    r = httpx.post(server.url + "/generate", content=body,
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1
+    bad = httpx.post(server.url + "/generate", content="text=hello",
+                     headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert bad.status_code == 400 and "JSON" in bad.json()["message"]
