@@ -12,12 +12,9 @@ from hybridmoe.args import add_engine_args, engine_args_from
 # KTransformers command line parses) and refused at startup with exit code 2, never ignored.
 # Remove a flag here once the engine implements it.
 NOT_YET_AVAILABLE: tuple[str, ...] = (
-    "--kt-weight-path", "--kt-cpuinfer", "--kt-threadpool-count", "--kt-numa-nodes", "--kt-num-gpu-experts",
-    "--kt-gpu-experts-ratio", "--kt-expert-placement-strategy", "--init-expert-location",
-    "--kt-max-deferred-experts-per-token", "--kt-gpu-prefill-token-threshold", "--kt-enable-dynamic-expert-update",
-    "--record-expert-distribution",
+    "--kt-weight-path", "--kt-numa-nodes", "--kt-gpu-prefill-token-threshold", "--kt-enable-dynamic-expert-update",
 )
-KT_METHOD_DEFAULT = "AMXINT8"
+KT_METHODS_AVAILABLE = ("AMXINT8", "AMXINT4", "BF16")
 DEFAULT_GRACE_S = 30.0
 
 
@@ -58,7 +55,7 @@ def unavailable_flags(argv: list[str], ns: argparse.Namespace) -> list[str]:
     """Flags given that this version cannot honour yet."""
     given = flags_given(argv)
     bad = [f for f in NOT_YET_AVAILABLE if f in given]
-    if ns.kt_method != KT_METHOD_DEFAULT:
+    if ns.kt_method not in KT_METHODS_AVAILABLE:
         bad.append(f"--kt-method {ns.kt_method}")
     return bad
 

@@ -255,6 +255,12 @@ class Engine:
                 if r.finished:
                     pending.discard(r.rid)
 
+    def shutdown(self) -> None:
+        """Write what must outlive the process (the expert distribution statistics)."""
+        if self.runner.recorder is not None:
+            self.runner.recorder.dump()
+            log.info("expert distribution written to %s", self.runner.recorder.path)
+
     # ---- outputs ----
     @staticmethod
     def output_dict(req: Req) -> dict:

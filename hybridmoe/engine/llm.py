@@ -85,7 +85,10 @@ class LLM:
         return self.engine.prompt_logits(input_ids)
 
     def shutdown(self) -> None:
-        """Release the model (GPU memory is freed when the object is collected)."""
+        """Write the expert statistics if recording; release the model (GPU memory is freed when
+        the object is collected)."""
+        if self.engine is not None:
+            self.engine.shutdown()
         self.engine = None  # type: ignore[assignment]
 
     def __enter__(self) -> LLM:

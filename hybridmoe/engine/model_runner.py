@@ -18,6 +18,8 @@ from hybridmoe.engine.scheduler import ScheduledBatch
 from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend
 from hybridmoe.layers.attention.layer import ForwardContext
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts
+from hybridmoe.moe.hybrid import HybridPlan
+from hybridmoe.moe.placement import ExpertDistributionRecorder
 from hybridmoe.weights.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,12 @@ class ModelRunner:
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
         self.page_size = args.page_size
-        self.moe_backend = self._choose_moe_backend(args)
+        self.moe_options: dict = {}
+        self.hybrid = HybridPlan.from_args(args, hf_config, self.device)  # None: no GPU/CPU split
+        if self.hybrid is not None:
+            self.moe_backend, self.moe_options = "hybrid", {"hybrid": self.hybrid}
+        else:
+            self.moe_backend = self._choose_moe_backend(args)
         attn = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(attn)
         model_max = getattr(hf_config, "max_position_embeddings", 4096)
@@ -67,12 +74,21 @@ class ModelRunner:
             args.model_path, hf_config, self.dtype, self.device, self._make_experts,
             max_position=max(self.context_len, model_max), progress=progress, load_format=args.load_format,
             # CPU experts are assembled (and quantized) in host memory, never on the GPU
-            expert_device=(lambda _layer: torch.device("cpu")) if self.moe_backend == "cpu" else None,
+            expert_device=(lambda _layer: torch.device("cpu")) if self.moe_backend in ("cpu", "hybrid") else None,
         )
         self._alloc_kv_cache()
         self.vocab_size = hf_config.vocab_size
+        self.recorder: ExpertDistributionRecorder | None = None
+        if args.record_expert_distribution:
+            self.recorder = ExpertDistributionRecorder(args.record_expert_distribution, self.model.spec.num_experts)
+            for block in self.model.moe_blocks():
+                block.recorder = self.recorder
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph():
+        use_graphs = not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph()
+        if self.hybrid is not None and self.device.type == "cuda" and use_graphs:
+            log.warning("CUDA graphs are off: hybrid CPU experts are not yet enqueued as stream host functions")
+            use_graphs = False
+        if self.device.type == "cuda" and use_graphs:
             self.graphs = DecodeGraphs(self, min(args.cuda_graph_max_bs, args.max_running_requests))
             self.graphs.capture()
 
@@ -90,6 +106,7 @@ class ModelRunner:
     def _make_experts(self, weights: ExpertWeights, layer_idx: int) -> MoEExperts:
         options = {k: v for k, v in vars(self.args).items() if k.startswith("kt_")}
         options["device"] = self.device
+        options.update(self.moe_options)  # backend-specific (the hybrid plan)
         return create_experts(self.moe_backend, weights, layer_idx, options)
 
     def _alloc_kv_cache(self) -> None:

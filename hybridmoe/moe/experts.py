@@ -80,7 +80,7 @@ def create_experts(name: str, weights: ExpertWeights, layer_idx: int, options: d
 
 
 def _import_builtin() -> None:
-    from hybridmoe.moe import cpu_experts, torch_experts  # noqa: F401
+    from hybridmoe.moe import cpu_experts, hybrid, torch_experts  # noqa: F401
 
     try:  # Triton is optional (absent on some CPU-only installs)
         from hybridmoe.moe import triton_experts  # noqa: F401

@@ -102,6 +102,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.engine is not None:
+            self.engine.shutdown()  # e.g. writes --record-expert-distribution
 
     # ---- requests (event-loop thread) ----
     @property

@@ -27,19 +27,19 @@ def guarded_server(start_server):
     srv.stop()
 
 
-@pytest.mark.parametrize("flag", ["--kt-num-gpu-experts=4", "--kt-cpuinfer", "--kt-method", "--init-expert-location",
-                                  "--record-expert-distribution", "--kt-enable-dynamic-expert-update"])
+@pytest.mark.parametrize("flag", ["--kt-gpu-prefill-token-threshold=1024", "--kt-numa-nodes", "--kt-method",
+                                  "--kt-enable-dynamic-expert-update"])
 def test_hybrid_flags_not_yet_available(flag, capsys):
-    values = {"--kt-cpuinfer": ["8"], "--kt-method": ["AMXINT4"], "--init-expert-location": ["stats.pt"],
-              "--record-expert-distribution": ["out.pt"]}
+    values = {"--kt-numa-nodes": ["0"], "--kt-method": ["LLAMAFILE"]}
     argv = ["--device", "cpu", flag.split("=")[0] if "=" not in flag else flag, *values.get(flag, [])]
     assert serve_main(argv) == 2
     err = capsys.readouterr().err
     assert flag.split("=")[0] in err and "not yet available" in err
 
 
-def test_default_kt_method_is_accepted():
-    argv = ["--kt-method", "AMXINT8"]
+@pytest.mark.parametrize("argv", [["--kt-method", "AMXINT8"], ["--kt-method", "BF16", "--kt-num-gpu-experts", "4",
+                                  "--kt-max-deferred-experts-per-token", "1", "--kt-cpuinfer", "2"]])
+def test_built_kt_options_are_accepted(argv):
     assert unavailable_flags(argv, build_parser().parse_args(argv)) == []
 
 

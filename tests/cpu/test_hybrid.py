@@ -1,0 +1,135 @@
+"""Hybrid experts with `--device cpu`: both sides on the CPU (the "GPU" side is the torch backend),
+the same layer code as on a GPU machine. Placement, deferral, the expert distribution file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridmoe import LLM
+from hybridmoe.config import ConfigError
+from hybridmoe.moe.placement import place_experts
+
+from tiny_models import hf_model, make_tiny_model
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """Tiny Qwen3-MoE (10 experts, top-3, MoE layers 0 and 2) stored in bf16, so the CPU BF16
+    method holds exactly the checkpoint's weights."""
+    d = tmp_path_factory.mktemp("hyb")
+    hf_model(make_tiny_model("qwen3_moe", d / "f32")).to(torch.bfloat16).save_pretrained(str(d / "bf16"))
+    return d / "bf16"
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    llm = LLM(str(model), device="cpu", progress=False)  # every expert on the "GPU" side (torch)
+    prompt = torch.randint(0, 211, (50,), generator=torch.Generator().manual_seed(4)).tolist()
+    return prompt, llm.prompt_logits(prompt), llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+
+
+def _rel(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def stats_file(model, reference, tmp_path_factory):
+    path = tmp_path_factory.mktemp("stats") / "dist.json"
+    llm = LLM(str(model), device="cpu", progress=False, record_expert_distribution=str(path))
+    llm.generate(input_ids=reference[0], sampling_params=GREEDY)
+    llm.shutdown()
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "front-loading", "random", "frequency"])
+@pytest.mark.parametrize("n_gpu", [0, 1, 4, 9, 10])
+def test_split_matches_all_on_gpu(model, reference, stats_file, strategy, n_gpu):
+    """Tolerance: BF16 CPU experts hold the same bf16 weights; the kernel accumulates in fp32 in
+    another order, so logits agree to ~1e-6 relative (asserted < 1e-5) and greedy tokens are equal."""
+    prompt, ref_logits, ref_tokens = reference
+    llm = LLM(str(model), device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=n_gpu,
+              kt_expert_placement_strategy=strategy, init_expert_location=str(stats_file))
+    # 0 GPU experts: the plain CPU backend; 10 of 10: a hybrid layer with an empty CPU side
+    assert {b.experts.name for b in llm.engine.runner.model.moe_blocks()} == {"cpu" if n_gpu == 0 else "hybrid"}
+    assert _rel(llm.prompt_logits(prompt), ref_logits) < 1e-5
+    assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
+
+
+def test_placement_strategies():
+    layers = [0, 2, 3]
+    uni = place_experts("uniform", layers, 8, 3)
+    assert all(m.tolist() == [True] * 3 + [False] * 5 for m in uni.values())
+    front = place_experts("front-loading", layers, 8, 3)  # 9 in all: 8 in layer 0, 1 in layer 2
+    assert [int(front[i].sum()) for i in layers] == [8, 1, 0]
+    rnd, rnd2 = place_experts("random", layers, 8, 3, seed=1), place_experts("random", layers, 8, 3, seed=1)
+    assert all(int(m.sum()) == 3 and torch.equal(m, rnd2[i]) for i, m in rnd.items())
+
+
+def test_frequency_uses_the_recorded_counts(stats_file):
+    data = json.loads(stats_file.read_text())
+    assert data["num_experts"] == 10 and sorted(data["counts"]) == ["0", "2"]
+    counts = data["counts"]["2"]
+    assert sum(counts) == 3 * (50 + 23)  # top-3 for the prompt and each decoded token but the last
+    masks = place_experts("frequency", [0, 2], 10, 3, str(stats_file))
+    top = sorted(range(10), key=lambda e: (-counts[e], e))[:3]
+    assert masks[2].nonzero().flatten().tolist() == sorted(top)
+
+
+def test_deferral_in_the_model(model, reference):
+    prompt, ref_logits, _ = reference
+    for d in (1, 2):
+        llm = LLM(str(model), device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=2,
+                  kt_max_deferred_experts_per_token=d)
+        assert [b.experts.defer for b in llm.engine.runner.model.moe_blocks()] == [d, 0]  # the last defers nothing
+        assert _rel(llm.prompt_logits(prompt), ref_logits) > 1e-3  # deferral changes the result...
+        assert llm.engine.runner.hybrid.pending is None  # ...and the last layer collected the deferred work
+
+
+def test_deferral_semantics_exact():
+    """Two MoE layers: layer A's `d` lowest-weight CPU experts per token are left out of A's output
+    and added to layer B's, exactly."""
+    from hybridmoe.config import EngineArgs
+    from hybridmoe.moe.experts import ExpertWeights
+    from hybridmoe.moe.hybrid import HybridExperts, HybridPlan
+    from hybridmoe.moe.torch_experts import TorchExperts
+
+    g = torch.Generator().manual_seed(0)
+    e, h, i, k, t, d = 12, 40, 24, 4, 9, 2
+    ws = [ExpertWeights((torch.randn(e, 2 * i, h, generator=g) * 0.2).bfloat16().float(),
+                        (torch.randn(e, h, i, generator=g) * 0.2).bfloat16().float()) for _ in range(2)]
+    mask = torch.zeros(e, dtype=torch.bool)
+    mask[[1, 5, 7]] = True
+    plan = HybridPlan({0: mask, 3: mask}, [0, 3], d, "torch", torch.device("cpu"))
+    opts = dict(vars(EngineArgs(kt_method="BF16")), hybrid=plan)
+    layers = [HybridExperts(w, layer, opts) for w, layer in zip(ws, (0, 3))]
+    xs = [torch.randn(t, h, generator=g) for _ in range(2)]
+    ids = [torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) for _ in range(2)]
+    wts = [torch.rand(t, k, generator=g) for _ in range(2)]
+    out_a = layers[0].forward(xs[0], ids[0], wts[0])
+    out_b = layers[1].forward(xs[1], ids[1], wts[1])
+    # reference: which pairs of layer A are deferred
+    on_cpu = ~mask[ids[0]]
+    order = torch.where(on_cpu, wts[0], float("inf")).argsort(dim=1, stable=True)
+    later = torch.zeros_like(on_cpu).scatter_(1, order[:, :d], True) & on_cpu
+    ref = [TorchExperts(w) for w in ws]
+    ref_a = ref[0].forward(xs[0], ids[0], torch.where(later, 0.0, wts[0]))
+    ref_b = ref[1].forward(xs[1], ids[1], wts[1]) + ref[0].forward(xs[0], ids[0], torch.where(later, wts[0], 0.0))
+    assert later.any() and _rel(out_a, ref_a) < 1e-5 and _rel(out_b, ref_b) < 1e-5
+    assert plan.pending is None
+
+
+def test_bad_hybrid_options(model, tmp_path):
+    with pytest.raises(ConfigError, match="init-expert-location"):
+        LLM(str(model), device="cpu", progress=False, kt_num_gpu_experts=2, kt_expert_placement_strategy="frequency")
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    with pytest.raises(ConfigError, match="not an expert distribution"):
+        LLM(str(model), device="cpu", progress=False, kt_num_gpu_experts=2, kt_expert_placement_strategy="frequency",
+            init_expert_location=str(bad))
+    with pytest.raises(ConfigError, match="not yet available"):
+        LLM(str(model), device="cpu", progress=False, kt_num_gpu_experts=2, kt_gpu_prefill_token_threshold=1024)
