@@ -17,8 +17,10 @@ from hybridmoe.engine.cuda_graph import DecodeGraphs
 from hybridmoe.engine.scheduler import ScheduledBatch
 from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend
 from hybridmoe.layers.attention.layer import ForwardContext
+from hybridmoe.models.registry import arch_spec
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts
 from hybridmoe.moe.hybrid import HybridPlan
+from hybridmoe.moe.memory_plan import check_fits, host_available_bytes, plan_memory
 from hybridmoe.moe.placement import ExpertDistributionRecorder
 from hybridmoe.weights.loader import load_model
 
@@ -70,6 +72,8 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(attn)
         model_max = getattr(hf_config, "max_position_embeddings", 4096)
         self.context_len = args.context_length or model_max
+        if self.hybrid is not None:
+            self._check_memory_plan()  # before any weight is read
         self.model = load_model(
             args.model_path, hf_config, self.dtype, self.device, self._make_experts,
             max_position=max(self.context_len, model_max), progress=progress, load_format=args.load_format,
@@ -108,6 +112,25 @@ class ModelRunner:
         options["device"] = self.device
         options.update(self.moe_options)  # backend-specific (the hybrid plan)
         return create_experts(self.moe_backend, weights, layer_idx, options)
+
+    def _check_memory_plan(self) -> None:
+        """Print where the memory goes before loading; refuse a plan that cannot fit."""
+        assert self.hybrid is not None
+        spec = arch_spec(self.config)
+        elt = torch.finfo(self.dtype).bits // 8
+        plan = plan_memory(self.config, spec, self.hybrid.masks, elt, self.args.kt_method, self.context_len,
+                           self.args.max_running_requests)
+        for line in plan.lines():
+            log.info(line)
+        gpu_budget = None
+        if self.device.type == "cuda":
+            gpu_budget = int(torch.cuda.get_device_properties(self.device).total_memory
+                             * (self.args.mem_fraction_static or 0.85))
+        n_gpu = max(int(m.sum()) for m in self.hybrid.masks.values())
+        reason = check_fits(plan, gpu_budget, host_available_bytes(), 3 * self.config.hidden_size
+                            * spec.moe_intermediate * elt, len(spec.moe_layers), n_gpu)
+        if reason:
+            raise ConfigError(reason)
 
     def _alloc_kv_cache(self) -> None:
         cfg = self.config

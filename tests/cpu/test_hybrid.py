@@ -133,3 +133,27 @@ def test_bad_hybrid_options(model, tmp_path):
             init_expert_location=str(bad))
     with pytest.raises(ConfigError, match="not yet available"):
         LLM(str(model), device="cpu", progress=False, kt_num_gpu_experts=2, kt_gpu_prefill_token_threshold=1024)
+
+
+def test_memory_plan_is_printed_and_a_plan_that_does_not_fit_is_refused(model, caplog):
+    import logging
+
+    from hybridmoe.models.registry import arch_spec
+    from hybridmoe.moe.memory_plan import GiB, check_fits, plan_memory
+    from hybridmoe.weights.loader import load_hf_config
+
+    with caplog.at_level(logging.INFO):
+        LLM(str(model), device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=4)
+    assert any("GPU memory plan" in r.message and "GPU experts" in r.message for r in caplog.records)
+    assert any("host memory plan" in r.message and "CPU experts" in r.message for r in caplog.records)
+    cfg = load_hf_config(str(model))
+    spec = arch_spec(cfg)
+    masks = place_experts("uniform", list(spec.moe_layers), 10, 4)
+    plan = plan_memory(cfg, spec, masks, 2, "AMXINT8", 1024, 8)
+    per_expert = 3 * 72 * 40
+    assert plan.gpu["GPU experts"] == 2 * 4 * per_expert * 2  # 2 MoE layers x 4 experts, bf16
+    assert abs(plan.host["CPU experts"] - 2 * 6 * per_expert) < 2 * 6 * per_expert * 0.01  # int8: ~1 byte
+    assert check_fits(plan, 100 * GiB, 100 * GiB, per_expert * 2, 2, 4) is None
+    need = sum(plan.gpu.values())
+    msg = check_fits(plan, need - 2 * per_expert * 2 * 2, None, per_expert * 2, 2, 4)  # 2 experts per layer short
+    assert msg is not None and "--kt-num-gpu-experts 2 would fit" in msg
