@@ -7,7 +7,7 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables; applies RoPE to q and k at given positions.
+    """Precomputed cos/sin tables [max_position, D/2] (float32); layers/fused_ops.py applies them.
 
     Legend: T tokens, H heads, D head dim (rotary_dim == D).
     """
@@ -27,21 +27,6 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # [max_position, D/2]
         self.cos, self.sin = freqs.cos(), freqs.sin()
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor  # [T], [T,Hq,D], [T,Hkv,D]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same op order as the HF reference: x*cos + rotate_half(x)*sin in x's dtype.
-    cos = torch.cat([cos, cos], dim=-1).to(x.dtype)
-    sin = torch.cat([sin, sin], dim=-1).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def rope_theta_of(config: object) -> float:
