@@ -18,6 +18,7 @@ from hybridmoe.engine.scheduler import ScheduledBatch
 from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend
 from hybridmoe.layers.attention.layer import ForwardContext
 from hybridmoe.models.registry import arch_spec
+from hybridmoe.moe import hybrid as hybrid_mod
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts
 from hybridmoe.moe.hybrid import HybridPlan
 from hybridmoe.moe.memory_plan import check_fits, host_available_bytes, plan_memory
@@ -89,7 +90,7 @@ class ModelRunner:
                 block.recorder = self.recorder
         self.graphs: DecodeGraphs | None = None
         use_graphs = not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph()
-        if self.hybrid is not None and self.device.type == "cuda" and use_graphs:
+        if self.hybrid is not None and self.device.type == "cuda" and use_graphs and not hybrid_mod.USE_STREAM_HOST_FUNCTIONS:
             log.warning("CUDA graphs are off: hybrid CPU experts are not yet enqueued as stream host functions")
             use_graphs = False
         if self.device.type == "cuda" and use_graphs:
@@ -98,19 +99,27 @@ class ModelRunner:
 
     # ---- setup ----
     def _choose_moe_backend(self, args: EngineArgs) -> str:
+        if args.kt_weight_path is not None:
+            return "cpu"  # experts pre-converted for the CPU engine (`hybridmoe convert`): all of them there
         if args.kt_num_gpu_experts == 0 or args.kt_gpu_experts_ratio == 0.0:
             return "cpu"  # every routed expert on the CPU engine (--kt-method picks the format)
         if args.kt_num_gpu_experts is not None or args.kt_gpu_experts_ratio is not None:
             raise ConfigError("--kt-num-gpu-experts / --kt-gpu-experts-ratio above 0 (hybrid GPU+CPU experts) is "
                               "not yet available; use 0 (all experts on the CPU) or leave them unset (all on the GPU)")
-        if args.kt_weight_path is not None:
-            raise ConfigError("--kt-weight-path is not yet available (weights are quantized at load)")
         return args.moe_backend or ("triton" if self.device.type == "cuda" else "torch")
 
     def _make_experts(self, weights: ExpertWeights, layer_idx: int) -> MoEExperts:
         options = {k: v for k, v in vars(self.args).items() if k.startswith("kt_")}
         options["device"] = self.device
         options.update(self.moe_options)  # backend-specific (the hybrid plan)
+        if self.args.kt_weight_path is not None:  # packed by `hybridmoe convert`: read and verified, not quantized
+            from hybridmoe.weights.cpu_format import open_cpu_weights
+
+            if getattr(self, "_kt_weights", None) is None:  # checked against --model and --kt-method once
+                self._kt_weights = open_cpu_weights(self.args.kt_weight_path, self.config, self.args.model_path,
+                                                    self.args.kt_method)
+            cpu_ids = None if self.hybrid is None else (~self.hybrid.masks[layer_idx]).nonzero().flatten()
+            options["packed"] = self._kt_weights.load_layer(layer_idx, experts=cpu_ids)  # only the CPU-resident
         return create_experts(self.moe_backend, weights, layer_idx, options)
 
     def _check_memory_plan(self) -> None:

@@ -10,9 +10,9 @@ CPU experts go into a second CPU task, queued after the first; its output is add
 MoE layer's output, so the CPU works through the next attention. The last MoE layer defers
 nothing and collects what the one before it deferred.
 
-Status: the CPU side is driven from Python here (submit/sync); enqueueing it on the CUDA stream
-as host functions (so a decode step is capturable in a CUDA graph) is not built yet, so on CUDA
-the runner turns CUDA graphs off for hybrid models.
+Two ways to drive the CPU side: from Python (submit/sync; CPU device, and CUDA for now), or as
+CUDA stream host functions (moe/cuda_bridge.py; capturable in a CUDA graph), which is switched on
+by USE_STREAM_HOST_FUNCTIONS once validated on a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts, reg
 from hybridmoe.moe.placement import gpu_experts_per_layer, place_experts
 
 log = logging.getLogger(__name__)
+
+# The stream path (moe/cuda_bridge.py) is written but not yet validated on a GPU: until
+# tests/cpu/test_hybrid.py::test_stream_path_on_cuda has passed on the H200, CUDA runs use the
+# Python-driven path and the runner keeps CUDA graphs off for hybrid models.
+USE_STREAM_HOST_FUNCTIONS = False
 
 
 @dataclass
@@ -46,6 +51,7 @@ class HybridPlan:
     gpu_backend: str
     device: torch.device
     pending: _Deferred | None = field(default=None, repr=False)  # deferred work of the previous layer
+    pending_stream: tuple | None = field(default=None, repr=False)  # (StreamCPUTask, T) on the CUDA path
 
     @classmethod
     def from_args(cls, args: EngineArgs, hf_config, device: torch.device) -> HybridPlan | None:
@@ -102,6 +108,7 @@ class HybridExperts(MoEExperts):
         self.defer = 0 if layer_idx == plan.moe_layers[-1] else plan.num_deferred
         gpu_ids, cpu_ids = mask.nonzero().flatten(), (~mask).nonzero().flatten()
         self.gpu: MoEExperts | None = None
+        self._stream_tasks: dict[int, tuple] = {}  # token capacity -> (now, deferred) StreamCPUTasks
         self.cpu: CPUExperts | None = None
         if len(gpu_ids):  # only these experts' weights go to the GPU
             w = ExpertWeights(weights.gate_up[gpu_ids].to(dev), weights.down[gpu_ids].to(dev),
@@ -111,7 +118,55 @@ class HybridExperts(MoEExperts):
             self.cpu = CPUExperts(ExpertWeights(weights.gate_up[cpu_ids], weights.down[cpu_ids], weights.activation),
                                   layer_idx, options)
 
+    def _split(self, ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """CPU-local ids [T, K] of the pairs computed now, and of those deferred (None: no deferral);
+        -1 marks a pair the task skips. Device ops only (no sync)."""
+        cid = self.cpu_local[ids]  # -1 where the expert is on the GPU
+        if not self.defer:
+            return cid, None
+        on_cpu = cid >= 0
+        # each token's `defer` lowest-weight CPU experts
+        order = torch.where(on_cpu, topk_weights.float(), float("inf")).argsort(dim=1, stable=True)
+        later = torch.zeros_like(on_cpu).scatter_(1, order[:, : self.defer], True) & on_cpu
+        return torch.where(later, -1, cid), torch.where(later, cid, -1)
+
+    def _gpu_part(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.gpu is None:
+            return torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
+        gid = self.gpu_local[ids]
+        valid = gid >= 0
+        # pairs of CPU experts: expert 0 with weight 0 (cheaper than a ragged batch on the GPU)
+        return self.gpu.forward(x, torch.where(valid, gid, 0), torch.where(valid, topk_weights, 0.0)).float()
+
+    def _forward_stream(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """CUDA: the CPU side as stream host functions (capturable)."""
+        from hybridmoe.moe.cuda_bridge import StreamCPUTask
+
+        plan, t = self.plan, x.shape[0]
+        tasks = None
+        if self.cpu is not None:
+            cap = 1 << max(0, (t - 1).bit_length())
+            tasks = self._stream_tasks.get(cap)
+            if tasks is None:
+                make = lambda: StreamCPUTask(self.cpu.layer, cap, ids.shape[1], self.hidden, x.dtype)  # noqa: E731
+                tasks = self._stream_tasks[cap] = (make(), make() if self.defer else None)
+            now, later = self._split(ids, topk_weights)
+            w = topk_weights.float()
+            tasks[0].enqueue_submit(x, now.int(), w)
+            if later is not None:
+                tasks[1].enqueue_submit(x, later.int(), w)
+        out = self._gpu_part(x, ids, topk_weights)  # runs while the CPU works
+        if tasks is not None:
+            out += tasks[0].enqueue_result(t, x.device)
+        if plan.pending_stream is not None:
+            task, pt = plan.pending_stream
+            out += task.enqueue_result(pt, x.device)
+        plan.pending_stream = (tasks[1], t) if tasks is not None and self.defer else None
+        return out.to(x.dtype)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if USE_STREAM_HOST_FUNCTIONS and x.is_cuda:
+            return self._forward_stream(x, topk_ids.long(), topk_weights)
         plan = self.plan
         if self.is_first and plan.pending is not None:  # left over by an interrupted forward
             plan.pending.experts.sync(plan.pending.task)
@@ -120,29 +175,16 @@ class HybridExperts(MoEExperts):
         task = None
         deferred = None
         if self.cpu is not None:
-            cid = self.cpu_local[ids]  # [T, K], -1 where the expert is on the GPU
-            on_cpu = cid >= 0
+            now, later = self._split(ids, topk_weights)
             x_h = x.detach().to("cpu").contiguous()
             w_h = topk_weights.float().to("cpu").contiguous()
-            now = cid
-            if self.defer:
-                # each token's `defer` lowest-weight CPU experts
-                order = torch.where(on_cpu, topk_weights.float(), float("inf")).argsort(dim=1, stable=True)
-                later = torch.zeros_like(on_cpu).scatter_(1, order[:, : self.defer], True) & on_cpu
-                now = torch.where(later, -1, cid)
-                ids_later = torch.where(later, cid, -1).to("cpu", torch.int32).contiguous()
             out_h = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
             task = self.cpu.submit(x_h, now.to("cpu", torch.int32).contiguous(), w_h, out_h)
-            if self.defer:
+            if later is not None:
                 later_out = torch.empty_like(out_h)
-                deferred = _Deferred(self.cpu, self.cpu.submit(x_h, ids_later, w_h, later_out), later_out)
-        if self.gpu is not None:
-            gid = self.gpu_local[ids]
-            valid = gid >= 0
-            # pairs of CPU experts: expert 0 with weight 0 (cheaper than a ragged batch on the GPU)
-            out = self.gpu.forward(x, torch.where(valid, gid, 0), torch.where(valid, topk_weights, 0.0)).float()
-        else:
-            out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
+                task_later = self.cpu.submit(x_h, later.to("cpu", torch.int32).contiguous(), w_h, later_out)
+                deferred = _Deferred(self.cpu, task_later, later_out)
+        out = self._gpu_part(x, ids, topk_weights)
         if task is not None:
             self.cpu.sync(task)
             out += out_h.to(x.device)

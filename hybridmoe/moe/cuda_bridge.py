@@ -1,0 +1,79 @@
+"""CPU expert tasks enqueued on a CUDA stream as host functions (cuLaunchHostFunc), so the CPU
+side of a hybrid MoE layer is stream-ordered work: no Python runs between the GPU kernels, and a
+decode step with CPU experts can be captured in a CUDA graph.
+
+Legend: T tokens, K top-k, H hidden.
+
+Per (layer, T): fixed pinned buffers x_h [T, H], ids_h [T, K], w_h [T, K], out_h [T, H] and one
+HostCall struct. On the stream: D2H copies into the buffers -> host function `hm_submit_hostfn`
+(queues the task on the CPU pool and returns) -> the GPU's own work -> host function
+`hm_sync_hostfn` (blocks the stream until the task is done) -> H2D copy of out_h. libcuda is
+loaded at run time (never linked), and the host functions are C entry points of the native
+library, so no Python runs inside them.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+
+import torch
+
+from hybridmoe.cpu import native
+
+_libcuda = None
+
+
+def _cuda():
+    global _libcuda
+    if _libcuda is None:
+        lib = C.CDLL("libcuda.so.1")
+        lib.cuLaunchHostFunc.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p]
+        lib.cuLaunchHostFunc.restype = C.c_int
+        _libcuda = lib
+    return _libcuda
+
+
+def launch_host_func(fn_addr: int, userdata: C.Structure) -> None:
+    """Enqueue fn(userdata) on the current CUDA stream (captured as a host node during capture)."""
+    stream = torch.cuda.current_stream().cuda_stream
+    rc = _cuda().cuLaunchHostFunc(C.c_void_p(stream), C.c_void_p(fn_addr), C.c_void_p(C.addressof(userdata)))
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}")
+
+
+class StreamCPUTask:
+    """A CPU expert task driven from a CUDA stream, with pinned buffers for up to `cap` tokens.
+
+    Buffer addresses never change (a captured graph keeps using them); one HostCall per token
+    count T points at their first T rows."""
+
+    def __init__(self, cpu_layer, cap: int, k: int, hidden: int, x_dtype: torch.dtype) -> None:
+        self.layer = cpu_layer
+        self.x = torch.empty(cap, hidden, dtype=x_dtype, pin_memory=True)  # [cap, H]
+        self.ids = torch.full((cap, k), -1, dtype=torch.int32, pin_memory=True)  # [cap, K]
+        self.w = torch.zeros(cap, k, dtype=torch.float32, pin_memory=True)  # [cap, K]
+        self.out = torch.zeros(cap, hidden, dtype=torch.float32, pin_memory=True)  # [cap, H]
+        self.calls: dict[int, native.HostCall] = {}
+        self.submit_fn, self.sync_fn = native.host_functions()
+
+    def _call(self, t: int) -> native.HostCall:
+        call = self.calls.get(t)
+        if call is None:
+            task, _ = self.layer.make_task(self.x[:t], self.ids[:t], self.w[:t], self.out[:t])
+            call = self.calls[t] = native.HostCall(self.layer.pool.handle, task, 0, 0, 0, 0)
+        if call.status:
+            raise RuntimeError("a CPU expert task driven from the CUDA stream failed (status flag set)")
+        return call
+
+    def enqueue_submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
+        """Copy the inputs out (stream-ordered) and queue the CPU task once they have landed."""
+        t = x.shape[0]
+        self.x[:t].copy_(x, non_blocking=True)
+        self.ids[:t].copy_(ids, non_blocking=True)
+        self.w[:t].copy_(w, non_blocking=True)
+        launch_host_func(self.submit_fn, self._call(t))
+
+    def enqueue_result(self, t: int, device: torch.device) -> torch.Tensor:
+        """Block the stream until the task is done, then bring its output back: [T, H] float32."""
+        launch_host_func(self.sync_fn, self._call(t))
+        return self.out[:t].to(device, non_blocking=True)
