@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="HTTP server (SGLang and OpenAI APIs); `hybridmoe serve --help` for its flags",
                    add_help=False)
     sub.add_parser("check", help="environment report and recommended flags", add_help=False)
-    for name, text in (("convert", "HF checkpoint -> CPU experts"), ("bench", "benchmarks")):
-        sub.add_parser(name, help=f"{text} [not yet available]")
+    sub.add_parser("convert", help="HF checkpoint -> CPU expert weights for --kt-weight-path; "
+                   "`hybridmoe convert --help` for its flags", add_help=False)
+    sub.add_parser("bench", help="benchmarks [not yet available]")
     return p
 
 
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from hybridmoe.check import check_main
 
         return check_main(argv[1:])
+    if argv[:1] == ["convert"]:
+        from hybridmoe.convert import main as convert_main
+
+        return convert_main(argv[1:])
     ns = build_parser().parse_args(argv)
     level = getattr(ns, "log_level", "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -12,7 +12,7 @@ from hybridmoe.args import add_engine_args, engine_args_from
 # KTransformers command line parses) and refused at startup with exit code 2, never ignored.
 # Remove a flag here once the engine implements it.
 NOT_YET_AVAILABLE: tuple[str, ...] = (
-    "--kt-weight-path", "--kt-numa-nodes", "--kt-gpu-prefill-token-threshold", "--kt-enable-dynamic-expert-update",
+    "--kt-numa-nodes", "--kt-gpu-prefill-token-threshold", "--kt-enable-dynamic-expert-update",
 )
 KT_METHODS_AVAILABLE = ("AMXINT8", "AMXINT4", "BF16")
 DEFAULT_GRACE_S = 30.0

@@ -80,6 +80,8 @@ class ModelRunner:
             max_position=max(self.context_len, model_max), progress=progress, load_format=args.load_format,
             # CPU experts are assembled (and quantized) in host memory, never on the GPU
             expert_device=(lambda _layer: torch.device("cpu")) if self.moe_backend in ("cpu", "hybrid") else None,
+            # pre-converted CPU experts with no GPU share: nothing to read from the checkpoint
+            read_experts=not (args.kt_weight_path is not None and self.hybrid is None),
         )
         self._alloc_kv_cache()
         self.vocab_size = hf_config.vocab_size
@@ -99,13 +101,11 @@ class ModelRunner:
 
     # ---- setup ----
     def _choose_moe_backend(self, args: EngineArgs) -> str:
+        """The experts backend when there is no GPU/CPU split (HybridPlan.from_args gave None)."""
         if args.kt_weight_path is not None:
             return "cpu"  # experts pre-converted for the CPU engine (`hybridmoe convert`): all of them there
-        if args.kt_num_gpu_experts == 0 or args.kt_gpu_experts_ratio == 0.0:
-            return "cpu"  # every routed expert on the CPU engine (--kt-method picks the format)
         if args.kt_num_gpu_experts is not None or args.kt_gpu_experts_ratio is not None:
-            raise ConfigError("--kt-num-gpu-experts / --kt-gpu-experts-ratio above 0 (hybrid GPU+CPU experts) is "
-                              "not yet available; use 0 (all experts on the CPU) or leave them unset (all on the GPU)")
+            return "cpu"  # the split came to 0 GPU experts: every routed expert on the CPU engine
         return args.moe_backend or ("triton" if self.device.type == "cuda" else "torch")
 
     def _make_experts(self, weights: ExpertWeights, layer_idx: int) -> MoEExperts:

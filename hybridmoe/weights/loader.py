@@ -123,11 +123,14 @@ def load_model(
     max_position: int | None = None,
     progress: bool = True,
     load_format: str = "auto",
+    read_experts: bool = True,
 ) -> MoECausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint.
 
     make_experts(weights, layer_idx) creates each MoE layer's experts backend; expert_device(layer)
-    says where that layer's stacked expert tensors are assembled (default: `device`).
+    says where that layer's stacked expert tensors are assembled (default: `device`). With
+    read_experts=False the routed experts are not read (the backend has them from elsewhere, e.g.
+    `--kt-weight-path`) and make_experts gets None.
     """
     spec = arch_spec(config, f"{model_path}/config.json")
     index = DummyWeights() if load_format == "dummy" else SafetensorsIndex(model_path)
@@ -158,7 +161,7 @@ def load_model(
             if layer.is_moe:
                 block = getattr(layer, spec.moe_module)
                 dev = expert_device(i) if expert_device else device
-                weights = read_expert_weights(index, spec, i, config.hidden_size, dtype, dev)
+                weights = read_expert_weights(index, spec, i, config.hidden_size, dtype, dev) if read_experts else None
                 block.experts = make_experts(weights, i)
     model.eval()
     return model

@@ -1,0 +1,412 @@
+"""`hybridmoe convert` / `python -m hybridmoe.convert`: a Hugging Face checkpoint's routed experts ->
+the CPU expert weight directory that `--kt-weight-path` loads (format: weights/cpu_format.py).
+
+Streamed: one MoE layer at a time, its experts read tensor by tensor with pread (no mmap, so the
+resident memory is only the buffers filled) in chunks of experts; each chunk is packed and written
+at its final offsets in the layer file by a writer thread, so RAM holds a few chunks (about 0.5 GB)
+whatever the model's size; the finished file is read back from the page cache to hash it while the
+next layer is packed.
+Resumable: every layer file is written under a temporary name and renamed when complete, then
+recorded (with its sha256) in progress.json; manifest.json comes last. `--resume` re-verifies the
+recorded layers and converts the rest; the result is byte-identical to an uninterrupted run.
+
+Legend: E experts, I expert intermediate size, H hidden size, c experts per chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from hybridmoe.cpu.quant import ACTIVATIONS, GROUP_SIZES, pack_layer
+from hybridmoe.weights import cpu_format as cf
+from hybridmoe.weights.fp8 import FP8_DTYPES, block_dequant, block_size_of, scale_name
+from hybridmoe.weights.loader import CheckpointError, SafetensorsIndex, load_hf_config
+
+log = logging.getLogger("hybridmoe.convert")
+
+QUANT_METHODS = {"int8": "AMXINT8", "moe_int8": "AMXINT8", "int4": "AMXINT4", "moe_int4": "AMXINT4", "bf16": "BF16"}
+INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+CHUNK_BYTES = 128 << 20  # float32 input of one chunk of experts
+DELAY_ENV = "HYBRIDMOE_CONVERT_LAYER_DELAY_S"  # tests: pause after each layer (to kill mid-way)
+
+
+class ConvertError(CheckpointError):
+    """A conversion that cannot proceed; the message names the file, tensor or option at fault."""
+
+
+@dataclass
+class ConvertOptions:
+    input_path: str
+    output: str
+    quant_method: str
+    input_type: str = "bf16"
+    group_size: int = 128
+    threads: int | None = None
+    resume: bool = False
+    progress: bool = True
+
+
+class SourceReader:
+    """Expert tensors of the input checkpoint as float32, read with pread into fresh buffers."""
+
+    def __init__(self, input_path: str, input_type: str, config) -> None:
+        self.root = Path(input_path)
+        self.input_type = input_type
+        self.file_of = self._file_map(self.root)
+        try:
+            self.block = block_size_of(config) if input_type == "fp8" else None
+        except ValueError as e:
+            raise ConvertError(f"{self.root / 'config.json'}: {e}") from e
+        self._files: dict[Path, tuple[int, dict, int]] = {}  # fd, header, data offset
+
+    @staticmethod
+    def _file_map(root: Path) -> dict[str, Path]:
+        """Tensor name -> the file holding it (from the index of a sharded checkpoint, else the headers)."""
+        if (root / "model.safetensors.index.json").is_file():
+            return SafetensorsIndex(str(root)).file_of
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise ConvertError(f"{root}: no *.safetensors files (other weight formats are not supported)")
+        return {name: f for f in files for name in cf.read_header(f)[0] if name != "__metadata__"}
+
+    def _open(self, path: Path) -> tuple[int, dict, int]:
+        if path not in self._files:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise ConvertError(f"{path}: cannot be opened: {e}") from e
+            header, start = cf.read_header(path, fd)
+            self._files[path] = (fd, header, start)
+        return self._files[path]
+
+    def raw(self, name: str) -> torch.Tensor:
+        """Tensor `name` as stored (any dtype)."""
+        path = self.file_of.get(name)
+        if path is None:
+            raise ConvertError(f"tensor {name!r} is missing from the checkpoint {self.root}")
+        fd, header, start = self._open(path)
+        info = header.get(name)
+        if info is None or info.get("dtype") not in cf.DTYPES:
+            raise ConvertError(f"{path}: tensor {name!r} is missing or has an unsupported dtype")
+        b, e = info["data_offsets"]
+        buf = torch.empty(e - b, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        try:
+            while done < e - b:
+                n = os.preadv(fd, [view[done:]], start + b + done)
+                if n == 0:
+                    raise OSError(f"unexpected end of file at byte {start + b + done} (truncated file?)")
+                done += n
+        except OSError as err:
+            raise ConvertError(f"{path}: tensor {name!r} cannot be read: {err}") from err
+        return buf.view(cf.DTYPES[info["dtype"]]).reshape(info["shape"])
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fills out (float32 [N, K]) with tensor `name`, dequantizing fp8."""
+        t = self.raw(name)
+        where = f"{self.file_of[name].name}: tensor {name!r}"
+        if tuple(t.shape) != tuple(out.shape):
+            raise ConvertError(f"{where} has shape {tuple(t.shape)}, expected {tuple(out.shape)} from config.json")
+        if t.dtype in FP8_DTYPES:
+            if self.block is None:
+                raise ConvertError(f"{where} is {t.dtype}: the checkpoint is fp8; use --input-type fp8")
+            s = self.raw(scale_name(name))
+            try:
+                block_dequant(t, s, self.block, out=out)
+            except ValueError as e:
+                raise ConvertError(f"{where}: {e}") from e
+            return
+        # fp8 checkpoints may keep some experts unquantized; a float32 checkpoint converts as any type
+        allowed = (torch.bfloat16, torch.float16) if self.input_type == "fp8" else (INPUT_DTYPES[self.input_type],)
+        if t.dtype not in (*allowed, torch.float32):
+            raise ConvertError(f"{where} is {t.dtype}, but --input-type is {self.input_type}; pass the input type "
+                               "of the checkpoint (bf16, fp16 or fp8)")
+        out.copy_(t)
+
+    def close(self) -> None:
+        for fd, _, _ in self._files.values():
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read once: leave the page cache to others
+            os.close(fd)
+        self._files.clear()
+
+
+class Converter:
+    """Converts the MoE layers of one checkpoint into one output directory."""
+
+    def __init__(self, opts: ConvertOptions) -> None:
+        from hybridmoe import __version__
+        from hybridmoe.models.registry import arch_spec
+
+        self.opts = opts
+        if opts.quant_method not in QUANT_METHODS:
+            raise ConvertError(f"--quant-method {opts.quant_method!r}: expected one of {sorted(QUANT_METHODS)}")
+        if opts.input_type not in INPUT_DTYPES:
+            raise ConvertError(f"--input-type {opts.input_type!r}: expected one of {sorted(INPUT_DTYPES)}")
+        self.method = QUANT_METHODS[opts.quant_method]
+        if self.method == "AMXINT4" and opts.group_size not in GROUP_SIZES:
+            raise ConvertError(f"--group-size {opts.group_size}: int4 groups must be one of {GROUP_SIZES}")
+        config = load_hf_config(opts.input_path)
+        try:
+            self.spec = arch_spec(config, f"{opts.input_path}/config.json")
+        except ValueError as e:
+            raise ConvertError(str(e)) from e
+        if not self.spec.moe_layers:
+            raise ConvertError(f"{opts.input_path}/config.json: the model has no MoE layers; nothing to convert")
+        act = {"swish": "silu"}.get(getattr(config, "hidden_act", "silu"), getattr(config, "hidden_act", "silu"))
+        if act not in ACTIVATIONS:
+            raise ConvertError(f"{opts.input_path}/config.json: hidden_act {act!r} is not supported by the CPU "
+                               f"kernels ({sorted(ACTIVATIONS)})")
+        self.activation = act
+        self.e, self.i, self.h = self.spec.num_experts, self.spec.moe_intermediate, config.hidden_size
+        self.reader = SourceReader(opts.input_path, opts.input_type, config)
+        one = pack_layer(torch.zeros(1, 2 * self.i, self.h), torch.zeros(1, self.h, self.i), self.method,
+                         opts.group_size, True, act)
+        # name -> (dtype, shape) of each layer file's tensors, and its layer meta
+        self.layout = {k: (t.dtype, (self.e, *t.shape[1:])) for k, t in one.tensors().items()}
+        self.layer_meta = dict(one.meta(), num_experts=self.e)
+        self.layer_out_bytes = self.e * sum(t.numel() * t.element_size() for t in one.tensors().values())
+        canon = cf.canonical_config(opts.input_path)
+        self.header = {
+            "format": cf.FORMAT, "format_version": cf.FORMAT_VERSION, "converter": f"hybridmoe {__version__}",
+            "method": self.method, "quant_method": opts.quant_method, "input_type": opts.input_type,
+            "group_size": opts.group_size, "symmetric": True, "activation": act,
+            "architecture": (config.architectures or ["?"])[0], "num_experts": self.e, "hidden": self.h,
+            "inter": self.i, "hidden_pad": one.hidden_pad, "inter_pad": one.inter_pad,
+            "moe_layers": list(self.spec.moe_layers), "checksum": cf.CHECKSUM,
+            "source_config_sha256": cf.config_hash(canon), "source_config": canon,
+        }
+        self.chunk = max(1, min(self.e, CHUNK_BYTES // (3 * self.i * self.h * 4)))
+        self.out = Path(opts.output)
+
+    # ---- the output directory and what is already done ----
+    def _prepare_output(self) -> dict[str, dict]:
+        """Creates or checks the output directory; the verified finished layer files (name -> entry)."""
+        out, opts = self.out, self.opts
+        mpath, ppath = out / cf.MANIFEST, out / cf.PROGRESS
+        state = mpath if mpath.is_file() else ppath if ppath.is_file() else None
+        if state is None:
+            ours = [p.name for p in out.glob("layer_*.safetensors*")] if out.is_dir() else []
+            if ours:
+                raise ConvertError(f"{out}: holds layer files ({ours[0]}, ...) but no {cf.MANIFEST} or {cf.PROGRESS}; "
+                                   "remove them or choose another --output")
+            self._check_space(len(self.spec.moe_layers))  # before anything is written
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConvertError(f"--output {out}: cannot be created: {e}") from e
+            cf.write_json_atomic(ppath, dict(self.header, files={}))
+            return {}
+        if not opts.resume:
+            what = "a complete conversion" if state == mpath else "an unfinished conversion"
+            hint = "check it with `hybridmoe convert --verify`" if state == mpath else "continue it with --resume"
+            raise ConvertError(f"{out}: already holds {what}; {hint}, or choose another --output")
+        try:
+            prev = json.loads(state.read_text())
+        except (OSError, ValueError) as e:
+            raise ConvertError(f"{state}: cannot be read ({e}); remove the directory and convert again") from e
+        diff = [k for k in self.header if prev.get(k) != self.header[k]]
+        if diff:
+            raise ConvertError(f"{state}: the conversion there used other settings or another checkpoint (differs "
+                               f"in {', '.join(diff)}); rerun with the same options or choose another --output")
+        for tmp in out.glob("*.tmp"):
+            tmp.unlink()
+        done = {}
+        for name, entry in prev.get("files", {}).items():
+            path = out / name
+            if path.is_file() and path.stat().st_size == entry["bytes"] and cf.file_sha256(path) == entry["sha256"]:
+                done[name] = entry
+            else:
+                log.warning("%s: missing or corrupted; converting layer %d again", path, entry["layer"])
+        if state == mpath and len(done) < len(prev.get("files", {})):  # bad files: unfinished again
+            cf.write_json_atomic(ppath, dict(self.header, files=done))
+            mpath.unlink()
+        self._check_space(len(self.spec.moe_layers) - len(done))
+        return done
+
+    def _check_space(self, todo: int) -> None:
+        where = self.out
+        while not where.exists() and where != where.parent:  # the disk it will be created on
+            where = where.parent
+        need = todo * self.layer_out_bytes
+        free = shutil.disk_usage(where).free
+        if need > free:
+            raise ConvertError(f"{self.out}: {free / 1e9:.2f} GB free on that disk, the remaining {todo} layer(s) "
+                               f"need {need / 1e9:.2f} GB; free space or choose another --output")
+
+    # ---- packing one layer ----
+    def _read_chunk(self, layer: int, e0: int, e1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = torch.empty(e1 - e0, 2 * self.i, self.h)  # [c, 2I, H] float32
+        down = torch.empty(e1 - e0, self.h, self.i)  # [c, H, I]
+        for j, e in enumerate(range(e0, e1)):
+            g, u, d = self.spec.expert_tensor_names(layer, e)
+            self.reader.read_into(g, gate_up[j, : self.i])
+            self.reader.read_into(u, gate_up[j, self.i:])
+            self.reader.read_into(d, down[j])
+        return gate_up, down
+
+    def convert_layer(self, layer: int, file: cf.LayerFileWriter, prefetch: ThreadPoolExecutor,
+                      writer: ThreadPoolExecutor, bar: tqdm) -> None:
+        """Packs layer `layer` chunk by chunk into `file`: chunk k+1 is read while chunk k is packed, and
+        written while chunk k+2 is read; at most two chunks of input and two of output are alive."""
+        wfut: Future | None = None
+        fut = prefetch.submit(self._read_chunk, layer, 0, min(self.chunk, self.e))
+        try:
+            for e0 in range(0, self.e, self.chunk):
+                e1 = min(e0 + self.chunk, self.e)
+                gate_up, down = fut.result()
+                if e1 < self.e:
+                    fut = prefetch.submit(self._read_chunk, layer, e1, min(e1 + self.chunk, self.e))
+                part = pack_layer(gate_up, down, self.method, self.opts.group_size, True, self.activation,
+                                  chunk=e1 - e0).tensors()
+                del gate_up, down
+                if wfut is not None:
+                    wfut.result()
+                wfut = writer.submit(self._write_part, file, e0, part)
+                del part
+                bar.update(self.expert_in_bytes * (e1 - e0))
+            if wfut is not None:
+                wfut.result()
+        except BaseException:
+            for f in (fut, wfut):  # nothing may touch the file after abort
+                if f is not None and not f.cancel():
+                    f.exception()
+            file.abort()
+            raise
+
+    @staticmethod
+    def _write_part(file: cf.LayerFileWriter, first: int, part: dict[str, torch.Tensor]) -> None:
+        for name, rows in part.items():
+            file.write(name, first, rows)
+
+    # ---- the whole conversion ----
+    def run(self) -> Path:
+        """Converts every MoE layer not yet done, then writes the manifest; the output directory."""
+        done = self._prepare_output()
+        names = {cf.layer_file_name(layer): layer for layer in self.spec.moe_layers}
+        todo = [layer for name, layer in names.items() if name not in done]
+        in_bytes = self.e * self.expert_in_bytes
+        delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+        bar = tqdm(total=in_bytes * len(names), initial=in_bytes * (len(names) - len(todo)), unit="B",
+                   unit_scale=True, unit_divisor=1000, desc=f"Converting to {self.method}", disable=not self.opts.progress,
+                   dynamic_ncols=True)
+        pending: tuple[str, int, Future] | None = None
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(1, "convert-read") as reader, ThreadPoolExecutor(1, "convert-write") as writer:
+            try:
+                for layer in todo:
+                    name = cf.layer_file_name(layer)
+                    meta = {"format": cf.FORMAT, "format_version": str(cf.FORMAT_VERSION), "layer": str(layer),
+                            "meta": json.dumps(self.layer_meta, sort_keys=True)}
+                    file = cf.LayerFileWriter(self.out / name, self.layout, meta)
+                    self.convert_layer(layer, file, reader, writer, bar)
+                    if pending is not None:  # the previous layer's file was finished meanwhile
+                        self._record(done, *pending, bar, len(names))
+                    pending = (name, layer, writer.submit(file.finish))  # hashed while the next layer is packed
+                    if delay:
+                        time.sleep(delay)
+                if pending is not None:
+                    self._record(done, *pending, bar, len(names))
+                    pending = None
+            except BaseException:  # keep a layer finished meanwhile for --resume
+                if pending is not None and pending[0] not in done and not pending[2].cancel() \
+                        and pending[2].exception() is None:
+                    self._record(done, *pending, bar, len(names))
+                raise
+            finally:
+                bar.close()
+                self.reader.close()
+        manifest = dict(self.header, files=dict(sorted(done.items())))
+        cf.write_json_atomic(self.out / cf.MANIFEST, manifest)
+        (self.out / cf.PROGRESS).unlink(missing_ok=True)
+        secs = time.perf_counter() - t0
+        gb = in_bytes * len(todo) / 1e9
+        log.info("converted %d layer(s), %.2f GB in %.1f s (%.2f s/GB) into %s", len(todo), gb, secs,
+                 secs / gb if gb else 0.0, self.out)
+        return self.out
+
+    @property
+    def expert_in_bytes(self) -> int:
+        """Bytes of one expert in the checkpoint (nominal, for the progress bar and s/GB)."""
+        return 3 * self.i * self.h * {"bf16": 2, "fp16": 2, "fp8": 1}[self.opts.input_type]
+
+    def _record(self, done: dict, name: str, layer: int, fut: Future, bar: tqdm, total: int) -> None:
+        """Waits for a layer file's writer, then records it (with its checksum) in progress.json."""
+        nbytes, sha = fut.result()
+        done[name] = {"layer": layer, "bytes": nbytes, "sha256": sha}
+        cf.write_json_atomic(self.out / cf.PROGRESS, dict(self.header, files=dict(sorted(done.items()))))
+        bar.set_postfix_str(f"layers {len(done)}/{total}")
+
+
+def verify(path: str) -> int:
+    """`hybridmoe convert --verify DIR`: re-hash every file; 0 when all match the manifest."""
+    d = cf.CPUWeightDir(path)
+    problems = d.verify()
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    if problems:
+        print(f"{path}: {len(problems)} of {len(d.by_layer)} layer file(s) failed verification", file=sys.stderr)
+        return 1
+    total = sum(v["bytes"] for v in d.manifest["files"].values())
+    print(f"{path}: OK, {len(d.by_layer)} layer files, {d.method}, {total / 1e9:.3f} GB verified")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridmoe convert", description="Hugging Face checkpoint -> CPU expert "
+                                "weights for --kt-weight-path (layer by layer, resumable, checksummed).")
+    p.add_argument("--input-path", help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("--input-type", default="bf16", choices=sorted(INPUT_DTYPES),
+                   help="dtype of the routed experts in the checkpoint (fp8: block-scaled, weight_scale_inv)")
+    p.add_argument("--output", help="output directory (created; holds only the CPU expert weights)")
+    p.add_argument("--quant-method", choices=sorted(QUANT_METHODS),
+                   help="int8/moe_int8 -> --kt-method AMXINT8, int4/moe_int4 -> AMXINT4, bf16 -> BF16")
+    p.add_argument("--group-size", type=int, default=128, help=f"int4 group size, one of {GROUP_SIZES}")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted conversion in --output")
+    p.add_argument("--verify", metavar="DIR", help="verify a converted directory's checksums and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    ns = p.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if ns.verify:
+            return verify(ns.verify)
+        missing = [f for f, v in (("--input-path", ns.input_path), ("--output", ns.output),
+                                  ("--quant-method", ns.quant_method)) if v is None]
+        if missing:
+            p.error(f"the following arguments are required: {', '.join(missing)}")
+        if ns.threads is not None:
+            if ns.threads < 1:
+                p.error("--threads: expected a positive integer")
+            torch.set_num_threads(ns.threads)
+        opts = ConvertOptions(ns.input_path, ns.output, ns.quant_method, ns.input_type, ns.group_size, ns.threads,
+                              ns.resume, not ns.no_progress)
+        out = Converter(opts).run()
+    except CheckpointError as e:
+        print(f"hybridmoe convert: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hybridmoe convert: interrupted; continue with the same command plus --resume", file=sys.stderr)
+        return 130
+    print(f"{out}: done; serve with --kt-weight-path {out} --kt-method {QUANT_METHODS[ns.quant_method]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

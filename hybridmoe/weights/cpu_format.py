@@ -1,0 +1,370 @@
+"""The CPU expert weight directory written by `hybridmoe convert` and read with `--kt-weight-path`.
+
+Layout of a directory:
+  manifest.json            written last: format version, method, group size, shapes, the source
+                           config's hash, and one sha256 per layer file
+  layer_NNNN.safetensors   one MoE layer's PackedLayer tensors (w13.data, w13.scale, ...; see
+                           cpu/quant.py), exactly the bytes the CPU kernels read; the header is padded
+                           so every tensor starts 64-byte aligned; __metadata__ holds the layer's meta
+  progress.json            only while a conversion is unfinished (what `--resume` continues from)
+
+Loading a layer is one sequential read into one buffer, hashed on the way, and tensor views into
+that buffer: no repacking, no second copy. The files are standard safetensors (safe_open reads them).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from hybridmoe.cpu.quant import PackedLayer, pack_layer
+from hybridmoe.weights.loader import CheckpointError
+
+FORMAT = "hybridmoe-cpu-experts"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+CHECKSUM = "sha256"
+ALIGN = 64
+_BLOCK = 64 << 20  # bytes per read / hash step
+_REDO = "rerun the same `hybridmoe convert` command with --resume: it re-verifies every file and redoes the bad ones"
+# keys of config.json that do not change the weights (dtype, storage quantization, tool version)
+_VOLATILE_KEYS = ("quantization_config", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
+
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class CPUWeightsError(CheckpointError):
+    """A CPU weight directory that is incomplete, corrupted or does not match the model."""
+
+
+def layer_file_name(layer: int) -> str:
+    return f"layer_{layer:04d}.safetensors"
+
+
+# ---- the source config's identity -----------------------------------------------------------
+def canonical_config(model_path: str | Path) -> dict:
+    """config.json without the keys that do not change the weights (so a bf16 copy of an fp8
+    checkpoint has the same identity)."""
+    path = Path(model_path) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be read: {e}") from e
+    return {k: v for k, v in sorted(cfg.items()) if k not in _VOLATILE_KEYS}
+
+
+def config_hash(canonical: dict) -> str:
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# ---- safetensors files, written and read without extra copies --------------------------------
+def read_header(path: Path, fd: int | None = None) -> tuple[dict, int]:
+    """(header, offset of the data section) of a safetensors file."""
+    try:
+        own = fd is None
+        fd = os.open(path, os.O_RDONLY) if own else fd
+        try:
+            head = os.pread(fd, 8, 0)
+            if len(head) < 8:
+                raise ValueError("shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 << 20:
+                raise ValueError(f"header length {n} is implausible")
+            raw = os.pread(fd, n, 8)
+            if len(raw) < n:
+                raise ValueError("truncated header")
+            return json.loads(raw), 8 + n
+        finally:
+            if own:
+                os.close(fd)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from e
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _header(layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict]:
+    """The safetensors header (padded so the data starts 64-byte aligned) and each tensor's file offset."""
+    header: dict = {"__metadata__": metadata}
+    rel, off = {}, 0
+    for name, (dtype, shape) in layout.items():
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        rel[name], off = off, off + n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)
+    head = struct.pack("<Q", len(raw)) + raw
+    return head, {name: len(head) + o for name, o in rel.items()} | {"": len(head) + off}
+
+
+class LayerFileWriter:
+    """One safetensors file written piece by piece at the final offsets (so no whole layer is ever held
+    in memory) under `path.tmp`; `finish` hashes it, fsyncs and renames it to `path`."""
+
+    def __init__(self, path: Path, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str]) -> None:
+        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
+        head, self.offsets = _header(layout, metadata)
+        self.size = self.offsets.pop("")
+        self.row_bytes = {name: math.prod(shape[1:]) * torch.empty(0, dtype=dtype).element_size()
+                          for name, (dtype, shape) in layout.items()}
+        self.fd = -1
+        try:
+            self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.posix_fallocate(self.fd, 0, self.size)  # a full disk fails here, before any work
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(self.fd, self.size)
+            self._pwrite(memoryview(head), 0)
+        except OSError as e:
+            self._fail(e)
+
+    def _pwrite(self, data: memoryview, off: int) -> None:
+        while len(data):
+            n = os.pwrite(self.fd, data, off)
+            data, off = data[n:], off + n
+
+    def _fail(self, e: OSError) -> None:
+        self.abort()
+        if e.errno == errno.ENOSPC:
+            raise CPUWeightsError(f"{self.path}: disk full while writing it ({self.size} bytes needed); free space "
+                                  "and rerun with --resume") from e
+        raise CPUWeightsError(f"{self.path}: cannot be written: {e}") from e
+
+    def write(self, name: str, first: int, rows: torch.Tensor) -> None:
+        """Rows first.. of tensor `name` (along dim 0)."""
+        try:
+            self._pwrite(_raw_bytes(rows), self.offsets[name] + first * self.row_bytes[name])
+        except OSError as e:
+            self._fail(e)
+
+    def finish(self) -> tuple[int, str]:
+        """fsync, hash (reading the file back from the page cache), rename; (bytes, sha256 hex)."""
+        try:
+            os.fsync(self.fd)
+            h, buf = hashlib.sha256(), bytearray(min(_BLOCK, self.size))
+            view = memoryview(buf)
+            for off in range(0, self.size, _BLOCK):
+                want = min(_BLOCK, self.size - off)
+                if os.preadv(self.fd, [view[:want]], off) != want:
+                    raise OSError(errno.EIO, f"short read at byte {off}")
+                h.update(view[:want])
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            self._fail(e)
+        return self.size, h.hexdigest()
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+    """Writes `path` atomically (path.tmp, fsync, rename); returns (bytes, sha256 hex)."""
+    w = LayerFileWriter(path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, metadata)
+    for name, t in tensors.items():
+        w.write(name, 0, t)
+    return w.finish()
+
+
+def read_verified(path: Path, size: int, sha256: str) -> tuple[torch.Tensor, dict, int]:
+    """One sequential read of `path` into a buffer, checked against its size and sha256;
+    returns (uint8 buffer, header, data offset)."""
+    try:
+        actual = path.stat().st_size
+        if actual != size:
+            raise CPUWeightsError(f"{path}: {actual} bytes, the manifest says {size}: the file is truncated or "
+                                  f"was replaced; {_REDO}")
+        buf = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        h = hashlib.sha256()
+        hashed: Future | None = None
+        with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, "cpu-weights-hash") as hasher:
+            for i in range(0, size, _BLOCK):  # block k is hashed while block k+1 is read
+                got = f.readinto(view[i:i + _BLOCK])
+                if got != min(_BLOCK, size - i):
+                    raise CPUWeightsError(f"{path}: short read at byte {i}")
+                if hashed is not None:
+                    hashed.result()
+                hashed = hasher.submit(h.update, view[i:i + got])
+            if hashed is not None:
+                hashed.result()
+    except OSError as e:
+        raise CPUWeightsError(f"{path}: cannot be read: {e}") from e
+    if h.hexdigest() != sha256:
+        raise CPUWeightsError(f"{path}: checksum mismatch (sha256 {h.hexdigest()[:16]}..., manifest "
+                              f"{sha256[:16]}...): the file is corrupted; {_REDO}")
+    (n,) = struct.unpack("<Q", bytes(view[:8]))
+    return buf, json.loads(bytes(view[8:8 + n])), 8 + n
+
+
+def tensor_views(buf: torch.Tensor, header: dict, data_start: int) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file read into `buf`, as views (a copy only where misaligned)."""
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = DTYPES[info["dtype"]]
+        b, e = info["data_offsets"]
+        raw = buf[data_start + b:data_start + e]
+        if (data_start + b) % torch.empty(0, dtype=dtype).element_size():
+            raw = raw.clone()
+        out[name] = raw.view(dtype).reshape(info["shape"])
+    return out
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_BLOCK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CPUWeightsError(f"{path}: cannot be written: {e}") from e
+
+
+# ---- the directory ---------------------------------------------------------------------------
+class CPUWeightDir:
+    """A complete converted directory (its manifest read and checked)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        mpath = self.path / MANIFEST
+        if not self.path.is_dir():
+            raise CPUWeightsError(f"--kt-weight-path {self.path}: no such directory")
+        if not mpath.is_file():
+            if (self.path / PROGRESS).is_file():
+                raise CPUWeightsError(f"{self.path}: an unfinished conversion (no {MANIFEST}, {PROGRESS} present); "
+                                      "finish it with `hybridmoe convert ... --resume`")
+            raise CPUWeightsError(f"{self.path}: no {MANIFEST}; not a directory written by `hybridmoe convert`")
+        try:
+            m = json.loads(mpath.read_text())
+        except (OSError, ValueError) as e:
+            raise CPUWeightsError(f"{mpath}: cannot be read: {e}") from e
+        if m.get("format") != FORMAT:
+            raise CPUWeightsError(f"{mpath}: format {m.get('format')!r}, expected {FORMAT!r}")
+        if m.get("format_version") != FORMAT_VERSION:
+            raise CPUWeightsError(f"{mpath}: format version {m.get('format_version')}; this hybridmoe reads "
+                                  f"version {FORMAT_VERSION}: reconvert with this version")
+        self.manifest = m
+        self.by_layer = {int(v["layer"]): (self.path / name, v) for name, v in m["files"].items()}
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    @property
+    def method(self) -> str:
+        return self.manifest["method"]
+
+    def check_model(self, config, model_path: str, kt_method: str | None, spec=None) -> None:
+        """The directory must have been converted from `model_path`'s architecture and shapes, with
+        `kt_method`; raises CPUWeightsError naming the mismatch."""
+        from hybridmoe.models.registry import arch_spec
+
+        m, where = self.manifest, self.path / MANIFEST
+        if kt_method is not None and kt_method.upper() != m["method"]:
+            raise CPUWeightsError(f"{where}: the weights are {m['method']} (converted with --quant-method "
+                                  f"{m['quant_method']}) but --kt-method is {kt_method.upper()}; pass "
+                                  f"--kt-method {m['method']}")
+        spec = spec or arch_spec(config, f"{model_path}/config.json")
+        want = {"num_experts": spec.num_experts, "hidden": config.hidden_size, "inter": spec.moe_intermediate,
+                "moe_layers": list(spec.moe_layers)}
+        bad = [f"{k} {m[k]} (model {v})" for k, v in want.items() if m[k] != v]
+        if bad:
+            raise CPUWeightsError(f"{where}: converted for another model: {', '.join(bad)} ({model_path})")
+        canon = canonical_config(model_path)
+        if config_hash(canon) != m["source_config_sha256"]:
+            src = m.get("source_config", {})
+            diff = sorted(k for k in set(src) | set(canon) if src.get(k) != canon.get(k))
+            raise CPUWeightsError(f"{where}: converted from a different checkpoint than {model_path} (config.json "
+                                  f"differs in {', '.join(diff) or 'content'}); reconvert from --model's checkpoint")
+        missing = [layer for layer in spec.moe_layers if layer not in self.by_layer]
+        if missing:
+            raise CPUWeightsError(f"{where}: no file for MoE layer(s) {missing}")
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every layer file's tensors (from packing one zero expert)."""
+        if self._shapes is None:
+            m = self.manifest
+            h, i = m["hidden"], m["inter"]
+            one = pack_layer(torch.zeros(1, 2 * i, h), torch.zeros(1, h, i), m["method"], m["group_size"],
+                             m["symmetric"], m["activation"])
+            self._shapes = {k: (m["num_experts"], *t.shape[1:]) for k, t in one.tensors().items()}
+        return self._shapes
+
+    def load_layer(self, layer: int, experts: torch.Tensor | None = None) -> PackedLayer:
+        """Layer `layer`'s packed experts, read once and verified against the manifest; with `experts`
+        (ids [Ec]), only those, renumbered 0..Ec-1 in that order (the CPU-resident ones of a hybrid split)."""
+        if layer not in self.by_layer:
+            raise CPUWeightsError(f"{self.path / MANIFEST}: no file for MoE layer {layer}")
+        path, info = self.by_layer[layer]
+        buf, header, start = read_verified(path, info["bytes"], info["sha256"])
+        tensors = tensor_views(buf, header, start)
+        meta = json.loads(header.get("__metadata__", {}).get("meta", "{}"))
+        want = {k: self.manifest[k] for k in ("method", "num_experts", "hidden", "inter", "hidden_pad", "inter_pad",
+                                              "group_size", "symmetric", "activation")}
+        shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+        if meta != want or shapes != self.expected_shapes():
+            raise CPUWeightsError(f"{path}: its layout ({meta}, {shapes}) does not match {MANIFEST} ({want}, "
+                                  f"{self.expected_shapes()})")
+        if experts is not None:
+            ids = experts.to("cpu", torch.long)
+            tensors = {k: t.index_select(0, ids) for k, t in tensors.items()}
+            meta = dict(meta, num_experts=len(ids))
+        return PackedLayer.from_tensors(meta, tensors)
+
+    def verify(self) -> list[str]:
+        """Problems found re-hashing every file (empty = all good)."""
+        problems = []
+        for _layer, (path, info) in sorted(self.by_layer.items()):
+            if not path.is_file():
+                problems.append(f"{path}: missing")
+            elif path.stat().st_size != info["bytes"]:
+                problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says {info['bytes']}")
+            elif file_sha256(path) != info["sha256"]:
+                problems.append(f"{path}: checksum mismatch: the file is corrupted")
+        return problems
+
+
+def open_cpu_weights(path: str, config, model_path: str, kt_method: str | None) -> CPUWeightDir:
+    """Open `--kt-weight-path` and check it against `--model` and `--kt-method`."""
+    d = CPUWeightDir(path)
+    d.check_model(config, model_path, kt_method)
+    return d
