@@ -40,7 +40,7 @@ def _packed(llm: LLM) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("quant", ["int8", "int4", "bf16", "moe_int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "bf16", "moe_int8", "moe_int4"])
 def test_round_trip_equals_load_time_quantization(bf16_checkpoint, tmp_path, kind, quant):
     src, method = bf16_checkpoint(kind), QUANT_METHODS[quant]
     assert run_convert(src, tmp_path / "cpu", quant) == 0
