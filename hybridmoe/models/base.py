@@ -1,7 +1,8 @@
 """A decoder-only MoE transformer assembled from layers, parametrized by an `ArchSpec`.
 
-Parameter names equal the Hugging Face checkpoint names (model.layers.N.self_attn.q_proj.weight,
-...), so the loader copies tensors by name; the routed experts are the exception: their per-expert
+Parameter names equal the Hugging Face checkpoint names (model.layers.N.input_layernorm.weight,
+...), so the loader copies tensors by name, with two exceptions: q/k/v are one fused qkv_proj
+filled from the three checkpoint tensors (`checkpoint_parts`), and the routed experts' per-expert
 tensors are stacked and handed to an MoEExperts backend (see moe/experts.py).
 
 Legend: T tokens, H hidden, V vocabulary, B sequences.
@@ -105,6 +106,14 @@ class MoECausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V]
         return self.lm_head(hidden)
+
+    def checkpoint_parts(self, name: str, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors that fill parameter `name`: itself, or the parts of a fused one."""
+        if ".self_attn.qkv_proj." in name:
+            prefix, suffix = name.rsplit(".qkv_proj.", 1)
+            layer = self.model.layers[int(name.split(".")[2])]
+            return layer.self_attn.checkpoint_parts(prefix, suffix, param)
+        return [(name, param)]
 
     def moe_blocks(self) -> list[SparseMoEBlock]:
         return [getattr(layer, self.spec.moe_module) for layer in self.model.layers if layer.is_moe]

@@ -156,7 +156,8 @@ def load_model(
         bar = tqdm(range(config.num_hidden_layers), desc="Loading weights", unit="layer", disable=not progress)
         for i in bar:
             for name in by_layer.get(i, []):
-                index.fill(name, params[name])
+                for src, dst in model.checkpoint_parts(name, params[name]):
+                    index.fill(src, dst)
             layer = model.model.layers[i]
             if layer.is_moe:
                 block = getattr(layer, spec.moe_module)
