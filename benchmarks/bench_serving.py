@@ -152,8 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--dummy-qwen3-30b", action="store_true",
+                   help="serve a Qwen3-30B-A3B-shaped model with random weights (adds --model-path to a "
+                        "generated config, --load-format dummy, --skip-tokenizer-init to --server-args)")
     a = p.parse_args(argv)
     proc = None
+    tmp = None
+    if a.dummy_qwen3_30b:
+        import tempfile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_decode import write_config
+
+        tmp = tempfile.TemporaryDirectory()
+        shape = argparse.Namespace(vocab=151936, hidden=2048, inter=768, layers=48, heads=32, kv_heads=4,
+                                   head_dim=128, experts=128, topk=8)
+        write_config(Path(tmp.name), shape)
+        a.server_args += f" --model-path {tmp.name} --load-format dummy --skip-tokenizer-init"
     if a.base_url is None:
         proc, base_url = start_server(a.server_args, a.startup_timeout)
     else:
@@ -186,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+        if tmp is not None:
+            tmp.cleanup()
     return 0
 
 

@@ -4,8 +4,8 @@ decode step with CPU experts can be captured in a CUDA graph.
 
 Legend: T tokens, K top-k, H hidden.
 
-Per (layer, T): fixed pinned buffers x_h [T, H], ids_h [T, K], w_h [T, K], out_h [T, H] and one
-HostCall struct. On the stream: D2H copies into the buffers -> host function `hm_submit_hostfn`
+Fixed pinned buffers x_h [T, H], ids_h [T, K], w_h [T, K], out_h [T, H] (shared by the layers) and
+one HostCall struct per (layer, T). On the stream: D2H copies into the buffers -> host function `hm_submit_hostfn`
 (queues the task on the CPU pool and returns) -> the GPU's own work -> host function
 `hm_sync_hostfn` (blocks the stream until the task is done) -> H2D copy of out_h. libcuda is
 loaded at run time (never linked), and the host functions are C entry points of the native
@@ -41,18 +41,28 @@ def launch_host_func(fn_addr: int, userdata: C.Structure) -> None:
         raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}")
 
 
-class StreamCPUTask:
-    """A CPU expert task driven from a CUDA stream, with pinned buffers for up to `cap` tokens.
+class PinnedIO:
+    """Pinned host buffers for up to `cap` tokens: x [cap, H], ids [cap, K], w [cap, K], out [cap, H].
 
-    Buffer addresses never change (a captured graph keeps using them); one HostCall per token
-    count T points at their first T rows."""
+    Their addresses never change, so a captured graph keeps using them. Layers share them (the
+    stream runs one layer after the other): see HybridPlan.pinned_io."""
 
-    def __init__(self, cpu_layer, cap: int, k: int, hidden: int, x_dtype: torch.dtype) -> None:
-        self.layer = cpu_layer
+    def __init__(self, cap: int, k: int, hidden: int, x_dtype: torch.dtype) -> None:
+        self.cap = cap
         self.x = torch.empty(cap, hidden, dtype=x_dtype, pin_memory=True)  # [cap, H]
         self.ids = torch.full((cap, k), -1, dtype=torch.int32, pin_memory=True)  # [cap, K]
         self.w = torch.zeros(cap, k, dtype=torch.float32, pin_memory=True)  # [cap, K]
         self.out = torch.zeros(cap, hidden, dtype=torch.float32, pin_memory=True)  # [cap, H]
+
+
+class StreamCPUTask:
+    """One layer's CPU expert task driven from a CUDA stream, on a PinnedIO's buffers; one HostCall
+    per token count T points at their first T rows."""
+
+    def __init__(self, cpu_layer, io: PinnedIO) -> None:
+        self.layer = cpu_layer
+        self.io = io
+        self.x, self.ids, self.w, self.out = io.x, io.ids, io.w, io.out
         self.calls: dict[int, native.HostCall] = {}
         self.submit_fn, self.sync_fn = native.host_functions()
 

@@ -18,6 +18,7 @@ by USE_STREAM_HOST_FUNCTIONS once validated on a GPU.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -28,10 +29,10 @@ from hybridmoe.moe.placement import gpu_experts_per_layer, place_experts
 
 log = logging.getLogger(__name__)
 
-# The stream path (moe/cuda_bridge.py) is written but not yet validated on a GPU: until
-# tests/cpu/test_hybrid.py::test_stream_path_on_cuda has passed on the H200, CUDA runs use the
-# Python-driven path and the runner keeps CUDA graphs off for hybrid models.
-USE_STREAM_HOST_FUNCTIONS = False
+# CUDA runs drive the CPU side as stream host functions (capturable in CUDA graphs) unless
+# HYBRIDMOE_STREAM_HOST_FUNCTIONS=0 asks for the Python-driven path (then the runner keeps CUDA
+# graphs off for hybrid models).
+USE_STREAM_HOST_FUNCTIONS = os.environ.get("HYBRIDMOE_STREAM_HOST_FUNCTIONS", "1") != "0"
 
 
 @dataclass
@@ -52,6 +53,19 @@ class HybridPlan:
     device: torch.device
     pending: _Deferred | None = field(default=None, repr=False)  # deferred work of the previous layer
     pending_stream: tuple | None = field(default=None, repr=False)  # (StreamCPUTask, T) on the CUDA path
+    _pinned: dict = field(default_factory=dict, repr=False)  # (parity, slot, cap) -> PinnedIO
+
+    def pinned_io(self, layer_idx: int, slot: int, cap: int, k: int, hidden: int, dtype: torch.dtype):
+        """Pinned buffers for a layer's CPU task (slot 0: now, 1: deferred), shared by every other
+        MoE layer: layer L's deferred task still reads its buffers while layer L+1 runs, and is
+        collected before layer L+2 writes them (stream order)."""
+        from hybridmoe.moe.cuda_bridge import PinnedIO
+
+        key = (self.moe_layers.index(layer_idx) % 2, slot, cap)
+        io = self._pinned.get(key)
+        if io is None:
+            io = self._pinned[key] = PinnedIO(cap, k, hidden, dtype)
+        return io
 
     @classmethod
     def from_args(cls, args: EngineArgs, hf_config, device: torch.device) -> HybridPlan | None:
@@ -148,8 +162,11 @@ class HybridExperts(MoEExperts):
             cap = 1 << max(0, (t - 1).bit_length())
             tasks = self._stream_tasks.get(cap)
             if tasks is None:
-                make = lambda: StreamCPUTask(self.cpu.layer, cap, ids.shape[1], self.hidden, x.dtype)  # noqa: E731
-                tasks = self._stream_tasks[cap] = (make(), make() if self.defer else None)
+                def make(slot: int) -> StreamCPUTask:
+                    io = plan.pinned_io(self.layer_idx, slot, cap, ids.shape[1], self.hidden, x.dtype)
+                    return StreamCPUTask(self.cpu.layer, io)
+
+                tasks = self._stream_tasks[cap] = (make(0), make(1) if self.defer else None)
             now, later = self._split(ids, topk_weights)
             w = topk_weights.float()
             tasks[0].enqueue_submit(x, now.int(), w)

@@ -169,6 +169,7 @@ def test_stream_path_on_cuda(model, monkeypatch, graphs):
     prompt = torch.randint(0, 211, (50,), generator=torch.Generator().manual_seed(4)).tolist()
     opts = dict(device="cuda", dtype="bfloat16", progress=False, kt_method="BF16", kt_num_gpu_experts=4,
                 kt_max_deferred_experts_per_token=1, max_total_tokens=4096, cuda_graph_max_bs=4)
+    monkeypatch.setattr(hybrid, "USE_STREAM_HOST_FUNCTIONS", False)  # the Python-driven path
     ref = LLM(str(model), disable_cuda_graph=True, **opts)
     ref_logits = ref.prompt_logits(prompt)
     ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
@@ -177,4 +178,28 @@ def test_stream_path_on_cuda(model, monkeypatch, graphs):
     llm = LLM(str(model), disable_cuda_graph=not graphs, **opts)
     assert (llm.engine.runner.graphs is not None) == graphs
     assert _rel(llm.prompt_logits(prompt), ref_logits) < 1e-3
+    assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
+    # a batch of 3 through the captured graphs (the pinned buffers shared by the layers)
+    batch = [prompt[: 10 + 7 * i] for i in range(3)]
+    outs = [o["output_ids"] for o in llm.generate(input_ids=batch, sampling_params=GREEDY)]
+    single = [llm.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch]
+    assert outs == single
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["uniform", "front-loading", "random", "frequency"])
+@pytest.mark.parametrize("n_gpu", [0, 1, 4, 9, 10])
+def test_split_on_cuda_matches_all_on_gpu(model, stats_file, strategy, n_gpu):
+    """On the GPU (bf16, Triton experts, stream host functions, CUDA graphs), every split gives the
+    greedy tokens of the same model with every expert on the GPU. Tolerance: the GPU side sums in
+    bf16 and the BF16 CPU side in fp32, so logits differ by bf16 rounding: < 2e-2 relative."""
+    prompt = torch.randint(0, 211, (50,), generator=torch.Generator().manual_seed(4)).tolist()
+    opts = dict(device="cuda", dtype="bfloat16", progress=False, max_total_tokens=4096, cuda_graph_max_bs=4)
+    ref = LLM(str(model), **opts)
+    ref_logits = ref.prompt_logits(prompt)
+    ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    del ref
+    llm = LLM(str(model), kt_method="BF16", kt_num_gpu_experts=n_gpu, kt_expert_placement_strategy=strategy,
+              init_expert_location=str(stats_file), **opts)
+    assert _rel(llm.prompt_logits(prompt), ref_logits) < 2e-2
     assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens

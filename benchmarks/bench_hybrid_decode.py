@@ -1,0 +1,142 @@
+"""Hybrid decode throughput: a full-size MoE model with random weights, N experts per layer on the
+GPU and the rest on the CPU engine (default: Qwen3-30B-A3B shape, 32 GPU experts, AMXINT8).
+
+For each deferral setting, CUDA graphs on and off, and each batch size, prints decode tokens/s and
+where a step's time goes: CPU busy (the CPU expert tasks' wall time, from the native profile) and
+the rest of the step (GPU work not hidden behind the CPU, transfers, launches). For batch 1 also
+the bound = the CPU pool's stream-read bandwidth measured in the same run / the CPU expert bytes a
+token reads (expected number of CPU-resident experts among its top-k, times the packed bytes of
+one expert, over all MoE layers), and the ratio to it.
+
+    python benchmarks/bench_hybrid_decode.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import write_config  # noqa: E402
+
+
+def cpu_expert_bytes_per_token(model, topk: int) -> tuple[float, int]:
+    """(expected CPU expert bytes per token, packed bytes of one CPU expert)."""
+    total, per_expert = 0.0, 0
+    for block in model.moe_blocks():
+        ex = block.experts
+        cpu = getattr(ex, "cpu", None)
+        if cpu is None:
+            continue
+        packed = cpu.layer.packed
+        nbytes = sum(t.numel() * t.element_size() for t in packed.tensors().values())
+        per_expert = nbytes // packed.num_experts
+        e_total = ex.gpu_local.numel()
+        total += topk * packed.num_experts / e_total * per_expert
+    return total, per_expert
+
+
+def run_batch(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
+    from hybridmoe.cpu import native
+
+    eng = llm.engine
+    g = torch.Generator().manual_seed(batch)
+    reqs = [eng.make_request(input_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+                             sampling_params={"max_new_tokens": steps + 2, "temperature": 0, "ignore_eos": True})
+            for _ in range(batch)]
+    for r in reqs:
+        eng.submit(r)
+    while any(len(r.output_ids) < 2 for r in reqs):  # prefill and the first decode step: not timed
+        eng.step()
+    torch.cuda.synchronize()
+    native.profile(reset=True)
+    t0, n, nsteps = time.perf_counter(), 0, 0
+    while not all(r.finished for r in reqs):
+        n += len(eng.step())
+        nsteps += 1
+    dt = time.perf_counter() - t0
+    prof = native.profile(reset=True)
+    cpu_busy = sum(v for k, v in prof.items() if k != "tasks")
+    return {"tokens_per_s": n / dt, "ms_per_step": 1e3 * dt / nsteps, "cpu_busy_ms_per_step": 1e3 * cpu_busy / nsteps,
+            "other_ms_per_step": 1e3 * (dt - cpu_busy) / nsteps, "cpu_tasks_per_step": prof["tasks"] / nsteps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--gpu-experts", type=int, default=32, help="--kt-num-gpu-experts")
+    p.add_argument("--method", default="AMXINT8", help="--kt-method")
+    p.add_argument("--cpuinfer", type=int, default=None, help="--kt-cpuinfer (default: the library's)")
+    p.add_argument("--deferred", type=int, nargs="+", default=[0, 2])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--graphs", default="on,off")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--off-steps", type=int, default=32, help="decode steps with graphs off (slow)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+
+    from hybridmoe import LLM
+    from hybridmoe.cpu.engine import default_pool
+
+    results = {"shape": vars(a), "runs": []}
+    with tempfile.TemporaryDirectory() as d:
+        write_config(Path(d), a)
+        for deferred in a.deferred:
+            max_bs = max(a.batch)
+            t = time.perf_counter()
+            llm = LLM(d, device="cuda", dtype="bfloat16", load_format="dummy", progress=False,
+                      skip_tokenizer_init=True, kt_method=a.method, kt_num_gpu_experts=a.gpu_experts,
+                      kt_cpuinfer=a.cpuinfer, kt_max_deferred_experts_per_token=deferred,
+                      disable_cuda_graph="on" not in a.graphs, cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
+                      max_total_tokens=max_bs * (a.prompt_len + a.steps + 64), context_length=4096)
+            print(f"deferred {deferred}: model ready in {time.perf_counter() - t:.1f} s", flush=True)
+            runner = llm.engine.runner
+            bw = default_pool().stream_read_gbps() * 1e9
+            bpt, per_expert = cpu_expert_bytes_per_token(runner.model, a.topk)
+            bound = bw / bpt
+            print(f"CPU stream read {bw / 1e9:.1f} GB/s; CPU expert bytes/token {bpt / 1e9:.3f} GB "
+                  f"({per_expert / 1e6:.2f} MB per expert) -> bound {bound:.1f} tok/s", flush=True)
+            graphs = runner.graphs
+            for mode in a.graphs.split(","):
+                if mode == "on" and graphs is None:
+                    continue
+                runner.graphs = graphs if mode == "on" else None
+                steps = a.steps if mode == "on" else a.off_steps
+                for b in a.batch:
+                    row = {"deferred": deferred, "graphs": mode, "batch": b, "steps": steps,
+                           **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
+                    if b == 1:
+                        row.update(stream_read_gbps=bw / 1e9, cpu_expert_bytes_per_token=bpt,
+                                   bound_tokens_per_s=bound, ratio_to_bound=row["tokens_per_s"] / bound)
+                    results["runs"].append(row)
+                    extra = f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f}" if b == 1 else ""
+                    print(f"deferred {deferred} graphs {mode:3s} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
+                          f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
+                          f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
+            runner.graphs = graphs
+            llm.shutdown()
+            del llm, runner, graphs
+            gc.collect()
+            torch.cuda.empty_cache()
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
