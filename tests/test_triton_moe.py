@@ -289,3 +289,24 @@ if __name__ == "__main__" and "--interp" in sys.argv:
         except Exception as exc:  # reported per case by the parent test
             results[case] = {"error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(results))
+
+
+def test_tuned_config_table(tmp_path, monkeypatch):
+    """A tuned table (written by benchmarks/sweep_moe_decode.py) is used for the smallest tuned
+    T >= T; shapes without a table, or T past its largest entry, fall back to the heuristic."""
+    import json
+
+    from hybridmoe.moe import triton_moe_kernels as K
+
+    monkeypatch.setenv(K.CONFIG_DIR_ENV, str(tmp_path))
+    K._tuned_table.cache_clear()
+    c1 = K.MoEKernelConfig(block_m=16, gu_block_n=64, dn_block_n=128, dn_block_k=256)
+    c8 = K.MoEKernelConfig(block_m=16, gu_block_n=16, gu_warps=8)
+    doc = {"configs": {"1": c1.__dict__, "8": c8.__dict__}}
+    K.config_file(128, 2048, 768, 8).write_text(json.dumps(doc))
+    assert K.choose_config(1, 128, 8, 2048, 768) == c1
+    assert K.choose_config(2, 128, 8, 2048, 768) == c8
+    assert K.choose_config(8, 128, 8, 2048, 768) == c8
+    assert K.choose_config(9, 128, 8, 2048, 768) == K.default_config(9, 128, 8, 2048, 768)
+    assert K.choose_config(1, 64, 8, 2048, 768) == K.default_config(1, 64, 8, 2048, 768)
+    K._tuned_table.cache_clear()

@@ -48,6 +48,6 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, std: float = 0.2, head
     return path
 
 
-def hf_model(path: Path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+def hf_model(path: Path, **kwargs):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
     return model.eval()

@@ -253,6 +253,13 @@ def dequantize_matrix(p: PackedMatrix, method: str, group_size: int) -> torch.Te
     return unpack_blocks(p.data, p.n, p.k, torch.bfloat16).float()
 
 
+def _to_host(p: PackedMatrix) -> PackedMatrix:
+    def h(t):
+        return None if t is None else t.cpu()
+
+    return PackedMatrix(h(p.data), p.n, p.k, h(p.scale), h(p.zero), h(p.wsum))
+
+
 def _cat(parts: list[PackedMatrix]) -> PackedMatrix:
     def c(name):
         ts = [getattr(p, name) for p in parts]
@@ -269,9 +276,11 @@ def pack_layer(
     symmetric: bool = True,
     activation: str = "silu",
     chunk: int = 8,
+    device: torch.device | str | None = None,
 ) -> PackedLayer:
     """Quantizes and packs one layer's experts (gate_up [E, 2I, H], down [E, H, I]); `chunk` experts at a
-    time to bound the fp32 temporaries."""
+    time to bound the fp32 temporaries. `device`: where the packing arithmetic runs (default the CPU;
+    a GPU packs random benchmark weights far faster); the result is always in host memory."""
     method = method.upper()
     method_code(method)
     if activation not in ACTIVATIONS:
@@ -283,8 +292,8 @@ def pack_layer(
     hp, ip = pad_sizes(h, i, method, group_size)
     w13, w2 = [], []
     for e0 in range(0, e, chunk):
-        gu = gate_up[e0 : e0 + chunk].detach().to("cpu", torch.float32)
-        dn = down[e0 : e0 + chunk].detach().to("cpu", torch.float32)
-        w13.append(pack_matrix(interleave_w13(gu, ip, hp), method, group_size, symmetric))
-        w2.append(pack_matrix(_pad2(dn, hp, ip), method, group_size, symmetric))
+        gu = gate_up[e0 : e0 + chunk].detach().to(device or "cpu", torch.float32)
+        dn = down[e0 : e0 + chunk].detach().to(device or "cpu", torch.float32)
+        w13.append(_to_host(pack_matrix(interleave_w13(gu, ip, hp), method, group_size, symmetric)))
+        w2.append(_to_host(pack_matrix(_pad2(dn, hp, ip), method, group_size, symmetric)))
     return PackedLayer(method, e, h, i, hp, ip, group_size, symmetric, activation, _cat(w13), _cat(w2))

@@ -6,7 +6,8 @@ Options (engine-level, KTransformers names): kt_method (AMXINT8 | AMXINT4 | BF16
 kt_cpuinfer (threads; None = physical cores - 1), kt_threadpool_count (sub-pools, one per NUMA node),
 group_size (int4, default 128), int4_symmetric (default True), cpu_isa (avx2 | avx512 | amx; default
 $HYBRIDMOE_CPU_ISA or the best present), packed (a PackedLayer loaded from --kt-weight-path instead
-of quantizing the given weights).
+of quantizing the given weights), pack_device (where quantization runs; the runner picks the GPU
+for `--load-format dummy` benchmarks).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class CPUExperts(MoEExperts):
                 group_size=int(options.get("group_size") or 128),
                 symmetric=bool(options.get("int4_symmetric", True)),
                 activation=weights.activation,
+                device=options.get("pack_device"),
             )
         pool = default_pool(options.get("kt_cpuinfer"), int(options.get("kt_threadpool_count") or 1))
         self.layer = CPUMoELayer(packed, isa=options.get("cpu_isa"), pool=pool)

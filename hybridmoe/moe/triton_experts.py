@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, register_experts_backend
-from hybridmoe.moe.triton_moe_kernels import MoEKernelConfig, default_config, fused_moe
+from hybridmoe.moe.triton_moe_kernels import MoEKernelConfig, choose_config, fused_moe
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -38,11 +38,11 @@ class TritonExperts(MoEExperts):
         self.config: MoEKernelConfig | None = opts.get("config")
 
     def config_for(self, num_tokens: int, top_k: int) -> MoEKernelConfig:
-        """Tile sizes used at this T (the forced one, or the heuristic)."""
+        """Tile sizes used at this T (the forced one, a tuned one for this shape, or the heuristic)."""
         if self.config is not None:
             return self.config
         w = self.weights
-        return default_config(num_tokens, w.num_experts, top_k, w.hidden_size, w.intermediate_size)
+        return choose_config(num_tokens, w.num_experts, top_k, w.hidden_size, w.intermediate_size)
 
     def forward(
         self,

@@ -18,7 +18,11 @@ whole forward can be captured in a CUDA graph for a fixed T):
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -70,6 +74,37 @@ def default_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, i
                                gu_warps=4, dn_warps=4, gu_stages=4, dn_stages=4)
     return MoEKernelConfig(block_m=128, gu_block_n=64, gu_block_k=64, dn_block_n=128, dn_block_k=64,
                            gu_warps=8, dn_warps=8, gu_stages=3, dn_stages=3)
+
+
+CONFIG_DIR_ENV = "HYBRIDMOE_MOE_CONFIG_DIR"
+
+
+def config_file(num_experts: int, hidden: int, inter: int, top_k: int) -> Path:
+    """Where tuned configs for one layer shape live (benchmarks/sweep_moe_decode.py writes them)."""
+    root = Path(os.environ.get(CONFIG_DIR_ENV) or Path(__file__).with_name("configs"))
+    return root / f"E{num_experts}_H{hidden}_I{inter}_K{top_k}.json"
+
+
+@functools.lru_cache(maxsize=64)
+def _tuned_table(path: Path) -> dict[int, MoEKernelConfig]:
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {int(t): MoEKernelConfig(**c) for t, c in raw.get("configs", {}).items()}
+
+
+def tuned_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> MoEKernelConfig | None:
+    """The measured-best config for this shape at the smallest tuned T >= num_tokens (None: no
+    table for this shape, or T beyond its largest entry)."""
+    table = _tuned_table(config_file(num_experts, hidden, inter, top_k))
+    fits = [t for t in table if t >= num_tokens]
+    return table[min(fits)] if fits else None
+
+
+def choose_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> MoEKernelConfig:
+    """A tuned config when one was measured for this shape, else the heuristic."""
+    return (tuned_config(num_tokens, num_experts, top_k, hidden, inter)
+            or default_config(num_tokens, num_experts, top_k, hidden, inter))
 
 
 ALIGN_TRITON_MAX_PAIRS = 512  # one-program align: ~30 us at P=512 but ~390 us at P=8192 (H200, E=128)
@@ -298,7 +333,7 @@ def fused_moe(
     assert topk_ids.shape == topk_weights.shape == (num_tokens, top_k)
     if num_tokens == 0:
         return torch.empty((0, hidden), dtype=x.dtype, device=x.device)
-    cfg = config or default_config(num_tokens, num_experts, top_k, hidden, inter_size)
+    cfg = config or choose_config(num_tokens, num_experts, top_k, hidden, inter_size)
     num_pairs = num_tokens * top_k
     sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, cfg.block_m)
     num_m_blocks = block_expert.shape[0]

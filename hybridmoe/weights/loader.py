@@ -106,6 +106,9 @@ class DummyWeights:
     def fill(self, name: str, dst: torch.Tensor) -> None:
         if "norm" in name:
             dst.fill_(1.0)
+        elif dst.device.type == "cpu" and torch.cuda.is_available():
+            # host-side tensors (CPU experts) are drawn on the GPU: ~100x faster than on the CPU
+            dst.copy_(torch.empty(dst.shape, dtype=dst.dtype, device="cuda").normal_(0.0, self.std))
         else:
             dst.normal_(0.0, self.std)
 
