@@ -32,6 +32,19 @@ def write_config(d: Path, a: argparse.Namespace) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
 
 
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The model shape flags (default: Qwen3-30B-A3B), shared by the benchmarks that build one."""
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=151936)
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy, bytes read + written per second (median of 20)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -84,15 +97,7 @@ def decode_tps(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--inter", type=int, default=768)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=151936)
+    add_shape_args(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=64)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import write_config  # noqa: E402
+from bench_decode import add_shape_args, write_config  # noqa: E402
 
 
 def cpu_expert_bytes_per_token(model, topk: int) -> tuple[float, int]:
@@ -70,15 +70,7 @@ def run_batch(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--inter", type=int, default=768)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=151936)
+    add_shape_args(p)
     p.add_argument("--gpu-experts", type=int, default=32, help="--kt-num-gpu-experts")
     p.add_argument("--method", default="AMXINT8", help="--kt-method")
     p.add_argument("--cpuinfer", type=int, default=None, help="--kt-cpuinfer (default: the library's)")

@@ -114,6 +114,8 @@ class EngineArgs:
         need(self.kt_threadpool_count >= 1, "kt-threadpool-count", "a positive integer")
         need(self.kt_max_deferred_experts_per_token >= 0, "kt-max-deferred-experts-per-token",
              "a non-negative integer")
+        need(self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,
+             "kt-gpu-prefill-token-threshold", "a positive integer")
         need(self.port is None or 0 <= self.port < 65536, "port", "a TCP port number")
 
     @property

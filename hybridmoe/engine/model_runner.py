@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -21,7 +22,7 @@ from hybridmoe.models.registry import arch_spec
 from hybridmoe.moe import hybrid as hybrid_mod
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts
 from hybridmoe.moe.hybrid import HybridPlan
-from hybridmoe.moe.memory_plan import check_fits, host_available_bytes, plan_memory
+from hybridmoe.moe.memory_plan import MemoryPlan, check_fits, host_available_bytes, plan_memory
 from hybridmoe.moe.placement import ExpertDistributionRecorder
 from hybridmoe.weights.loader import load_model
 
@@ -73,6 +74,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(attn)
         model_max = getattr(hf_config, "max_position_embeddings", 4096)
         self.context_len = args.context_length or model_max
+        self.memory_plan: MemoryPlan | None = None
         if self.hybrid is not None:
             self._check_memory_plan()  # before any weight is read
         self.model = load_model(
@@ -84,6 +86,11 @@ class ModelRunner:
             read_experts=not (args.kt_weight_path is not None and self.hybrid is None),
         )
         self._alloc_kv_cache()
+        if self.memory_plan is not None:  # the KV cache as allocated (the plan had its minimum)
+            kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+            self.memory_plan.gpu.pop("KV cache (minimum)", None)
+            self.memory_plan.gpu["KV cache"] = kv
+            log.info(self.memory_plan.lines()[0].replace("GPU memory plan", "GPU memory plan, KV cache as allocated"))
         self.vocab_size = hf_config.vocab_size
         self.recorder: ExpertDistributionRecorder | None = None
         if args.record_expert_distribution:
@@ -94,6 +101,10 @@ class ModelRunner:
         use_graphs = not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph()
         if self.hybrid is not None and self.device.type == "cuda" and use_graphs and not hybrid_mod.USE_STREAM_HOST_FUNCTIONS:
             log.warning("CUDA graphs are off: hybrid CPU experts are not yet enqueued as stream host functions")
+            use_graphs = False
+        if self.moe_backend == "cpu" and self.device.type == "cuda" and use_graphs:
+            log.warning("CUDA graphs are off: every expert on the CPU without a GPU/CPU split; pass "
+                        "--kt-num-gpu-experts 0 (or more) to drive the CPU from the CUDA stream with graphs")
             use_graphs = False
         if self.device.type == "cuda" and use_graphs:
             self.graphs = DecodeGraphs(self, min(args.cuda_graph_max_bs, args.max_running_requests))
@@ -111,6 +122,8 @@ class ModelRunner:
     def _make_experts(self, weights: ExpertWeights, layer_idx: int) -> MoEExperts:
         options = {k: v for k, v in vars(self.args).items() if k.startswith("kt_")}
         options["device"] = self.device
+        if self.args.load_format == "dummy" and self.device.type == "cuda":
+            options["pack_device"] = self.device  # random benchmark weights: quantize on the GPU (fast)
         options.update(self.moe_options)  # backend-specific (the hybrid plan)
         if self.args.kt_weight_path is not None:  # packed by `hybridmoe convert`: read and verified, not quantized
             from hybridmoe.weights.cpu_format import open_cpu_weights
@@ -118,8 +131,10 @@ class ModelRunner:
             if getattr(self, "_kt_weights", None) is None:  # checked against --model and --kt-method once
                 self._kt_weights = open_cpu_weights(self.args.kt_weight_path, self.config, self.args.model_path,
                                                     self.args.kt_method)
-            cpu_ids = None if self.hybrid is None else (~self.hybrid.masks[layer_idx]).nonzero().flatten()
-            options["packed"] = self._kt_weights.load_layer(layer_idx, experts=cpu_ids)  # only the CPU-resident
+            cpu_ids = None if self.hybrid is None or self.hybrid.dynamic_update else (
+                ~self.hybrid.masks[layer_idx]).nonzero().flatten()
+            # only the CPU-resident ones (all of them with dynamic expert update)
+            options["packed"] = self._kt_weights.load_layer(layer_idx, experts=cpu_ids)
         return create_experts(self.moe_backend, weights, layer_idx, options)
 
     def _check_memory_plan(self) -> None:
@@ -128,9 +143,11 @@ class ModelRunner:
         spec = arch_spec(self.config)
         elt = torch.finfo(self.dtype).bits // 8
         plan = plan_memory(self.config, spec, self.hybrid.masks, elt, self.args.kt_method, self.context_len,
-                           self.args.max_running_requests)
+                           self.args.max_running_requests, prefill_threshold=self.hybrid.prefill_threshold,
+                           dynamic_update=self.hybrid.dynamic_update)
         for line in plan.lines():
             log.info(line)
+        self.memory_plan = plan
         gpu_budget = None
         if self.device.type == "cuda":
             gpu_budget = int(torch.cuda.get_device_properties(self.device).total_memory
@@ -220,14 +237,22 @@ class ModelRunner:
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs):
             logits = self.graphs.replay(input_ids, positions, meta)
             return logits[rows]
-        hidden = self.model(input_ids, positions, self._ctx(meta))
+        with self._layerwise(input_ids.shape[0]):
+            hidden = self.model(input_ids, positions, self._ctx(meta))
         return self.model.compute_logits(hidden[rows])
 
     def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.attn_backend)
 
+    def _layerwise(self, num_tokens: int) -> AbstractContextManager:
+        """Around an eager model forward: a layerwise GPU prefill when the batch reaches
+        --kt-gpu-prefill-token-threshold (decode graphs never are)."""
+        return self.hybrid.layerwise_forward(num_tokens) if self.hybrid is not None else nullcontext()
+
     @torch.inference_mode()
     def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [T, V] of every new token of the batch (scoring, tests); no graphs."""
         input_ids, positions, meta, _ = self.prepare(batch)
-        return self.model.compute_logits(self.model(input_ids, positions, self._ctx(meta)))
+        with self._layerwise(input_ids.shape[0]):
+            hidden = self.model(input_ids, positions, self._ctx(meta))
+        return self.model.compute_logits(hidden)

@@ -23,12 +23,16 @@ from hybridmoe.cpu import native
 _libcuda = None
 
 
-def _cuda():
+def libcuda():
+    """The CUDA driver library, loaded at run time (never linked), with the entry points we call."""
     global _libcuda
     if _libcuda is None:
         lib = C.CDLL("libcuda.so.1")
-        lib.cuLaunchHostFunc.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p]
-        lib.cuLaunchHostFunc.restype = C.c_int
+        for name, args in (("cuLaunchHostFunc", [C.c_void_p, C.c_void_p, C.c_void_p]),
+                           ("cuMemHostRegister_v2", [C.c_void_p, C.c_size_t, C.c_uint]),
+                           ("cuMemHostUnregister", [C.c_void_p])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, C.c_int
         _libcuda = lib
     return _libcuda
 
@@ -36,7 +40,7 @@ def _cuda():
 def launch_host_func(fn_addr: int, userdata: C.Structure) -> None:
     """Enqueue fn(userdata) on the current CUDA stream (captured as a host node during capture)."""
     stream = torch.cuda.current_stream().cuda_stream
-    rc = _cuda().cuLaunchHostFunc(C.c_void_p(stream), C.c_void_p(fn_addr), C.c_void_p(C.addressof(userdata)))
+    rc = libcuda().cuLaunchHostFunc(C.c_void_p(stream), C.c_void_p(fn_addr), C.c_void_p(C.addressof(userdata)))
     if rc != 0:
         raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}")
 

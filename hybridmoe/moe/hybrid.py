@@ -13,18 +13,37 @@ nothing and collects what the one before it deferred.
 Two ways to drive the CPU side: from Python (submit/sync; CPU device, and CUDA for now), or as
 CUDA stream host functions (moe/cuda_bridge.py; capturable in a CUDA graph), which is switched on
 by USE_STREAM_HOST_FUNCTIONS once validated on a GPU.
+
+Layerwise prefill (--kt-gpu-prefill-token-threshold N): the model runner wraps a forward of T >= N
+tokens in `HybridPlan.layerwise_forward`, which sets `layerwise_active`; every layer then computes
+all its experts on the GPU side, its CPU-resident ones streamed from the CPU engine's packed
+weights (moe/layerwise.py). Such a forward defers nothing (it first collects work a previous,
+interrupted forward left deferred). With --kt-enable-dynamic-expert-update the CPU engine layer
+holds every expert of the layer (cpu_local maps an expert to its row there, -1 when on the GPU),
+and after each layerwise prefill the most-used CPU experts of the batch take the GPU slots of
+the least-used GPU ones (in place: weights, index tensors and masks).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from hybridmoe.config import ConfigError, EngineArgs
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts, register_experts_backend
+from hybridmoe.moe.layerwise import (
+    LayerwisePrefill,
+    PackedFormat,
+    packed_parts,
+    page_lock,
+    stream_runs,
+    swap_hot_experts,
+)
 from hybridmoe.moe.placement import gpu_experts_per_layer, place_experts
 
 log = logging.getLogger(__name__)
@@ -53,7 +72,45 @@ class HybridPlan:
     device: torch.device
     pending: _Deferred | None = field(default=None, repr=False)  # deferred work of the previous layer
     pending_stream: tuple | None = field(default=None, repr=False)  # (StreamCPUTask, T) on the CUDA path
+    prefill_threshold: int | None = None  # layerwise GPU prefill from this many tokens on (None: never)
+    dynamic_update: bool = False  # GPU/CPU expert swaps after each layerwise prefill
+    layerwise_active: bool = False  # set by layerwise_forward for the duration of one forward
+    layers: dict[int, HybridExperts] = field(default_factory=dict, repr=False)  # layer -> its hybrid experts
+    layerwise: LayerwisePrefill | None = field(default=None, repr=False)
     _pinned: dict = field(default_factory=dict, repr=False)  # (parity, slot, cap) -> PinnedIO
+
+    def __post_init__(self) -> None:
+        if self.dynamic_update and self.prefill_threshold is None:
+            raise ConfigError("--kt-enable-dynamic-expert-update needs --kt-gpu-prefill-token-threshold "
+                              "(the update follows a layerwise prefill)")
+        if self.prefill_threshold is not None and self.layerwise is None:
+            self.layerwise = LayerwisePrefill(self)
+
+    def collect_pending(self) -> None:
+        """Waits for deferred CPU work left by an interrupted forward and drops its output."""
+        if self.pending is not None:
+            self.pending.experts.sync(self.pending.task)
+            self.pending = None
+        if self.pending_stream is not None:
+            task, t = self.pending_stream
+            task.enqueue_result(t, self.device)  # stream-ordered wait; the output is not used
+            self.pending_stream = None
+
+    @contextmanager
+    def layerwise_forward(self, num_tokens: int) -> Iterator[bool]:
+        """Around one model forward of `num_tokens` tokens: layerwise (yields True) when the threshold
+        is set and reached; never used around CUDA graph capture or replay."""
+        if self.layerwise is None or self.prefill_threshold is None or num_tokens < self.prefill_threshold:
+            yield False
+            return
+        self.collect_pending()
+        self.layerwise.begin()
+        self.layerwise_active = True
+        try:
+            yield True
+        finally:
+            self.layerwise_active = False
+            self.layerwise.end()
 
     def pinned_io(self, layer_idx: int, slot: int, cap: int, k: int, hidden: int, dtype: torch.dtype):
         """Pinned buffers for a layer's CPU task (slot 0: now, 1: deferred), shared by every other
@@ -72,17 +129,23 @@ class HybridPlan:
         """None when no split is asked for (all experts on the GPU, or all on the CPU without deferral)."""
         from hybridmoe.models.registry import arch_spec
 
+        threshold, dynamic = args.kt_gpu_prefill_token_threshold, args.kt_enable_dynamic_expert_update
         if args.kt_num_gpu_experts is None and args.kt_gpu_experts_ratio is None:
-            if args.kt_max_deferred_experts_per_token:
-                raise ConfigError("--kt-max-deferred-experts-per-token needs CPU experts: set --kt-num-gpu-experts")
+            for flag, value in (("--kt-max-deferred-experts-per-token", args.kt_max_deferred_experts_per_token),
+                                ("--kt-gpu-prefill-token-threshold", threshold),
+                                ("--kt-enable-dynamic-expert-update", dynamic)):
+                if value:
+                    raise ConfigError(f"{flag} needs a GPU/CPU expert split: set --kt-num-gpu-experts (or "
+                                      "--kt-gpu-experts-ratio)")
             return None
-        for flag, value in (("--kt-gpu-prefill-token-threshold", args.kt_gpu_prefill_token_threshold),
-                            ("--kt-enable-dynamic-expert-update", args.kt_enable_dynamic_expert_update)):
-            if value:
-                raise ConfigError(f"{flag} is not yet available")
+        if dynamic and threshold is None:
+            raise ConfigError("--kt-enable-dynamic-expert-update needs --kt-gpu-prefill-token-threshold "
+                              "(the update follows a layerwise prefill)")
         spec = arch_spec(hf_config)
         n_gpu = gpu_experts_per_layer(spec.num_experts, args.kt_num_gpu_experts, args.kt_gpu_experts_ratio)
-        if n_gpu == 0 and not args.kt_max_deferred_experts_per_token:
+        # every expert on the CPU: the plain "cpu" backend, except on CUDA, where the hybrid layer
+        # (empty GPU side) drives the CPU through stream host functions and CUDA graphs stay on
+        if n_gpu == 0 and not args.kt_max_deferred_experts_per_token and threshold is None and device.type != "cuda":
             return None  # every expert on the CPU: the plain "cpu" backend
         try:
             masks = place_experts(args.kt_expert_placement_strategy, list(spec.moe_layers), spec.num_experts,
@@ -95,7 +158,11 @@ class HybridPlan:
         log.info("hybrid experts: %d of %d routed experts on the %s (%s placement), the rest on the CPU; "
                  "%d deferred per token", on_gpu, spec.num_experts * len(masks), device.type,
                  args.kt_expert_placement_strategy, args.kt_max_deferred_experts_per_token)
-        return cls(masks, list(spec.moe_layers), args.kt_max_deferred_experts_per_token, gpu_backend, device)
+        if threshold is not None:
+            log.info("layerwise prefill: forwards of %d tokens or more compute every expert on the %s%s", threshold,
+                     device.type, "; dynamic expert update on (the CPU holds every expert)" if dynamic else "")
+        return cls(masks, list(spec.moe_layers), args.kt_max_deferred_experts_per_token, gpu_backend, device,
+                   prefill_threshold=threshold, dynamic_update=dynamic)
 
 
 def _local_index(mask: torch.Tensor) -> torch.Tensor:
@@ -113,24 +180,49 @@ class HybridExperts(MoEExperts):
 
         plan: HybridPlan = options["hybrid"]
         self.plan, self.layer_idx = plan, layer_idx
+        self.options = options
         mask = plan.masks[layer_idx]
         dev = plan.device
         self.hidden = weights.hidden_size
+        self.num_experts = weights.num_experts
+        self.activation = weights.activation
+        self.dtype = weights.gate_up.dtype
+        self.moe_index = plan.moe_layers.index(layer_idx)
+        # with dynamic update the CPU layer holds every expert: cpu_local is an expert's row there
+        self.full_cpu_layer = plan.dynamic_update
         self.gpu_local = _local_index(mask).to(dev)  # [E]
-        self.cpu_local = _local_index(~mask).to(dev)  # [E]
+        self.cpu_local = (torch.where(mask, -1, torch.arange(len(mask), dtype=torch.int32)) if self.full_cpu_layer
+                          else _local_index(~mask)).to(dev)  # [E]
+        # slot in the layerwise buffer (CPU-resident experts in expert order); = cpu_local without dynamic update
+        self.stream_local = _local_index(~mask).to(dev) if self.full_cpu_layer else self.cpu_local  # [E]
+        self.mask_dev = mask.to(dev)  # [E] True = GPU-resident (kept current by dynamic update)
         self.is_first = layer_idx == plan.moe_layers[0]
         self.defer = 0 if layer_idx == plan.moe_layers[-1] else plan.num_deferred
         gpu_ids, cpu_ids = mask.nonzero().flatten(), (~mask).nonzero().flatten()
+        self.num_gpu, self.num_streamed = len(gpu_ids), len(cpu_ids)
         self.gpu: MoEExperts | None = None
+        self.gpu_w: ExpertWeights | None = None  # the GPU-resident experts' weights [Eg, ...]
         self._stream_tasks: dict[int, tuple] = {}  # token capacity -> (now, deferred) StreamCPUTasks
+        self._streamed: MoEExperts | None = None  # the GPU backend over the layerwise buffer
         self.cpu: CPUExperts | None = None
         if len(gpu_ids):  # only these experts' weights go to the GPU
-            w = ExpertWeights(weights.gate_up[gpu_ids].to(dev), weights.down[gpu_ids].to(dev),
-                              weights.activation)
-            self.gpu = create_experts(plan.gpu_backend, w, layer_idx, options)
-        if len(cpu_ids):  # only these stay in host memory, packed for the CPU kernels
-            self.cpu = CPUExperts(ExpertWeights(weights.gate_up[cpu_ids], weights.down[cpu_ids], weights.activation),
-                                  layer_idx, options)
+            self.gpu_w = ExpertWeights(weights.gate_up[gpu_ids].to(dev).contiguous(),
+                                       weights.down[gpu_ids].to(dev).contiguous(), weights.activation)
+            self.gpu = create_experts(plan.gpu_backend, self.gpu_w, layer_idx, options)
+        if len(cpu_ids):  # only these stay in host memory, packed for the CPU kernels (all with dynamic update)
+            host = weights if self.full_cpu_layer else ExpertWeights(weights.gate_up[cpu_ids], weights.down[cpu_ids],
+                                                                     weights.activation)
+            self.cpu = CPUExperts(host, layer_idx, options)
+            if plan.layerwise is not None:
+                packed = self.cpu.layer.packed
+                if self.full_cpu_layer and packed.num_experts != self.num_experts:
+                    raise ConfigError(f"--kt-enable-dynamic-expert-update: the CPU layer {layer_idx} holds "
+                                      f"{packed.num_experts} experts, expected all {self.num_experts}")
+                self.fmt = PackedFormat.of(packed)
+                self.packed_parts = packed_parts(packed)  # [E_cpu, ...] host tensors the prefill streams
+                self.runs = stream_runs(mask, self.full_cpu_layer)
+                self.pinned = dev.type != "cuda" or page_lock(packed, list(self.packed_parts.values()), dev)
+        plan.layers[layer_idx] = self
 
     def _split(self, ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """CPU-local ids [T, K] of the pairs computed now, and of those deferred (None: no deferral);
@@ -181,7 +273,40 @@ class HybridExperts(MoEExperts):
         plan.pending_stream = (tasks[1], t) if tasks is not None and self.defer else None
         return out.to(x.dtype)
 
+    def _forward_layerwise(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on the GPU side: the resident ones, and the CPU-resident ones streamed in and
+        dequantized (layerwise.py); the next MoE layer's copy is issued first. Defers nothing."""
+        lw = self.plan.layerwise
+        assert lw is not None
+        lw.prefetch(self.moe_index)
+        lw.prefetch(self.moe_index + 1)  # overlaps this layer's compute
+        out = self._gpu_part(x, ids, topk_weights)  # [T, H] f32, while the copy finishes
+        if self.cpu is not None:
+            w = lw.acquire(self)  # [Ec, 2I, H], [Ec, H, I] views of the shared buffer
+            if self._streamed is None:
+                self._streamed = create_experts(self.plan.gpu_backend, w, self.layer_idx, self.options)
+            sid = self.stream_local[ids]
+            valid = sid >= 0
+            # pairs of GPU-resident experts: streamed expert 0 with weight 0 (as in _gpu_part)
+            out += self._streamed.forward(x, torch.where(valid, sid, 0), torch.where(valid, topk_weights, 0.0)).float()
+            if self.plan.dynamic_update and self.gpu_w is not None:
+                counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)  # [E] tokens per expert
+                cap = min(self.num_gpu, self.num_streamed)
+                rec = swap_hot_experts(counts, self.mask_dev, self.gpu_local, self.cpu_local, self.stream_local,
+                                       self.gpu_w, w, cap)
+                lw.note_swaps(self, rec)
+        return out.to(x.dtype)
+
+    def apply_host_swaps(self, moved: list[tuple[int, int, int, int]]) -> None:
+        """After a dynamic update (device side already done): host mask and copy plan."""
+        mask = self.plan.masks[self.layer_idx]
+        for e_in, e_out, _, _ in moved:
+            mask[e_in], mask[e_out] = True, False
+        self.runs = stream_runs(mask, self.full_cpu_layer)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.plan.layerwise_active:
+            return self._forward_layerwise(x, topk_ids.long(), topk_weights)
         if USE_STREAM_HOST_FUNCTIONS and x.is_cuda:
             return self._forward_stream(x, topk_ids.long(), topk_weights)
         plan = self.plan

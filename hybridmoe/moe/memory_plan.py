@@ -40,9 +40,14 @@ def plan_memory(
     kt_method: str,
     kv_tokens: int,
     max_batch: int,
+    prefill_threshold: int | None = None,
+    dynamic_update: bool = False,
 ) -> MemoryPlan:
     """Sizes from the config alone. The KV cache item is the minimum the server needs (one full
-    context); the runner gives it whatever --mem-fraction-static leaves."""
+    context); the runner gives it whatever --mem-fraction-static leaves. With a layerwise prefill
+    threshold the GPU also holds the prefill buffers (one layer's streamed experts in the model dtype,
+    two staging slots of their packed bytes, the dequantization temporaries); with dynamic expert
+    update the host holds every expert of every layer."""
     h, inter = hf_config.hidden_size, spec.moe_intermediate
     per_expert = expert_params(h, inter)
     n_gpu = sum(int(m.sum()) for m in masks.values())
@@ -56,7 +61,18 @@ def plan_memory(
     plan.gpu["GPU experts"] = n_gpu * per_expert * dtype_bytes
     plan.gpu["KV cache (minimum)"] = kv_tokens * kv_per_token
     plan.gpu["activations and graphs"] = 64 * max_batch * h * dtype_bytes * 8 + GiB // 2
-    plan.host["CPU experts"] = int(n_cpu * per_expert * _CPU_BYTES_PER_PARAM.get(kt_method, 2.0))
+    cpu_bytes = _CPU_BYTES_PER_PARAM.get(kt_method, 2.0)
+    if dynamic_update:
+        n_all = sum(len(m) for m in masks.values())
+        plan.host["CPU experts (all of them: dynamic expert update)"] = int(n_all * per_expert * cpu_bytes)
+    else:
+        plan.host["CPU experts"] = int(n_cpu * per_expert * cpu_bytes)
+    if prefill_threshold is not None:
+        from hybridmoe.moe.layerwise import DEQUANT_CHUNK_ELEMS
+
+        ec_max = max((int((~m).sum()) for m in masks.values()), default=0)
+        temps = min(ec_max * 2 * h * inter, DEQUANT_CHUNK_ELEMS) * (dtype_bytes + 4) if ec_max else 0
+        plan.gpu["prefill buffers"] = int(ec_max * per_expert * (dtype_bytes + 2 * cpu_bytes)) + temps
     plan.host["pinned buffers"] = 2 * max(max_batch, 8192) * h * 4 * 2  # in/out, double-buffered
     return plan
 
