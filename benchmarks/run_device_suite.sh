@@ -3,14 +3,14 @@
 # Usage there (OUT is the folder whose files come back):
 #   bash benchmarks/run_device_suite.sh "$OUT" [part...]
 # Parts (default: all; they run in this order): check gpu-tests cpu-isa-tests sweep decode serving
-# hybrid cpu-moe server. `sweep` tunes the MoE decode tiles and writes the table the engine reads
+# hybrid prefill cpu-moe server. `sweep` tunes the MoE decode tiles and writes the table the engine reads
 # (moe_sweep.json in OUT holds it), so `decode` after it runs with the tuned tiles. At most 8 files
 # come back from OUT: logs that the output tail shows anyway stay in /tmp. Server tests and bench_serving need fastapi/uvicorn/pydantic wheels carried in .whl (see
 # the device README); they run only when `python -c "import fastapi"` works.
 set -u
 out="${1:-/tmp/hybridmoe-device}"
 shift || true
-parts="${*:-check gpu-tests cpu-isa-tests sweep decode serving hybrid cpu-moe server}"
+parts="${*:-check gpu-tests cpu-isa-tests sweep decode serving hybrid prefill cpu-moe server}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 log() { echo "== $* ($(date +%T))"; }
@@ -64,10 +64,16 @@ if want hybrid; then
   timeout "${HYBRID_TIMEOUT:-300}" $PY benchmarks/bench_hybrid_decode.py ${HYBRID_ARGS:-} --out "$out/hybrid_decode.json" \
     2>&1 | grep -v Warning | tee "$out/bench_hybrid_decode.log"
 fi
+if want prefill; then
+  log bench-hybrid-prefill
+  timeout "${PREFILL_TIMEOUT:-300}" $PY benchmarks/bench_hybrid_prefill.py ${PREFILL_ARGS:-} --out "$out/hybrid_prefill.json" \
+    2>&1 | grep -v Warning | tee "$out/bench_hybrid_prefill.log"
+fi
 if want cpu-moe; then
   log bench-cpu-moe
   for m in AMXINT8 AMXINT4; do
-    timeout 150 $PY benchmarks/bench_cpu_moe.py --method $m --out "$out/cpu_moe_$m.json" 2>&1 | tail -16
+    timeout 150 $PY benchmarks/bench_cpu_moe.py --method $m ${CPU_MOE_ARGS:-} --out "$out/cpu_moe_$m.json" 2>&1 \
+      | tail -16
   done | tee "$out/bench_cpu_moe.log"
 fi
 if want server && [ $has_fastapi = 1 ]; then
