@@ -42,10 +42,12 @@ def test_cpu_fp32_parity(kind, tiny_model_dir):
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_bf16_parity(kind, attention_backend, tiny_model_dir):
-    """bf16 on the GPU against transformers in bf16 on the GPU.
+    """bf16 on the GPU against transformers (fp32 as the truth, its own bf16 run as the yardstick).
 
-    Tolerance: prompt logits within 3e-2 relative (bf16 has 8 bits of mantissa; two stacks of
-    bf16 matmuls with different reduction orders differ by ~1e-2). Greedy tokens: each of the 32
+    Tolerance: our prompt logits' relative error against the fp32 reference is at most 1.5x that of
+    transformers' own bf16 run on the GPU, plus 5e-3 (bf16 has 8 bits of mantissa; the error of a
+    bf16 stack is ~2-4e-2 on these models and depends on reduction order; 3.8e-2 between the two
+    bf16 runs was seen for Mixtral on the H200). Greedy tokens: each of the 32
     must be the fp32 reference's argmax at that position (teacher-forced on our own output), or
     within 1.0 logit of it, and at least 80% must be the argmax exactly: the tiny random models
     have many near-ties, and 32 decode steps over a bf16 KV cache move logits by a few tenths (seen
@@ -66,10 +68,12 @@ def test_gpu_bf16_parity(kind, attention_backend, tiny_model_dir):
                   disable_cuda_graph=not graphs, cuda_graph_max_bs=8, max_total_tokens=4096)
         prompt = _prompt(vocab, 45, 7)
         with torch.no_grad():
-            ref_logits = ref(torch.tensor([prompt], device="cuda")).logits[0].float().cpu()
+            hf16 = ref(torch.tensor([prompt], device="cuda")).logits[0].float().cpu()
+            truth = ref32(torch.tensor([prompt])).logits[0]
         ours = llm.prompt_logits(prompt)
-        rel = ((ours - ref_logits).norm() / ref_logits.norm()).item()
-        assert rel < 3e-2, f"{kind}: bf16 prompt logits differ, relative error {rel:.2e}"
+        rel = ((ours - truth).norm() / truth.norm()).item()
+        rel_hf = ((hf16 - truth).norm() / truth.norm()).item()
+        assert rel <= 1.5 * rel_hf + 5e-3, f"{kind}: bf16 prompt logits error {rel:.2e} (transformers bf16: {rel_hf:.2e})"
         out = llm.generate(input_ids=prompt, sampling_params={"max_new_tokens": 32, "temperature": 0,
                                                               "ignore_eos": True})["output_ids"]
         with torch.no_grad():

@@ -253,6 +253,35 @@ def dequantize_matrix(p: PackedMatrix, method: str, group_size: int) -> torch.Te
     return unpack_blocks(p.data, p.n, p.k, torch.bfloat16).float()
 
 
+def page_aligned(t: torch.Tensor, page: int = 4096) -> torch.Tensor:
+    """A copy of CPU tensor t that owns whole pages: it starts on a page boundary and the rest of
+    its last page belongs to the same allocation. Page-locking such a tensor in place
+    (cuMemHostRegister) cannot take a neighbour's memory with it: a range the driver sees as only
+    partly locked makes every DMA copy from it fail with "invalid argument"."""
+    n = t.nbytes
+    if n == 0:
+        return t  # nothing to lock
+    padded = -(-n // page) * page
+    raw = torch.empty(padded + page, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % page
+    out = raw[off : off + n].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def page_aligned_layer(p: PackedLayer) -> PackedLayer:
+    """The same packed layer with every tensor in pages of its own (see page_aligned)."""
+
+    def m(x: PackedMatrix) -> PackedMatrix:
+        def a(t):
+            return None if t is None else page_aligned(t.contiguous())
+
+        return PackedMatrix(a(x.data), x.n, x.k, a(x.scale), a(x.zero), a(x.wsum))
+
+    return PackedLayer(p.method, p.num_experts, p.hidden, p.inter, p.hidden_pad, p.inter_pad, p.group_size,
+                       p.symmetric, p.activation, m(p.w13), m(p.w2))
+
+
 def _to_host(p: PackedMatrix) -> PackedMatrix:
     def h(t):
         return None if t is None else t.cpu()

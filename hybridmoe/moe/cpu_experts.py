@@ -7,7 +7,8 @@ kt_cpuinfer (threads; None = physical cores - 1), kt_threadpool_count (sub-pools
 group_size (int4, default 128), int4_symmetric (default True), cpu_isa (avx2 | avx512 | amx; default
 $HYBRIDMOE_CPU_ISA or the best present), packed (a PackedLayer loaded from --kt-weight-path instead
 of quantizing the given weights), pack_device (where quantization runs; the runner picks the GPU
-for `--load-format dummy` benchmarks).
+for `--load-format dummy` benchmarks), page_align (give every packed tensor pages of its own, so it
+can be page-locked in place: the hybrid layer's layerwise GPU prefill).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.cpu.engine import CPUMoELayer, default_pool
-from hybridmoe.cpu.quant import PackedLayer, pack_layer
+from hybridmoe.cpu.quant import PackedLayer, pack_layer, page_aligned_layer
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, register_experts_backend
 
 
@@ -38,6 +39,8 @@ class CPUExperts(MoEExperts):
                 activation=weights.activation,
                 device=options.get("pack_device"),
             )
+        if options.get("page_align"):  # to be page-locked in place for the layerwise GPU prefill
+            packed = page_aligned_layer(packed)
         pool = default_pool(options.get("kt_cpuinfer"), int(options.get("kt_threadpool_count") or 1))
         self.layer = CPUMoELayer(packed, isa=options.get("cpu_isa"), pool=pool)
         self.method = packed.method

@@ -212,7 +212,8 @@ class HybridExperts(MoEExperts):
         if len(cpu_ids):  # only these stay in host memory, packed for the CPU kernels (all with dynamic update)
             host = weights if self.full_cpu_layer else ExpertWeights(weights.gate_up[cpu_ids], weights.down[cpu_ids],
                                                                      weights.activation)
-            self.cpu = CPUExperts(host, layer_idx, options)
+            page_align = plan.layerwise is not None and dev.type == "cuda"  # page-locked in place below
+            self.cpu = CPUExperts(host, layer_idx, {**options, "page_align": page_align})
             if plan.layerwise is not None:
                 packed = self.cpu.layer.packed
                 if self.full_cpu_layer and packed.num_experts != self.num_experts:

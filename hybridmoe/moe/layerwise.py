@@ -197,7 +197,9 @@ def _gaps(lo: int, hi: int) -> list[tuple[int, int]]:
 def page_lock(owner: object, tensors: list[torch.Tensor], device: torch.device) -> bool:
     """Page-locks the memory of CPU tensors in place (cuMemHostRegister: the driver-API twin of
     cudaHostRegister, which leaves the runtime's last-error state alone), never copying them, so
-    H2D copies from them are DMA at full speed. Whole pages are registered, each once per process
+    H2D copies from them are DMA at full speed. The tensors must own their pages (CPUExperts'
+    page_align: a page shared with other memory would be only partly locked, and DMA from such a
+    range fails with "invalid argument"). Whole pages are registered, each once per process
     (tensors of several layers may share a page); unregistered when `owner` is collected (before
     the tensors are freed, as long as `owner` holds them). False (with one warning per process)
     where it fails: the copies then read pageable memory, correct but several times slower."""

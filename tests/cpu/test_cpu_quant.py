@@ -72,3 +72,20 @@ def test_block_layout_is_vnni():
     p = quant.pack_blocks(q, 1).reshape(2, 16, 64)
     for n, k in [(0, 0), (5, 7), (17, 63), (31, 12)]:
         assert p[n // 16, k // 4, (n % 16) * 4 + k % 4] == q[0, n, k]
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 1000), torch.float32), ((1,), torch.int8), ((5, 4096), torch.uint8),
+                                         ((0, 7), torch.float32)])
+def test_page_aligned_owns_its_pages(shape, dtype):
+    """Page-locking in place needs tensors that start on a page and whose last page is theirs."""
+    from hybridmoe.cpu.quant import page_aligned
+
+    t = (torch.randn(shape) * 50).to(dtype)
+    a = page_aligned(t)
+    if t.numel() == 0:
+        assert a.numel() == 0
+        return
+    assert a.data_ptr() % 4096 == 0 and a.shape == t.shape and a.dtype == t.dtype and torch.equal(a, t)
+    storage = a.untyped_storage()
+    end = a.data_ptr() + -(-max(a.nbytes, 1) // 4096) * 4096
+    assert storage.data_ptr() <= a.data_ptr() and end <= storage.data_ptr() + storage.nbytes()
