@@ -30,7 +30,8 @@ def libcuda():
         lib = C.CDLL("libcuda.so.1")
         for name, args in (("cuLaunchHostFunc", [C.c_void_p, C.c_void_p, C.c_void_p]),
                            ("cuMemHostRegister_v2", [C.c_void_p, C.c_size_t, C.c_uint]),
-                           ("cuMemHostUnregister", [C.c_void_p])):
+                           ("cuMemHostUnregister", [C.c_void_p]),
+                           ("cuMemHostGetFlags", [C.POINTER(C.c_uint), C.c_void_p])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, C.c_int
         _libcuda = lib

@@ -165,6 +165,15 @@ class HybridPlan:
                    prefill_threshold=threshold, dynamic_update=dynamic)
 
 
+def _rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """t[ids] along dim 0; a view (no copy of gigabytes) when ids is a contiguous range, as with the
+    uniform and front-loading placements."""
+    n = len(ids)
+    if n and int(ids[-1]) - int(ids[0]) == n - 1:
+        return t[int(ids[0]) : int(ids[0]) + n]
+    return t[ids]
+
+
 def _local_index(mask: torch.Tensor) -> torch.Tensor:
     """[E] int32: position of each expert among the selected ones, -1 for the others."""
     idx = torch.full(mask.shape, -1, dtype=torch.int32)
@@ -206,11 +215,11 @@ class HybridExperts(MoEExperts):
         self._streamed: MoEExperts | None = None  # the GPU backend over the layerwise buffer
         self.cpu: CPUExperts | None = None
         if len(gpu_ids):  # only these experts' weights go to the GPU
-            self.gpu_w = ExpertWeights(weights.gate_up[gpu_ids].to(dev).contiguous(),
-                                       weights.down[gpu_ids].to(dev).contiguous(), weights.activation)
+            self.gpu_w = ExpertWeights(_rows(weights.gate_up, gpu_ids).to(dev).contiguous(),
+                                       _rows(weights.down, gpu_ids).to(dev).contiguous(), weights.activation)
             self.gpu = create_experts(plan.gpu_backend, self.gpu_w, layer_idx, options)
         if len(cpu_ids):  # only these stay in host memory, packed for the CPU kernels (all with dynamic update)
-            host = weights if self.full_cpu_layer else ExpertWeights(weights.gate_up[cpu_ids], weights.down[cpu_ids],
+            host = weights if self.full_cpu_layer else ExpertWeights(_rows(weights.gate_up, cpu_ids), _rows(weights.down, cpu_ids),
                                                                      weights.activation)
             page_align = plan.layerwise is not None and dev.type == "cuda"  # page-locked in place below
             self.cpu = CPUExperts(host, layer_idx, {**options, "page_align": page_align})

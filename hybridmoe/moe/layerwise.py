@@ -170,6 +170,17 @@ def _cuda_driver():
     return libcuda()
 
 
+def is_page_locked(t: torch.Tensor) -> bool:
+    """Whether the driver sees t's first and last bytes as page-locked host memory. (torch's
+    Tensor.is_pinned looks at the start of the tensor's storage, which for a page-aligned view
+    (cpu.quant.page_aligned) lies before the locked pages.)"""
+    if t.nbytes == 0:
+        return True
+    lib, flags = _cuda_driver(), C.c_uint()
+    return all(lib.cuMemHostGetFlags(C.byref(flags), C.c_void_p(p)) == 0
+               for p in (t.data_ptr(), t.data_ptr() + t.nbytes - 1))
+
+
 def _unregister(ranges: list[tuple[int, int]]) -> None:
     try:
         lib = _cuda_driver()

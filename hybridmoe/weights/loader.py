@@ -178,6 +178,11 @@ def read_expert_weights(
     e_n, i_n = spec.num_experts, spec.moe_intermediate
     gate_up = torch.empty(e_n, 2 * i_n, hidden, dtype=dtype, device=device)
     down = torch.empty(e_n, hidden, i_n, dtype=dtype, device=device)
+    if isinstance(index, DummyWeights):  # random benchmark weights: one draw per tensor, not per expert
+        g, _, d = spec.expert_tensor_names(layer, 0)
+        index.fill(g, gate_up)
+        index.fill(d, down)
+        return ExpertWeights(gate_up=gate_up, down=down)
     for e in range(e_n):
         g, u, d = spec.expert_tensor_names(layer, e)
         index.fill(g, gate_up[e, :i_n])

@@ -355,7 +355,7 @@ def test_layerwise_on_cuda(model, method, n_gpu):
     llm = LLM(model, kt_method=method, kt_num_gpu_experts=n_gpu, kt_gpu_prefill_token_threshold=16, **opts)
     for b in llm.engine.runner.model.moe_blocks():
         if b.experts.cpu is not None:
-            assert b.experts.pinned and all(t.is_pinned() for t in b.experts.packed_parts.values())
+            assert b.experts.pinned and all(layerwise.is_page_locked(t) for t in b.experts.packed_parts.values())
     assert _rel(llm.prompt_logits(prompt), ref_logits) < tol
     out = llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
     if method == "BF16":
