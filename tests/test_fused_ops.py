@@ -1,4 +1,4 @@
-"""Fused decoder-layer kernels (RMSNorm+residual, q/k norm + RoPE, top-k softmax routing) against
+"""Fused decoder-layer kernels (RMSNorm+residual, q/k norm + RoPE (+ KV store), top-k softmax routing) against
 their torch references: under the Triton interpreter on CPU (a subprocess, since the interpreter
 must be chosen before triton is imported), and on CUDA when present."""
 
@@ -40,6 +40,20 @@ def check(device: str, dtype: torch.dtype, tol: float) -> None:
         for wt in (rand(d), None):
             got = F.qk_norm_rope(x, wt, 1e-6, cos, sin, pos)
             close(got, F.qk_norm_rope_ref(x, wt, 1e-6, cos, sin, pos), f"qk_norm_rope(norm={wt is not None})")
+    for t, hq, hkv, d in ((1, 4, 2, 48), (6, 3, 3, 48), (19, 8, 1, 48)):
+        qkv = rand(t, (hq + 2 * hkv) * d)
+        pos = torch.randint(0, 300, (t,), generator=g).to(device)
+        slots = torch.randperm(7 * 16, generator=g)[:t].to(device)  # distinct cache slots
+        cos, sin = rope.cos.to(device), rope.sin.to(device)
+        for wq, wk in ((rand(d), rand(d)), (None, None)):
+            kc, vc = rand(7, 16, hkv, d), rand(7, 16, hkv, d)  # random (poisoned) cache contents
+            caches = [(kc.clone(), vc.clone()), (kc.clone(), vc.clone())]  # (ours, reference)
+            q = F.qkv_rope_store(qkv, hq, hkv, wq, wk, 1e-6, cos, sin, pos, *caches[0], slots)
+            rq = F.qkv_rope_store_ref(qkv, hq, hkv, wq, wk, 1e-6, cos, sin, pos, *caches[1], slots)
+            what = f"qkv_rope_store(norm={wq is not None}, T={t})"
+            close(q, rq, what + " q")
+            close(caches[0][0], caches[1][0], what + " k cache")
+            assert torch.equal(caches[0][1], caches[1][1]), what + " v cache (a copy: exact)"
     for t, e, k, renorm in ((1, 128, 8, True), (9, 10, 3, True), (17, 60, 4, False), (3, 6, 6, True)):
         logits = rand(t, e)
         w, ids = F.topk_softmax(logits, k, renorm)
@@ -61,3 +75,43 @@ def test_interpreter_fp32():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 def test_cuda(dtype, tol):
     check("cuda", dtype, tol)
+
+
+_MODEL_CHILD = """
+import sys, torch
+from hybridmoe import LLM
+ref = torch.load(sys.argv[2])
+for kind, (prompt, logits, tokens) in ref.items():
+    llm = LLM(sys.argv[1] + "/" + kind, device="cpu", progress=False)
+    got = llm.prompt_logits(prompt)
+    err = ((got - logits).norm() / logits.norm()).item()
+    assert err < 1e-5, f"{kind}: prompt logits with the fused kernels differ: {err:.2e}"
+    out = llm.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+    assert out["output_ids"] == tokens, f"{kind}: greedy tokens differ"
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_model_with_fused_kernels_interpreted(tmp_path):
+    """The whole model with the fused kernels (q/k/v norm + RoPE + KV store in one launch, fused
+    norms and routing) under the Triton interpreter gives the torch path's logits and tokens."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from hybridmoe import LLM
+
+    from tiny_models import make_tiny_model
+
+    ref = {}
+    for kind in ("qwen3_moe", "mixtral"):  # with and without q/k norm
+        path = make_tiny_model(kind, tmp_path / kind)
+        llm = LLM(str(path), device="cpu", progress=False)
+        prompt = torch.randint(0, 200, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+        out = llm.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 6,
+                                                              "ignore_eos": True})
+        ref[kind] = (prompt, llm.prompt_logits(prompt), out["output_ids"])
+        llm.shutdown()
+    torch.save(ref, tmp_path / "ref.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _MODEL_CHILD, str(tmp_path), str(tmp_path / "ref.pt")],
+                         cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

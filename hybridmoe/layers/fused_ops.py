@@ -1,7 +1,7 @@
 """Fused elementwise ops of a decoder layer, each a Triton kernel next to its torch reference.
 
 Decode runs one token per sequence, so a layer is dominated by launch count, not bytes: these
-kernels turn ~35 small launches per layer (norms, residual adds, RoPE, routing) into 5.
+kernels turn ~35 small launches per layer (norms, residual adds, RoPE, KV store, routing) into 4.
 `use_triton(x)` picks the kernel on CUDA and the reference elsewhere (CPU, no Triton).
 
 Legend: T tokens, H hidden, Nh heads, D head dim, E experts, K top-k.
@@ -53,6 +53,32 @@ def qk_norm_rope_ref(
     s = torch.cat([sin[positions], sin[positions]], -1).unsqueeze(1).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * c + torch.cat([-x2, x1], dim=-1) * s
+
+
+def qkv_rope_store_ref(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]: the fused projection's output, q | k | v
+    num_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor | None,  # [D] per-head RMSNorm weights, or None for no q/k norm
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,  # [max_pos, D/2] float32
+    sin: torch.Tensor,
+    positions: torch.Tensor,  # [T]
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> torch.Tensor:  # q [T, Hq, D]
+    """q and k normed and rotated; k and v written into their cache slots; returns q."""
+    t = qkv.shape[0]
+    d = k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q = qk_norm_rope_ref(q.reshape(t, num_heads, d), q_weight, eps, cos, sin, positions)
+    k = qk_norm_rope_ref(k.reshape(t, num_kv_heads, d), k_weight, eps, cos, sin, positions)
+    n, s = k_cache.shape[:2]
+    k_cache.view(n * s, num_kv_heads, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(n * s, num_kv_heads, d).index_copy_(0, slot_mapping, v.reshape(t, num_kv_heads, d).to(v_cache.dtype))
+    return q
 
 
 def topk_softmax_ref(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +133,54 @@ if HAVE_TRITON:
         s = tl.load(sin_ptr + pos * half + offs, mask=mask, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + base + offs, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptr + base + half + offs, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _qkv_rope_store_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr,
+                               kc_ptr, vc_ptr, stride_t, num_heads, num_kv_heads, half, eps,
+                               HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per (token, head) of q and k: RMSNorm (optional) + RoPE; a k program also
+        stores its k head and the matching v head into the cache slot of the token."""
+        tok = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        is_q = head < num_heads
+        d = 2 * half
+        offs = tl.arange(0, BLOCK)
+        mask = offs < half
+        src = qkv_ptr + tok * stride_t + head * d  # q heads, then k heads, are adjacent in a row
+        x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + offs, mask=mask, other=0.0).to(tl.float32)
+        out_ty = q_out_ptr.dtype.element_ty
+        if HAS_NORM:
+            var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / d
+            r = tl.rsqrt(var + eps)
+            if is_q:
+                w1 = tl.load(qw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                w2 = tl.load(qw_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                w1 = tl.load(kw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                w2 = tl.load(kw_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+            x1 = ((x1 * r).to(out_ty).to(tl.float32) * w1).to(out_ty).to(tl.float32)
+            x2 = ((x2 * r).to(out_ty).to(tl.float32) * w2).to(out_ty).to(tl.float32)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        c = tl.load(cos_ptr + pos * half + offs, mask=mask, other=0.0).to(out_ty).to(tl.float32)
+        s = tl.load(sin_ptr + pos * half + offs, mask=mask, other=0.0).to(out_ty).to(tl.float32)
+        y1 = (x1 * c - x2 * s).to(out_ty)
+        y2 = (x2 * c + x1 * s).to(out_ty)
+        if is_q:
+            dst = q_out_ptr + (tok * num_heads + head) * d
+            tl.store(dst + offs, y1, mask=mask)
+            tl.store(dst + half + offs, y2, mask=mask)
+        else:
+            kh = head - num_heads
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            dst = (slot * num_kv_heads + kh) * d
+            tl.store(kc_ptr + dst + offs, y1.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc_ptr + dst + half + offs, y2.to(kc_ptr.dtype.element_ty), mask=mask)
+            vsrc = src + num_kv_heads * d  # the v head sits Hkv heads after the k head
+            v1 = tl.load(vsrc + offs, mask=mask, other=0.0)
+            v2 = tl.load(vsrc + half + offs, mask=mask, other=0.0)
+            tl.store(vc_ptr + dst + offs, v1.to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc_ptr + dst + half + offs, v2.to(vc_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, K: tl.constexpr, RENORM: tl.constexpr,
@@ -164,6 +238,26 @@ def qk_norm_rope(x, weight, eps, cos, sin, positions) -> torch.Tensor:  # [T, Nh
     _qk_norm_rope_kernel[(t, nh)](x, weight if weight is not None else x, cos, sin, positions, out, nh, half, eps,
                                   HAS_NORM=weight is not None, BLOCK=triton.next_power_of_2(half), num_warps=1)
     return out
+
+
+def qkv_rope_store(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache,
+                   slot_mapping) -> torch.Tensor:
+    """q/k norm + RoPE and the KV-cache store of a layer in one launch (instead of four); see
+    qkv_rope_store_ref for the arguments. Returns q [T, Hq, D]."""
+    if not use_triton(qkv) or qkv.shape[0] == 0 or qkv.stride(-1) != 1 or not k_cache.is_contiguous() \
+            or not v_cache.is_contiguous():
+        return qkv_rope_store_ref(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, positions,
+                                  k_cache, v_cache, slot_mapping)
+    t = qkv.shape[0]
+    d = k_cache.shape[-1]
+    half = d // 2
+    q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_weight is not None
+    _qkv_rope_store_kernel[(t, num_heads + num_kv_heads)](
+        qkv, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos, sin, positions, slot_mapping, q,
+        k_cache, v_cache, qkv.stride(0), num_heads, num_kv_heads, half, eps,
+        HAS_NORM=has_norm, BLOCK=triton.next_power_of_2(half), num_warps=1)
+    return q
 
 
 def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

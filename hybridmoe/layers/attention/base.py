@@ -43,13 +43,16 @@ class AttentionMetadata:
 
 
 def store_kv(
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
+    k: torch.Tensor | None,  # [T, Hkv, D]
+    v: torch.Tensor | None,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [N, S, Hkv, D]
     v_cache: torch.Tensor,  # [N, S, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    """Write the new tokens' keys and values into their cache slots."""
+    """Write the new tokens' keys and values into their cache slots (nothing when k is None: the
+    fused q/k/v kernel has stored them)."""
+    if k is None or v is None:
+        return
     n, s, hkv, d = k_cache.shape
     k_cache.view(n * s, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(n * s, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -64,14 +67,14 @@ class AttentionBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
+        k: torch.Tensor | None,  # [T, Hkv, D]; None: already in the cache (fused_ops.qkv_rope_store)
+        v: torch.Tensor | None,  # [T, Hkv, D]
         k_cache: torch.Tensor,  # [N, S, Hkv, D]
         v_cache: torch.Tensor,  # [N, S, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Store k/v of the new tokens at meta.slot_mapping, then attend causally."""
+        """Store k/v of the new tokens at meta.slot_mapping (unless None), then attend causally."""
 
     def supports_cuda_graph(self) -> bool:
         """True when a decode forward reads only device tensors of meta (capturable)."""

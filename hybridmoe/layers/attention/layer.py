@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hybridmoe.layers.attention.base import AttentionBackend, AttentionMetadata
-from hybridmoe.layers.fused_ops import qk_norm_rope
+from hybridmoe.layers.fused_ops import qk_norm_rope, qkv_rope_store, use_triton
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding
 
@@ -62,13 +62,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        rope = self.rotary[0]
+        if use_triton(qkv):  # norm + RoPE of q and k and the KV store in one launch (decode is launch-bound)
+            q = qkv_rope_store(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight if self.qk_norm else None,
+                               self.k_norm.weight if self.qk_norm else None, self.rms_eps, rope.cos, rope.sin,
+                               positions, k_cache, v_cache, ctx.attn_meta.slot_mapping)
+            o = ctx.backend.forward(q, None, None, k_cache, v_cache, ctx.attn_meta, self.scale)  # [T, Hq, D]
+            return self.o_proj(o.reshape(t, -1))
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        rope = self.rotary[0]
         q = qk_norm_rope(q, self.q_norm.weight if self.qk_norm else None, self.rms_eps, rope.cos, rope.sin, positions)
         k = qk_norm_rope(k, self.k_norm.weight if self.qk_norm else None, self.rms_eps, rope.cos, rope.sin, positions)
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, -1))
