@@ -85,25 +85,34 @@ def main() -> None:
 
     from hybridmoe import LLM
     from hybridmoe.cpu.engine import default_pool
+    from hybridmoe.engine.cuda_graph import DecodeGraphs
 
     results = {"shape": vars(a), "runs": []}
     with tempfile.TemporaryDirectory() as d:
         write_config(Path(d), a)
+        max_bs = max(a.batch)
+        t = time.perf_counter()
+        llm = LLM(d, device="cuda", dtype="bfloat16", load_format="dummy", progress=False,
+                  skip_tokenizer_init=True, kt_method=a.method, kt_num_gpu_experts=a.gpu_experts,
+                  kt_cpuinfer=a.cpuinfer, kt_max_deferred_experts_per_token=a.deferred[0],
+                  disable_cuda_graph="on" not in a.graphs, cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
+                  max_total_tokens=max_bs * (a.prompt_len + a.steps + 64), context_length=4096)
+        print(f"model ready in {time.perf_counter() - t:.1f} s", flush=True)
+        runner = llm.engine.runner
+        bw = default_pool().stream_read_gbps() * 1e9
+        bpt, per_expert = cpu_expert_bytes_per_token(runner.model, a.topk)
+        bound = bw / bpt
+        print(f"CPU stream read {bw / 1e9:.1f} GB/s; CPU expert bytes/token {bpt / 1e9:.3f} GB "
+              f"({per_expert / 1e6:.2f} MB per expert) -> bound {bound:.1f} tok/s", flush=True)
         for deferred in a.deferred:
-            max_bs = max(a.batch)
-            t = time.perf_counter()
-            llm = LLM(d, device="cuda", dtype="bfloat16", load_format="dummy", progress=False,
-                      skip_tokenizer_init=True, kt_method=a.method, kt_num_gpu_experts=a.gpu_experts,
-                      kt_cpuinfer=a.cpuinfer, kt_max_deferred_experts_per_token=deferred,
-                      disable_cuda_graph="on" not in a.graphs, cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
-                      max_total_tokens=max_bs * (a.prompt_len + a.steps + 64), context_length=4096)
-            print(f"deferred {deferred}: model ready in {time.perf_counter() - t:.1f} s", flush=True)
-            runner = llm.engine.runner
-            bw = default_pool().stream_read_gbps() * 1e9
-            bpt, per_expert = cpu_expert_bytes_per_token(runner.model, a.topk)
-            bound = bw / bpt
-            print(f"CPU stream read {bw / 1e9:.1f} GB/s; CPU expert bytes/token {bpt / 1e9:.3f} GB "
-                  f"({per_expert / 1e6:.2f} MB per expert) -> bound {bound:.1f} tok/s", flush=True)
+            if deferred != runner.hybrid.num_deferred:  # same model, other deferral: graphs captured again
+                runner.graphs = None
+                gc.collect()
+                torch.cuda.empty_cache()
+                runner.hybrid.set_num_deferred(deferred)
+                if "on" in a.graphs:
+                    runner.graphs = DecodeGraphs(runner, max_bs)
+                    runner.graphs.capture()
             graphs = runner.graphs
             for mode in a.graphs.split(","):
                 if mode == "on" and graphs is None:
@@ -122,10 +131,7 @@ def main() -> None:
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
             runner.graphs = graphs
-            llm.shutdown()
-            del llm, runner, graphs
-            gc.collect()
-            torch.cuda.empty_cache()
+        llm.shutdown()
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=2))
 

@@ -96,6 +96,15 @@ class HybridPlan:
             task.enqueue_result(t, self.device)  # stream-ordered wait; the output is not used
             self.pending_stream = None
 
+    def set_num_deferred(self, num_deferred: int) -> None:
+        """Change every layer's deferral (benchmarks compare settings on one loaded model); decode
+        CUDA graphs captured before must be captured again."""
+        self.collect_pending()
+        self.num_deferred = num_deferred
+        for idx, layer in self.layers.items():
+            layer.defer = 0 if idx == self.moe_layers[-1] else num_deferred
+            layer._stream_tasks.clear()  # their (now, deferred) pairs were built for the old setting
+
     @contextmanager
     def layerwise_forward(self, num_tokens: int) -> Iterator[bool]:
         """Around one model forward of `num_tokens` tokens: layerwise (yields True) when the threshold

@@ -90,6 +90,20 @@ def test_deferral_in_the_model(model, reference):
         assert llm.engine.runner.hybrid.pending is None  # ...and the last layer collected the deferred work
 
 
+def test_set_num_deferred_switches_a_loaded_model(model, reference):
+    """Changing the deferral of a loaded model (benchmarks) gives what a model built with it gives."""
+    prompt, ref_logits, _ = reference
+    built = LLM(str(model), device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=2,
+                kt_max_deferred_experts_per_token=1).prompt_logits(prompt)
+    llm = LLM(str(model), device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=2)
+    plan = llm.engine.runner.hybrid
+    plan.set_num_deferred(1)
+    assert [b.experts.defer for b in llm.engine.runner.model.moe_blocks()] == [1, 0]
+    assert _rel(llm.prompt_logits(prompt), built) < 1e-6
+    plan.set_num_deferred(0)
+    assert _rel(llm.prompt_logits(prompt), ref_logits) < 1e-5
+
+
 def test_deferral_semantics_exact():
     """Two MoE layers: layer A's `d` lowest-weight CPU experts per token are left out of A's output
     and added to layer B's, exactly."""
