@@ -125,6 +125,8 @@ def _declare(lib) -> None:
         "hm_submit_hostfn": (None, [vp]),
         "hm_sync_hostfn": (None, [vp]),
         "hm_stream_read": (C.c_double, [vp, i64, i32]),
+        "hm_doorbell_add": (i32, [vp, C.POINTER(HostCall), vp, vp]),
+        "hm_doorbell_clear": (None, [vp]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -139,7 +141,7 @@ def lib():
             path = _locate()
             handle = C.CDLL(str(path))
             _declare(handle)
-            if handle.hm_abi_version() != 1:
+            if handle.hm_abi_version() != 2:
                 raise RuntimeError(f"{path}: unexpected ABI version; rebuild with pip install -e .")
             _lib = handle
         return _lib

@@ -10,9 +10,10 @@ CPU experts go into a second CPU task, queued after the first; its output is add
 MoE layer's output, so the CPU works through the next attention. The last MoE layer defers
 nothing and collects what the one before it deferred.
 
-Two ways to drive the CPU side: from Python (submit/sync; CPU device, and CUDA for now), or as
-CUDA stream host functions (moe/cuda_bridge.py; capturable in a CUDA graph), which is switched on
-by USE_STREAM_HOST_FUNCTIONS once validated on a GPU.
+Two ways to drive the CPU side: from Python (submit/sync; the CPU device, and CUDA with
+HYBRIDMOE_STREAM_HOST_FUNCTIONS=0), or from the CUDA stream (moe/cuda_bridge.py; capturable in a
+CUDA graph; the default on CUDA, validated on the H200), by host functions or, with
+HYBRIDMOE_CPU_SYNC=memops, by doorbell words the stream writes and waits on.
 
 Layerwise prefill (--kt-gpu-prefill-token-threshold N): the model runner wraps a forward of T >= N
 tokens in `HybridPlan.layerwise_forward`, which sets `layerwise_active`; every layer then computes
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridmoe.config import ConfigError, EngineArgs
+from hybridmoe.cpu import native
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts, register_experts_backend
 from hybridmoe.moe.layerwise import (
     LayerwisePrefill,
@@ -100,10 +102,17 @@ class HybridPlan:
         """Change every layer's deferral (benchmarks compare settings on one loaded model); decode
         CUDA graphs captured before must be captured again."""
         self.collect_pending()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.num_deferred = num_deferred
+        pools = set()
         for idx, layer in self.layers.items():
             layer.defer = 0 if idx == self.moe_layers[-1] else num_deferred
             layer._stream_tasks.clear()  # their (now, deferred) pairs were built for the old setting
+            if layer.cpu is not None:
+                pools.add(layer.cpu.layer.pool.handle)
+        for handle in pools:  # doorbells of the dropped tasks (cuda_bridge SYNC_MODE "memops")
+            native.lib().hm_doorbell_clear(handle)
 
     @contextmanager
     def layerwise_forward(self, num_tokens: int) -> Iterator[bool]:
