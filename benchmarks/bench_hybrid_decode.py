@@ -134,6 +134,8 @@ def main() -> None:
                         row.update(stream_read_gbps=bw / 1e9, cpu_expert_bytes_per_token=bpt,
                                    bound_tokens_per_s=bound, ratio_to_bound=row["tokens_per_s"] / bound)
                     results["runs"].append(row)
+                    if a.out:  # after every row: a later setting that fails keeps the earlier ones
+                        Path(a.out).write_text(json.dumps(results, indent=2))
                     extra = f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f}" if b == 1 else ""
                     print(f"{sync:6s} deferred {deferred} graphs {mode:3s} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
