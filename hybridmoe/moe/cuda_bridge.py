@@ -142,17 +142,25 @@ class StreamCPUTask:
         self.x[:t].copy_(x, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         self.w[:t].copy_(w, non_blocking=True)
+        self.enqueue_start(t)
+
+    def enqueue_start(self, t: int) -> None:
+        """Queue the CPU task once the stream gets here (its inputs are in the pinned buffers)."""
         call = self._call(t)
         if SYNC_MODE == "memops":
             self.bells[t].enqueue_ring()
         else:
             launch_host_func(self.submit_fn, call)
 
-    def enqueue_result(self, t: int, device: torch.device) -> torch.Tensor:
-        """Block the stream until the task is done, then bring its output back: [T, H] float32."""
+    def enqueue_wait(self, t: int) -> None:
+        """Block the stream until the task is done (its output is then in self.out[:t])."""
         call = self._call(t)
         if SYNC_MODE == "memops":
             self.bells[t].enqueue_wait()
         else:
             launch_host_func(self.sync_fn, call)
+
+    def enqueue_result(self, t: int, device: torch.device) -> torch.Tensor:
+        """Block the stream until the task is done, then bring its output back: [T, H] float32."""
+        self.enqueue_wait(t)
         return self.out[:t].to(device, non_blocking=True)

@@ -38,6 +38,7 @@ import torch
 from hybridmoe.config import ConfigError, EngineArgs
 from hybridmoe.cpu import native
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts, register_experts_backend
+from hybridmoe.moe.hybrid_kernels import combine, host_pointers_ok, split_stage
 from hybridmoe.moe.layerwise import (
     LayerwisePrefill,
     PackedFormat,
@@ -287,6 +288,8 @@ class HybridExperts(MoEExperts):
                     return StreamCPUTask(self.cpu.layer, io)
 
                 tasks = self._stream_tasks[cap] = (make(0), make(1) if self.defer else None)
+            if not self.defer and plan.pending_stream is None and host_pointers_ok(x.device):
+                return self._forward_stream_fused(x, ids, topk_weights, tasks[0])
             now, later = self._split(ids, topk_weights)
             w = topk_weights.float()
             tasks[0].enqueue_submit(x, now.int(), w)
@@ -300,6 +303,21 @@ class HybridExperts(MoEExperts):
             out += task.enqueue_result(pt, x.device)
         plan.pending_stream = (tasks[1], t) if tasks is not None and self.defer else None
         return out.to(x.dtype)
+
+    def _forward_stream_fused(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
+                              task) -> torch.Tensor:
+        """The stream path without deferral in 2 launches around the experts (hybrid_kernels.py):
+        the split writes the CPU task's inputs straight into its pinned buffers, and the result is
+        added from them."""
+        t, k = ids.shape
+        io = task.io
+        gid = torch.empty(t, k, dtype=torch.int32, device=x.device)  # [T, K]
+        gw = torch.empty(t, k, dtype=torch.float32, device=x.device)  # [T, K]
+        split_stage(x, ids, topk_weights, self.gpu_local, self.cpu_local, gid, gw, io.x[:t], io.ids[:t], io.w[:t])
+        task.enqueue_start(t)
+        gpu_out = self.gpu.forward(x, gid, gw) if self.gpu is not None else None  # while the CPU works
+        task.enqueue_wait(t)
+        return combine(gpu_out, io.out[:t], x.dtype, x.device)
 
     def _forward_layerwise(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Every expert on the GPU side: the resident ones, and the CPU-resident ones streamed in and

@@ -174,9 +174,10 @@ def test_memory_plan_is_printed_and_a_plan_that_does_not_fit_is_refused(model, c
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deferred", [0, 1])  # 0: the fused hand-over kernels (hybrid_kernels.py)
 @pytest.mark.parametrize("sync", ["hostfn", "memops"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_stream_path_on_cuda(model, monkeypatch, graphs, sync):
+def test_stream_path_on_cuda(model, monkeypatch, graphs, sync, deferred):
     """The CPU side driven from the CUDA stream (host functions, or doorbells rung and waited on by
     stream memory operations), eager and captured in decode graphs, gives what the Python-driven
     path gives: same greedy tokens, logits within 1e-3 (bf16 model on the GPU)."""
@@ -186,7 +187,7 @@ def test_stream_path_on_cuda(model, monkeypatch, graphs, sync):
 
     prompt = torch.randint(0, 211, (50,), generator=torch.Generator().manual_seed(4)).tolist()
     opts = dict(device="cuda", dtype="bfloat16", progress=False, kt_method="BF16", kt_num_gpu_experts=4,
-                kt_max_deferred_experts_per_token=1, max_total_tokens=4096, cuda_graph_max_bs=4)
+                kt_max_deferred_experts_per_token=deferred, max_total_tokens=4096, cuda_graph_max_bs=4)
     monkeypatch.setattr(hybrid, "USE_STREAM_HOST_FUNCTIONS", False)  # the Python-driven path
     ref = LLM(str(model), disable_cuda_graph=True, **opts)
     ref_logits = ref.prompt_logits(prompt)
