@@ -11,7 +11,7 @@ from hybridmoe.args import add_engine_args, engine_args_from
 # Hybrid CPU/GPU options whose feature is not in this version yet: accepted by the parser (so a
 # KTransformers command line parses) and refused at startup with exit code 2, never ignored.
 # Remove a flag here once the engine implements it.
-NOT_YET_AVAILABLE: tuple[str, ...] = ("--kt-numa-nodes",)
+NOT_YET_AVAILABLE: tuple[str, ...] = ()
 KT_METHODS_AVAILABLE = ("AMXINT8", "AMXINT4", "BF16")
 DEFAULT_GRACE_S = 30.0
 

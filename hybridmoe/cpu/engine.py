@@ -31,8 +31,8 @@ class CPUMoEError(RuntimeError):
 
 
 class CPUThreadPool:
-    def __init__(self, threads: int | None = None, threadpool_count: int = 1):
-        cpus, nsub = plan_threads(threads, threadpool_count)
+    def __init__(self, threads: int | None = None, threadpool_count: int = 1, numa_nodes: list[int] | None = None):
+        cpus, nsub = plan_threads(threads, threadpool_count, numa_nodes)
         arr = (C.c_int * len(cpus))(*cpus)
         err = C.create_string_buffer(512)
         handle = native.lib().hm_pool_create(len(cpus), arr, nsub, err, len(err))
@@ -100,12 +100,13 @@ _default_pool: CPUThreadPool | None = None
 _pool_lock = threading.Lock()
 
 
-def default_pool(threads: int | None = None, threadpool_count: int = 1) -> CPUThreadPool:
+def default_pool(threads: int | None = None, threadpool_count: int = 1,
+                 numa_nodes: list[int] | None = None) -> CPUThreadPool:
     """The process-wide pool (created on first use with the given settings)."""
     global _default_pool
     with _pool_lock:
         if _default_pool is None:
-            _default_pool = CPUThreadPool(threads, threadpool_count)
+            _default_pool = CPUThreadPool(threads, threadpool_count, numa_nodes)
             atexit.register(_close_default_pool)  # join the native threads before interpreter teardown
         return _default_pool
 

@@ -60,10 +60,30 @@ def default_threads() -> int:
     return max(1, len(physical_cores()) - 1)
 
 
-def plan_threads(threads: int | None, subpools: int = 1) -> tuple[list[int], int]:
+def parse_node_list(text: str) -> list[int]:
+    """"0,1" or "0-1" -> [0, 1] (--kt-numa-nodes); ValueError on anything else."""
+    nodes = _parse_list(text.replace(" ", ""))
+    if not nodes:
+        raise ValueError("empty node list")
+    return sorted(set(nodes))
+
+
+def plan_threads(threads: int | None, subpools: int = 1, nodes: list[int] | None = None) -> tuple[list[int], int]:
     """CPUs to pin `threads` workers to, grouped so sub-pool s gets cores of NUMA node s when the
-    machine has at least `subpools` nodes. Returns (cpu per thread, sub-pool count)."""
+    machine has at least `subpools` nodes. `nodes` (--kt-numa-nodes) restricts the workers to the
+    cores of those nodes, with one sub-pool per node at least. Returns (cpu per thread, sub-pool count)."""
     cores = physical_cores()
+    if nodes is not None:
+        present = numa_nodes()
+        missing = [n for n in nodes if n not in present]
+        if missing:
+            raise ValueError(f"--kt-numa-nodes: node(s) {missing} not on this machine (NUMA nodes: {sorted(present)})")
+        cores = [c for c in cores if node_of(c) in nodes]
+        if not cores:
+            raise ValueError(f"--kt-numa-nodes: no usable core on node(s) {nodes} (CPU affinity of this process)")
+        subpools = max(subpools or 1, len(nodes))
+        if threads is None:  # the GPU-driving thread keeps a core when the pool would take them all
+            threads = max(1, len(cores) - (1 if len(cores) == len(physical_cores()) else 0))
     n = threads or default_threads()
     subpools = max(1, min(subpools or 1, n))
     by_node: dict[int, list[int]] = {}

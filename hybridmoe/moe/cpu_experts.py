@@ -4,6 +4,7 @@ Legend: T tokens, H hidden, E experts, K top-k.
 
 Options (engine-level, KTransformers names): kt_method (AMXINT8 | AMXINT4 | BF16, default AMXINT8),
 kt_cpuinfer (threads; None = physical cores - 1), kt_threadpool_count (sub-pools, one per NUMA node),
+kt_numa_nodes ("0,1": only those nodes' cores, one sub-pool per node at least),
 group_size (int4, default 128), int4_symmetric (default True), cpu_isa (avx2 | avx512 | amx; default
 $HYBRIDMOE_CPU_ISA or the best present), packed (a PackedLayer loaded from --kt-weight-path instead
 of quantizing the given weights), pack_device (where quantization runs; the runner picks the GPU
@@ -17,6 +18,7 @@ import torch
 
 from hybridmoe.cpu.engine import CPUMoELayer, default_pool
 from hybridmoe.cpu.quant import PackedLayer, pack_layer, page_aligned_layer
+from hybridmoe.cpu.topology import parse_node_list
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, register_experts_backend
 
 
@@ -41,7 +43,9 @@ class CPUExperts(MoEExperts):
             )
         if options.get("page_align"):  # to be page-locked in place for the layerwise GPU prefill
             packed = page_aligned_layer(packed)
-        pool = default_pool(options.get("kt_cpuinfer"), int(options.get("kt_threadpool_count") or 1))
+        nodes = options.get("kt_numa_nodes")
+        pool = default_pool(options.get("kt_cpuinfer"), int(options.get("kt_threadpool_count") or 1),
+                            parse_node_list(nodes) if nodes else None)
         self.layer = CPUMoELayer(packed, isa=options.get("cpu_isa"), pool=pool)
         self.method = packed.method
 

@@ -188,3 +188,25 @@ def test_many_tasks_sleeping_and_spinning_pool(weights, monkeypatch, spin_us):
         del lay
     finally:
         pool3.close()
+
+
+def test_numa_nodes_option():
+    """--kt-numa-nodes: the pool's cores come from the listed nodes, one sub-pool per node at least;
+    a node the machine lacks is a clear error, at config validation and when a pool is built."""
+    from hybridmoe.config import ConfigError, EngineArgs
+    from hybridmoe.cpu.engine import CPUThreadPool
+    from hybridmoe.cpu.topology import node_of, numa_nodes, parse_node_list, plan_threads
+
+    nodes = sorted(numa_nodes())
+    cpus, nsub = plan_threads(None, 1, nodes[:1])
+    assert cpus and all(node_of(c) == nodes[0] for c in cpus) and nsub == 1
+    pool = CPUThreadPool(1, 1, nodes[:1])
+    assert pool.threads == 1 and node_of(pool.cpus[0]) == nodes[0]
+    pool.close()
+    with pytest.raises(ValueError, match=r"--kt-numa-nodes: node\(s\) \[99\] not on this machine"):
+        plan_threads(None, 1, [99])
+    assert parse_node_list("0-2,5") == [0, 1, 2, 5]
+    EngineArgs(kt_numa_nodes=",".join(map(str, nodes))).validate()
+    for bad in ("x", "99"):
+        with pytest.raises(ConfigError, match="--kt-numa-nodes"):
+            EngineArgs(kt_numa_nodes=bad).validate()
