@@ -83,7 +83,8 @@ def main() -> None:
     p.add_argument("--graphs", default="on,off")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=256)
-    p.add_argument("--off-steps", type=int, default=32, help="decode steps with graphs off (slow)")
+    p.add_argument("--off-steps", type=int, default=16, help="decode steps with graphs off (slow)")
+    p.add_argument("--batched-steps", type=int, default=32, help="decode steps with graphs on at batch > 1")
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
@@ -126,8 +127,8 @@ def main() -> None:
                 if mode == "on" and graphs is None:
                     continue
                 runner.graphs = graphs if mode == "on" else None
-                steps = a.steps if mode == "on" else a.off_steps
                 for b in a.batch:
+                    steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
                     row = {"sync": sync, "deferred": deferred, "graphs": mode, "batch": b, "steps": steps,
                            **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     if b == 1:
