@@ -253,18 +253,35 @@ def dequantize_matrix(p: PackedMatrix, method: str, group_size: int) -> torch.Te
     return unpack_blocks(p.data, p.n, p.k, torch.bfloat16).float()
 
 
+def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, page: int = 4096) -> torch.Tensor:
+    """An uninitialised CPU tensor that owns whole pages (see page_aligned)."""
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * torch.empty(0, dtype=dtype).element_size()
+    padded = -(-max(nbytes, 1) // page) * page
+    raw = torch.empty(padded + page, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % page
+    return raw[off : off + nbytes].view(dtype).view(shape)
+
+
+def owns_pages(t: torch.Tensor, page: int = 4096) -> bool:
+    """Whether t starts on a page and the rest of its last page lies in its own storage."""
+    if t.nbytes == 0:
+        return True
+    st = t.untyped_storage()
+    end = t.data_ptr() + -(-t.nbytes // page) * page
+    return t.data_ptr() % page == 0 and st.data_ptr() <= t.data_ptr() and end <= st.data_ptr() + st.nbytes()
+
+
 def page_aligned(t: torch.Tensor, page: int = 4096) -> torch.Tensor:
     """A copy of CPU tensor t that owns whole pages: it starts on a page boundary and the rest of
     its last page belongs to the same allocation. Page-locking such a tensor in place
     (cuMemHostRegister) cannot take a neighbour's memory with it: a range the driver sees as only
     partly locked makes every DMA copy from it fail with "invalid argument"."""
-    n = t.nbytes
-    if n == 0:
-        return t  # nothing to lock
-    padded = -(-n // page) * page
-    raw = torch.empty(padded + page, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % page
-    out = raw[off : off + n].view(t.dtype).view(t.shape)
+    if owns_pages(t, page):
+        return t  # already (also: nothing to lock)
+    out = page_aligned_empty(tuple(t.shape), t.dtype, page)
     out.copy_(t)
     return out
 
@@ -289,10 +306,15 @@ def _to_host(p: PackedMatrix) -> PackedMatrix:
     return PackedMatrix(h(p.data), p.n, p.k, h(p.scale), h(p.zero), h(p.wsum))
 
 
-def _cat(parts: list[PackedMatrix]) -> PackedMatrix:
+def _cat(parts: list[PackedMatrix], aligned: bool = False) -> PackedMatrix:
     def c(name):
         ts = [getattr(p, name) for p in parts]
-        return None if ts[0] is None else torch.cat(ts, dim=0)
+        if ts[0] is None:
+            return None
+        if not aligned:
+            return torch.cat(ts, dim=0)
+        shape = (sum(t.shape[0] for t in ts), *ts[0].shape[1:])
+        return torch.cat(ts, dim=0, out=page_aligned_empty(shape, ts[0].dtype))  # no second copy to align
 
     return PackedMatrix(c("data"), parts[0].n, parts[0].k, c("scale"), c("zero"), c("wsum"))
 
@@ -306,10 +328,12 @@ def pack_layer(
     activation: str = "silu",
     chunk: int = 8,
     device: torch.device | str | None = None,
+    page_align: bool = False,
 ) -> PackedLayer:
     """Quantizes and packs one layer's experts (gate_up [E, 2I, H], down [E, H, I]); `chunk` experts at a
     time to bound the fp32 temporaries. `device`: where the packing arithmetic runs (default the CPU;
-    a GPU packs random benchmark weights far faster); the result is always in host memory."""
+    a GPU packs random benchmark weights far faster); the result is always in host memory, in
+    tensors that own their pages with `page_align` (see page_aligned)."""
     method = method.upper()
     method_code(method)
     if activation not in ACTIVATIONS:
@@ -325,4 +349,5 @@ def pack_layer(
         dn = down[e0 : e0 + chunk].detach().to(device or "cpu", torch.float32)
         w13.append(_to_host(pack_matrix(interleave_w13(gu, ip, hp), method, group_size, symmetric)))
         w2.append(_to_host(pack_matrix(_pad2(dn, hp, ip), method, group_size, symmetric)))
-    return PackedLayer(method, e, h, i, hp, ip, group_size, symmetric, activation, _cat(w13), _cat(w2))
+    return PackedLayer(method, e, h, i, hp, ip, group_size, symmetric, activation, _cat(w13, page_align),
+                       _cat(w2, page_align))

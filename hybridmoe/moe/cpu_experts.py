@@ -40,9 +40,10 @@ class CPUExperts(MoEExperts):
                 symmetric=bool(options.get("int4_symmetric", True)),
                 activation=weights.activation,
                 device=options.get("pack_device"),
+                page_align=bool(options.get("page_align")),
             )
         if options.get("page_align"):  # to be page-locked in place for the layerwise GPU prefill
-            packed = page_aligned_layer(packed)
+            packed = page_aligned_layer(packed)  # copies only tensors that do not own their pages yet
         nodes = options.get("kt_numa_nodes")
         pool = default_pool(options.get("kt_cpuinfer"), int(options.get("kt_threadpool_count") or 1),
                             parse_node_list(nodes) if nodes else None)

@@ -89,3 +89,20 @@ def test_page_aligned_owns_its_pages(shape, dtype):
     storage = a.untyped_storage()
     end = a.data_ptr() + -(-max(a.nbytes, 1) // 4096) * 4096
     assert storage.data_ptr() <= a.data_ptr() and end <= storage.data_ptr() + storage.nbytes()
+
+
+def test_pack_layer_page_aligned_output_needs_no_copy():
+    """pack_layer(page_align=True) writes its result into page-owning tensors: page_aligned_layer
+    then keeps them as they are (no second copy of the weights at load)."""
+    from hybridmoe.cpu.quant import owns_pages, page_aligned_layer
+
+    g = torch.Generator().manual_seed(3)
+    gu, dn = torch.randn(5, 2 * 40, 72, generator=g), torch.randn(5, 72, 40, generator=g)
+    for method in ("AMXINT8", "AMXINT4", "BF16"):
+        ref = quant.pack_layer(gu, dn, method, group_size=32, chunk=2)
+        p = quant.pack_layer(gu, dn, method, group_size=32, chunk=2, page_align=True)
+        for name, t in p.tensors().items():
+            assert owns_pages(t), f"{method} {name}"
+            assert torch.equal(t, ref.tensors()[name]), f"{method} {name}"
+        again = page_aligned_layer(p)
+        assert all(a.data_ptr() == b.data_ptr() for a, b in zip(again.tensors().values(), p.tensors().values()))
