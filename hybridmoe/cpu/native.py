@@ -127,6 +127,8 @@ def _declare(lib) -> None:
         "hm_stream_read": (C.c_double, [vp, i64, i32]),
         "hm_doorbell_add": (i32, [vp, C.POINTER(HostCall), vp, vp]),
         "hm_doorbell_clear": (None, [vp]),
+        "hm_set_prefetch": (None, [i32]),
+        "hm_get_prefetch": (i32, []),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)

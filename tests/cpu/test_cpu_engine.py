@@ -210,3 +210,27 @@ def test_numa_nodes_option():
     for bad in ("x", "99"):
         with pytest.raises(ConfigError, match="--kt-numa-nodes"):
             EngineArgs(kt_numa_nodes=bad).validate()
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16"])
+def test_prefetch_distance_changes_nothing_but_speed(method):
+    """The few-row kernels' software prefetch (hm_set_prefetch, HYBRIDMOE_CPU_PREFETCH) reads ahead
+    of, and past the end of, the weights: results are bit-identical to no prefetch."""
+    g = torch.Generator().manual_seed(5)
+    e, h, i, k, t = 6, 128, 64, 3, 5
+    gu, dn = torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1
+    layer = CPUMoELayer(pack_layer(gu, dn, method, group_size=64))
+    x = torch.randn(t, h, generator=g)
+    ids = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k].contiguous()
+    w = torch.rand(t, k, generator=g)
+    lib = native.lib()
+    before = lib.hm_get_prefetch()
+    try:
+        outs = []
+        for pf in (0, 256, 4096, 1 << 20):
+            lib.hm_set_prefetch(pf)
+            assert lib.hm_get_prefetch() == pf
+            outs.append(layer.forward(x, ids, w))
+    finally:
+        lib.hm_set_prefetch(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])

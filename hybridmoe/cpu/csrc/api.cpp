@@ -187,6 +187,11 @@ void hm_profile(double* out8, int reset) {
 
 int64_t hm_completed(void* p) { return static_cast<Pool*>(p)->tp.completed(); }
 
+// Software prefetch distance of the few-row kernels, in bytes (0: none; negative: 0). Set between
+// tasks.
+void hm_set_prefetch(int bytes) { hm::g_prefetch_bytes = bytes > 0 ? bytes : 0; }
+int hm_get_prefetch() { return hm::g_prefetch_bytes; }
+
 // CUDA host-function forms (void fn(void*)), for cuLaunchHostFunc: no Python, no exceptions out.
 void hm_submit_hostfn(void* userdata) {
   HmHostCall* c = static_cast<HmHostCall*>(userdata);

@@ -67,6 +67,10 @@ struct Kernels {
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
+// Software prefetch distance (bytes ahead of the weight stream) of the few-row (decode) kernels;
+// 0 = none. Set from HYBRIDMOE_CPU_PREFETCH at load, or hm_set_prefetch (benchmarks sweep it).
+extern int g_prefetch_bytes;
+
 }  // namespace hm
 
 // Defined in the ISA translation units (weak: a unit the compiler could not build is absent).

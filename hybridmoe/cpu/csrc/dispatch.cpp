@@ -5,10 +5,18 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "common.h"
+
+namespace hm {
+int g_prefetch_bytes = [] {
+  const char* v = std::getenv("HYBRIDMOE_CPU_PREFETCH");
+  return v ? std::atoi(v) : 0;
+}();
+}  // namespace hm
 
 namespace {
 

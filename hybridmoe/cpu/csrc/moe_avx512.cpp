@@ -42,7 +42,12 @@ void blk_i8(const uint8_t* wb, int Kd, const ActView& A, int m0, const float* sw
   for (int t = 0; t < R; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_si512();
   const uint8_t* x[R];
   for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
+  const int pf = g_prefetch_bytes;
   for (int s = 0; s < Kd / 4; s += 2) {
+    if (pf) {  // prefetches never fault: reading past the block only warms the next one
+      _mm_prefetch(reinterpret_cast<const char*>(wb + s * 64 + pf), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + s * 64 + 64 + pf), _MM_HINT_T0);
+    }
     __m512i w0 = _mm512_loadu_si512(wb + s * 64), w1 = _mm512_loadu_si512(wb + s * 64 + 64);
     for (int t = 0; t < R; ++t) {
       acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], _mm512_set1_epi32(load_i32(x[t] + 4 * s)), w0);
@@ -67,10 +72,12 @@ void blk_i4(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const fl
   const uint8_t* x[R];
   for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
   const int upg = G / 8;
+  const int pf = g_prefetch_bytes;
   for (int g = 0; g < Kd / G; ++g) {
     __m512i ia[R], ib[R];
     for (int t = 0; t < R; ++t) ia[t] = ib[t] = _mm512_setzero_si512();
     for (int u = g * upg; u < (g + 1) * upg; ++u) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + u * 64 + pf), _MM_HINT_T0);
       __m512i v = _mm512_loadu_si512(wb + u * 64);
       __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
       for (int t = 0; t < R; ++t) {
@@ -101,7 +108,12 @@ void blk_bf16(const uint8_t* wb, int Kd, const ActView& A, int m0, float* C, int
   for (int t = 0; t < R; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
   const uint8_t* x[R];
   for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
+  const int pf = g_prefetch_bytes;
   for (int s = 0; s < Kd / 2; s += 2) {
+    if (pf) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + s * 64 + pf), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + s * 64 + 64 + pf), _MM_HINT_T0);
+    }
     __m512i w0 = _mm512_loadu_si512(wb + s * 64), w1 = _mm512_loadu_si512(wb + s * 64 + 64);
     for (int t = 0; t < R; ++t) {
       acc[0][t] = _mm512_dpbf16_ps(acc[0][t], (__m512bh)w0, (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * s)));
