@@ -3,14 +3,14 @@
 # Usage there (OUT is the folder whose files come back):
 #   bash benchmarks/run_device_suite.sh "$OUT" [part...]
 # Parts (default: all; they run in this order): check gpu-tests cpu-isa-tests sweep decode serving
-# hybrid prefill cpu-moe server. `sweep` tunes the MoE decode tiles and writes the table the engine reads
+# hybrid prefill profile cpu-moe server. `sweep` tunes the MoE decode tiles and writes the table the engine reads
 # (moe_sweep.json in OUT holds it), so `decode` after it runs with the tuned tiles. At most 8 files
 # come back from OUT: logs that the output tail shows anyway stay in /tmp. Server tests and bench_serving need fastapi/uvicorn/pydantic wheels carried in .whl (see
 # the device README); they run only when `python -c "import fastapi"` works.
 set -u
 out="${1:-/tmp/hybridmoe-device}"
 shift || true
-parts="${*:-check gpu-tests cpu-isa-tests sweep decode serving hybrid prefill cpu-moe server}"
+parts="${*:-check gpu-tests cpu-isa-tests sweep decode serving hybrid prefill profile cpu-moe server}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 log() { echo "== $* ($(date +%T))"; }
@@ -68,6 +68,11 @@ if want prefill; then
   log bench-hybrid-prefill
   timeout "${PREFILL_TIMEOUT:-300}" $PY benchmarks/bench_hybrid_prefill.py ${PREFILL_ARGS:-} --out "$out/hybrid_prefill.json" \
     2>&1 | grep -v Warning | tee "$out/bench_hybrid_prefill.log"
+fi
+if want profile; then
+  log profile-decode
+  timeout "${PROFILE_TIMEOUT:-150}" $PY benchmarks/profile_decode.py 2>&1 | grep -v Warning | tail -32
+  timeout "${PROFILE_TIMEOUT:-150}" $PY benchmarks/profile_decode.py --gpu-experts 32 2>&1 | grep -v Warning | tail -32
 fi
 if want cpu-moe; then
   log bench-cpu-moe

@@ -1,0 +1,106 @@
+"""Where one decode step's time goes on the GPU: a torch.profiler (CUPTI) trace of a few decode
+steps of a full-size model with random weights, summarised as GPU kernels and copies per step
+(count, total and mean microseconds, by name), GPU busy time per step and the idle gaps between
+GPU operations (launch latency, host functions, waits on the CPU experts).
+
+    python benchmarks/profile_decode.py                       # all experts on the GPU
+    python benchmarks/profile_decode.py --gpu-experts 32      # hybrid: the rest on the CPU (AMXINT8)
+    python benchmarks/profile_decode.py --trace trace.json    # also a Chrome trace
+
+Default shape: Qwen3-30B-A3B (bench_decode.add_shape_args). CUDA graphs on unless --no-graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import add_shape_args, write_config  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_args(p)
+    p.add_argument("--gpu-experts", type=int, default=None, help="--kt-num-gpu-experts (default: all on the GPU)")
+    p.add_argument("--method", default="AMXINT8")
+    p.add_argument("--deferred", type=int, default=0)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8, help="decode steps profiled")
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    a = p.parse_args()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybridmoe import LLM
+
+    with tempfile.TemporaryDirectory() as d:
+        write_config(Path(d), a)
+        opts = {}
+        if a.gpu_experts is not None:
+            opts = dict(kt_method=a.method, kt_num_gpu_experts=a.gpu_experts,
+                        kt_max_deferred_experts_per_token=a.deferred)
+        llm = LLM(d, device="cuda", dtype="bfloat16", load_format="dummy", progress=False, skip_tokenizer_init=True,
+                  disable_cuda_graph=a.no_graphs, cuda_graph_max_bs=max(a.batch, 1), max_running_requests=a.batch,
+                  max_total_tokens=a.batch * 512, context_length=4096, **opts)
+        eng = llm.engine
+        g = torch.Generator().manual_seed(0)
+        reqs = [eng.make_request(input_ids=torch.randint(0, a.vocab, (32,), generator=g).tolist(),
+                                 sampling_params={"max_new_tokens": a.steps + 8, "temperature": 0, "ignore_eos": True})
+                for _ in range(a.batch)]
+        for r in reqs:
+            eng.submit(r)
+        while any(len(r.output_ids) < 4 for r in reqs):  # prefill and warm-up decode steps
+            eng.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(a.steps):
+                eng.step()
+            torch.cuda.synchronize()
+        llm.shutdown()
+
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]  # kernels, memcpys, memsets
+    if not events:
+        print("no GPU events recorded (CUPTI unavailable?)")
+        return
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    spans = []
+    for e in events:
+        dur = e.time_range.end - e.time_range.start  # us
+        by_name[e.name].append(dur)
+        spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    busy, gaps, cur_s, cur_e = 0.0, [], spans[0][0], spans[0][1]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(s - cur_e)
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    window = spans[-1][1] - spans[0][0]
+    n = a.steps
+    print(f"{n} decode steps, batch {a.batch}, graphs {'off' if a.no_graphs else 'on'}, "
+          f"{'all experts on the GPU' if a.gpu_experts is None else f'{a.gpu_experts} GPU experts ({a.method})'}")
+    print(f"per step: window {window / n / 1e3:.2f} ms, GPU busy {busy / n / 1e3:.2f} ms, idle {(window - busy) / n / 1e3:.2f} "
+          f"ms in {len(gaps) / n:.0f} gaps (median gap {sorted(gaps)[len(gaps) // 2] if gaps else 0:.1f} us, "
+          f"gaps > 20 us: {sum(gp for gp in gaps if gp > 20) / n / 1e3:.2f} ms)")
+    print(f"GPU operations per step: {len(events) / n:.0f}")
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: a.top]
+    print(f"{'per step: count':>16} {'total us':>9} {'mean us':>8}  name")
+    for name, durs in rows:
+        print(f"{len(durs) / n:>16.1f} {sum(durs) / n:>9.1f} {sum(durs) / len(durs):>8.2f}  {name[:110]}")
+    if a.trace:
+        prof.export_chrome_trace(a.trace)
+
+
+if __name__ == "__main__":
+    main()
