@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # HYBRIDMOE_STREAM_HOST_FUNCTIONS=0 asks for the Python-driven path (then the runner keeps CUDA
 # graphs off for hybrid models).
 USE_STREAM_HOST_FUNCTIONS = os.environ.get("HYBRIDMOE_STREAM_HOST_FUNCTIONS", "1") != "0"
+# Without deferral, the hand-over as two Triton kernels on the pinned buffers (hybrid_kernels.py)
+# instead of copies and small ops: opt-in (HYBRIDMOE_FUSED_HANDOVER=1) until measured on a GPU.
+FUSED_HANDOVER = os.environ.get("HYBRIDMOE_FUSED_HANDOVER", "0") == "1"
 
 
 @dataclass
@@ -288,7 +291,7 @@ class HybridExperts(MoEExperts):
                     return StreamCPUTask(self.cpu.layer, io)
 
                 tasks = self._stream_tasks[cap] = (make(0), make(1) if self.defer else None)
-            if not self.defer and plan.pending_stream is None and host_pointers_ok(x.device):
+            if FUSED_HANDOVER and not self.defer and plan.pending_stream is None and host_pointers_ok(x.device):
                 return self._forward_stream_fused(x, ids, topk_weights, tasks[0])
             now, later = self._split(ids, topk_weights)
             w = topk_weights.float()

@@ -184,6 +184,7 @@ def test_stream_path_on_cuda(model, monkeypatch, graphs, sync, deferred):
     from hybridmoe.moe import cuda_bridge, hybrid
 
     monkeypatch.setattr(cuda_bridge, "SYNC_MODE", sync)
+    monkeypatch.setattr(hybrid, "FUSED_HANDOVER", deferred == 0)  # the fused kernels apply without deferral
 
     prompt = torch.randint(0, 211, (50,), generator=torch.Generator().manual_seed(4)).tolist()
     opts = dict(device="cuda", dtype="bfloat16", progress=False, kt_method="BF16", kt_num_gpu_experts=4,
