@@ -115,3 +115,36 @@ def test_model_with_fused_kernels_interpreted(tmp_path):
     res = subprocess.run([sys.executable, "-c", _MODEL_CHILD, str(tmp_path), str(tmp_path / "ref.pt")],
                          cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+def test_qkv_fused_kernel_failure_falls_back(monkeypatch, caplog):
+    """If the fused q/k/v kernel cannot be built here, the layer uses the separate ops (same
+    result), says so once, and does not try again."""
+    pytest.importorskip("triton")
+    from hybridmoe.layers import fused_ops as F
+    from hybridmoe.layers.rotary import RotaryEmbedding
+
+    class Broken:
+        calls = 0
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                Broken.calls += 1
+                raise RuntimeError("no compiler for this")
+
+            return launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # use_triton() says yes on CPU tensors
+    monkeypatch.setattr(F, "_qkv_rope_store_kernel", Broken(), raising=False)
+    monkeypatch.setattr(F, "_qkv_fused_failed", False)
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, (4 + 2 * 2) * 16, generator=g)
+    pos, slots = torch.tensor([1, 5, 9]), torch.tensor([3, 0, 7])
+    caches = [(torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)) for _ in range(2)]
+    for _ in range(2):
+        q = F.qkv_rope_store(qkv, 4, 2, None, None, 1e-6, rope.cos, rope.sin, pos, *caches[0], slots)
+    rq = F.qkv_rope_store_ref(qkv, 4, 2, None, None, 1e-6, rope.cos, rope.sin, pos, *caches[1], slots)
+    assert torch.equal(q, rq) and torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert Broken.calls == 1 and F._qkv_fused_failed
+    assert sum("fused q/k/v" in r.message for r in caplog.records) == 1

@@ -9,6 +9,7 @@ Legend: T tokens, H hidden, Nh heads, D head dim, E experts, K top-k.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -20,6 +21,9 @@ try:
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs
     HAVE_TRITON = False
+
+
+log = logging.getLogger(__name__)
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -248,16 +252,28 @@ def qkv_rope_store(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, s
             or not v_cache.is_contiguous():
         return qkv_rope_store_ref(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, positions,
                                   k_cache, v_cache, slot_mapping)
+    global _qkv_fused_failed
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     half = d // 2
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_weight is not None
-    _qkv_rope_store_kernel[(t, num_heads + num_kv_heads)](
-        qkv, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos, sin, positions, slot_mapping, q,
-        k_cache, v_cache, qkv.stride(0), num_heads, num_kv_heads, half, eps,
-        HAS_NORM=has_norm, BLOCK=triton.next_power_of_2(half), num_warps=1)
-    return q
+    if not _qkv_fused_failed:
+        try:
+            _qkv_rope_store_kernel[(t, num_heads + num_kv_heads)](
+                qkv, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos, sin, positions, slot_mapping,
+                q, k_cache, v_cache, qkv.stride(0), num_heads, num_kv_heads, half, eps,
+                HAS_NORM=has_norm, BLOCK=triton.next_power_of_2(half), num_warps=1)
+            return q
+        except Exception as e:  # a compiler this kernel does not suit: the unfused ops, once and for all
+            _qkv_fused_failed = True
+            log.warning("fused q/k/v norm + RoPE + KV store kernel unavailable (%s: %s); using separate ops",
+                        type(e).__name__, e)
+    return qkv_rope_store_ref(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, positions,
+                              k_cache, v_cache, slot_mapping)
+
+
+_qkv_fused_failed = False
 
 
 def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
