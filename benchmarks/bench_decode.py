@@ -76,7 +76,9 @@ def bytes_per_token(model, topk: int) -> int:
     return total + len(model.moe_blocks()) * topk * per_expert
 
 
-def decode_tps(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
+def start_decode(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> list:
+    """`batch` random prompts submitted and run through prefill and the first decode step (not
+    timed); returns the requests, each with `steps` + 1 tokens left to generate."""
     eng = llm.engine
     g = torch.Generator().manual_seed(batch)
     reqs = [eng.make_request(input_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
@@ -84,10 +86,15 @@ def decode_tps(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> floa
             for _ in range(batch)]
     for r in reqs:
         eng.submit(r)
-    # prefill and the first decode step are not timed
     while any(len(r.output_ids) < 2 for r in reqs):
         eng.step()
     torch.cuda.synchronize()
+    return reqs
+
+
+def decode_tps(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
+    eng = llm.engine
+    reqs = start_decode(llm, batch, prompt_len, steps, vocab)
     t0, n = time.perf_counter(), 0
     while not all(r.finished for r in reqs):
         n += len(eng.step())

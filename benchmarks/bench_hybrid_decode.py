@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import add_shape_args, write_config  # noqa: E402
+from bench_decode import add_shape_args, start_decode, write_config  # noqa: E402
 
 
 def cpu_expert_bytes_per_token(model, topk: int) -> tuple[float, int]:
@@ -49,15 +49,7 @@ def run_batch(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
     from hybridmoe.cpu import native
 
     eng = llm.engine
-    g = torch.Generator().manual_seed(batch)
-    reqs = [eng.make_request(input_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
-                             sampling_params={"max_new_tokens": steps + 2, "temperature": 0, "ignore_eos": True})
-            for _ in range(batch)]
-    for r in reqs:
-        eng.submit(r)
-    while any(len(r.output_ids) < 2 for r in reqs):  # prefill and the first decode step: not timed
-        eng.step()
-    torch.cuda.synchronize()
+    reqs = start_decode(llm, batch, prompt_len, steps, vocab)
     native.profile(reset=True)
     t0, n, nsteps = time.perf_counter(), 0, 0
     while not all(r.finished for r in reqs):

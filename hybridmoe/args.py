@@ -43,15 +43,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kt-method", default=d.kt_method, type=str.upper, choices=KT_METHODS)
     k.add_argument("--kt-cpuinfer", type=int, default=None, help="CPU expert threads")
     k.add_argument("--kt-threadpool-count", type=int, default=d.kt_threadpool_count)
-    k.add_argument("--kt-numa-nodes", default=None)
+    k.add_argument("--kt-numa-nodes", default=None,
+                   help="NUMA nodes whose cores run the CPU experts, e.g. 0,1 (one sub-pool per node)")
     k.add_argument("--kt-num-gpu-experts", type=int, default=None, help="GPU-resident experts per MoE layer")
     k.add_argument("--kt-gpu-experts-ratio", type=float, default=None)
     k.add_argument("--kt-expert-placement-strategy", default=d.kt_expert_placement_strategy,
                    choices=PLACEMENT_STRATEGIES)
     k.add_argument("--init-expert-location", default=None)
     k.add_argument("--kt-max-deferred-experts-per-token", type=int, default=d.kt_max_deferred_experts_per_token)
-    k.add_argument("--kt-gpu-prefill-token-threshold", type=int, default=None)
-    k.add_argument("--kt-enable-dynamic-expert-update", action="store_true")
+    k.add_argument("--kt-gpu-prefill-token-threshold", type=int, default=None,
+                   help="prefill chunks of at least this many tokens stream the CPU experts to the GPU layer by layer")
+    k.add_argument("--kt-enable-dynamic-expert-update", action="store_true",
+                   help="after a layerwise prefill, its most used experts take the least used GPU slots")
     k.add_argument("--record-expert-distribution", default=None)
 
 
