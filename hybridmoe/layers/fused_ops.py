@@ -171,20 +171,20 @@ if HAVE_TRITON:
         y1 = (x1 * c - x2 * s).to(out_ty)
         y2 = (x2 * c + x1 * s).to(out_ty)
         if is_q:
-            dst = q_out_ptr + (tok * num_heads + head) * d
-            tl.store(dst + offs, y1, mask=mask)
-            tl.store(dst + half + offs, y2, mask=mask)
+            q_dst = q_out_ptr + (tok * num_heads + head) * d
+            tl.store(q_dst + offs, y1, mask=mask)
+            tl.store(q_dst + half + offs, y2, mask=mask)
         else:
             kh = head - num_heads
             slot = tl.load(slot_ptr + tok).to(tl.int64)
-            dst = (slot * num_kv_heads + kh) * d
-            tl.store(kc_ptr + dst + offs, y1.to(kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(kc_ptr + dst + half + offs, y2.to(kc_ptr.dtype.element_ty), mask=mask)
+            c_off = (slot * num_kv_heads + kh) * d  # names differ from the q branch: Triton types both
+            tl.store(kc_ptr + c_off + offs, y1.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc_ptr + c_off + half + offs, y2.to(kc_ptr.dtype.element_ty), mask=mask)
             vsrc = src + num_kv_heads * d  # the v head sits Hkv heads after the k head
             v1 = tl.load(vsrc + offs, mask=mask, other=0.0)
             v2 = tl.load(vsrc + half + offs, mask=mask, other=0.0)
-            tl.store(vc_ptr + dst + offs, v1.to(vc_ptr.dtype.element_ty), mask=mask)
-            tl.store(vc_ptr + dst + half + offs, v2.to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc_ptr + c_off + offs, v1.to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc_ptr + c_off + half + offs, v2.to(vc_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, K: tl.constexpr, RENORM: tl.constexpr,
@@ -245,32 +245,34 @@ def qk_norm_rope(x, weight, eps, cos, sin, positions) -> torch.Tensor:  # [T, Nh
 
 
 def qkv_rope_store(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache,
-                   slot_mapping) -> torch.Tensor:
+                   slot_mapping) -> torch.Tensor | None:
     """q/k norm + RoPE and the KV-cache store of a layer in one launch (instead of four); see
-    qkv_rope_store_ref for the arguments. Returns q [T, Hq, D]."""
+    qkv_rope_store_ref for the arguments. Returns q [T, Hq, D], or None when the fused kernel cannot
+    be built here (the caller then runs the separate Triton kernels: the torch reference is many
+    more launches, which costs decode more than the fusion saves)."""
     if not use_triton(qkv) or qkv.shape[0] == 0 or qkv.stride(-1) != 1 or not k_cache.is_contiguous() \
             or not v_cache.is_contiguous():
         return qkv_rope_store_ref(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, positions,
                                   k_cache, v_cache, slot_mapping)
     global _qkv_fused_failed
+    if _qkv_fused_failed:
+        return None
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     half = d // 2
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_weight is not None
-    if not _qkv_fused_failed:
-        try:
-            _qkv_rope_store_kernel[(t, num_heads + num_kv_heads)](
-                qkv, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos, sin, positions, slot_mapping,
-                q, k_cache, v_cache, qkv.stride(0), num_heads, num_kv_heads, half, eps,
-                HAS_NORM=has_norm, BLOCK=triton.next_power_of_2(half), num_warps=1)
-            return q
-        except Exception as e:  # a compiler this kernel does not suit: the unfused ops, once and for all
-            _qkv_fused_failed = True
-            log.warning("fused q/k/v norm + RoPE + KV store kernel unavailable (%s: %s); using separate ops",
-                        type(e).__name__, e)
-    return qkv_rope_store_ref(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, positions,
-                              k_cache, v_cache, slot_mapping)
+    try:
+        _qkv_rope_store_kernel[(t, num_heads + num_kv_heads)](
+            qkv, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos, sin, positions, slot_mapping,
+            q, k_cache, v_cache, qkv.stride(0), num_heads, num_kv_heads, half, eps,
+            HAS_NORM=has_norm, BLOCK=triton.next_power_of_2(half), num_warps=1)
+        return q
+    except Exception as e:  # a compiler this kernel does not suit: the unfused ops, once and for all
+        _qkv_fused_failed = True
+        log.warning("fused q/k/v norm + RoPE + KV store kernel unavailable (%s: %s); using separate kernels",
+                    type(e).__name__, str(e).strip().splitlines()[-1][:300] if str(e).strip() else "")
+    return None
 
 
 _qkv_fused_failed = False

@@ -69,8 +69,9 @@ class Attention(nn.Module):
             q = qkv_rope_store(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight if self.qk_norm else None,
                                self.k_norm.weight if self.qk_norm else None, self.rms_eps, rope.cos, rope.sin,
                                positions, k_cache, v_cache, ctx.attn_meta.slot_mapping)
-            o = ctx.backend.forward(q, None, None, k_cache, v_cache, ctx.attn_meta, self.scale)  # [T, Hq, D]
-            return self.o_proj(o.reshape(t, -1))
+            if q is not None:  # None: the fused kernel cannot be built here; the separate kernels below
+                o = ctx.backend.forward(q, None, None, k_cache, v_cache, ctx.attn_meta, self.scale)  # [T, Hq, D]
+                return self.o_proj(o.reshape(t, -1))
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
