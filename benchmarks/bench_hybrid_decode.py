@@ -1,8 +1,7 @@
 """Hybrid decode throughput: a full-size MoE model with random weights, N experts per layer on the
 GPU and the rest on the CPU engine (default: Qwen3-30B-A3B shape, 32 GPU experts, AMXINT8).
 
-For each hand-over mode (--sync: CUDA host functions, or doorbells rung by stream memory operations),
-deferral setting, CUDA graphs on and off, and each batch size, prints decode tokens/s and
+For each deferral setting, CUDA graphs on and off, and each batch size, prints decode tokens/s and
 where a step's time goes: CPU busy (the CPU expert tasks' wall time, from the native profile) and
 the rest of the step (GPU work not hidden behind the CPU, transfers, launches). For batch 1 also
 the bound = the CPU pool's stream-read bandwidth measured in the same run / the CPU expert bytes a
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import sys
 import tempfile
@@ -69,10 +67,6 @@ def main() -> None:
     p.add_argument("--method", default="AMXINT8", help="--kt-method")
     p.add_argument("--cpuinfer", type=int, default=None, help="--kt-cpuinfer (default: the library's)")
     p.add_argument("--deferred", type=int, nargs="+", default=[0, 2])
-    p.add_argument("--fused", type=int, nargs="+", default=[0, 1],
-                   help="the fused hand-over kernels off/on (HYBRIDMOE_FUSED_HANDOVER; deferral 0 only)")
-    p.add_argument("--sync", default="hostfn,memops",
-                   help="how the stream hands over to the CPU: host functions and/or stream memory operations")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--graphs", default="on,off")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -85,7 +79,6 @@ def main() -> None:
     from hybridmoe import LLM
     from hybridmoe.cpu.engine import default_pool
     from hybridmoe.engine.cuda_graph import DecodeGraphs
-    from hybridmoe.moe import cuda_bridge, hybrid
 
     results = {"shape": vars(a), "runs": []}
     with tempfile.TemporaryDirectory() as d:
@@ -104,20 +97,15 @@ def main() -> None:
         bound = bw / bpt
         print(f"CPU stream read {bw / 1e9:.1f} GB/s; CPU expert bytes/token {bpt / 1e9:.3f} GB "
               f"({per_expert / 1e6:.2f} MB per expert) -> bound {bound:.1f} tok/s", flush=True)
-        current = (cuda_bridge.SYNC_MODE, runner.hybrid.num_deferred, hybrid.FUSED_HANDOVER)
-        settings = [(s, d, f) for s, d, f in itertools.product(a.sync.split(","), a.deferred, a.fused) if not (f and d)]
-        for sync, deferred, fused in settings:
-            if (sync, deferred, fused) != current:  # same model, other setting: tasks rebuilt, graphs captured again
+        for deferred in a.deferred:
+            if deferred != runner.hybrid.num_deferred:  # same model, other deferral: tasks rebuilt, graphs captured again
                 runner.graphs = None
                 gc.collect()
                 torch.cuda.empty_cache()
-                cuda_bridge.SYNC_MODE = sync
-                hybrid.FUSED_HANDOVER = bool(fused)
                 runner.hybrid.set_num_deferred(deferred)
                 if "on" in a.graphs:
                     runner.graphs = DecodeGraphs(runner, max_bs)
                     runner.graphs.capture()
-                current = (sync, deferred, fused)
             graphs = runner.graphs
             for mode in a.graphs.split(","):
                 if mode == "on" and graphs is None:
@@ -125,7 +113,7 @@ def main() -> None:
                 runner.graphs = graphs if mode == "on" else None
                 for b in a.batch:
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
-                    row = {"sync": sync, "fused": fused, "deferred": deferred, "graphs": mode, "batch": b, "steps": steps,
+                    row = {"deferred": deferred, "graphs": mode, "batch": b, "steps": steps,
                            **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     if b == 1:
                         row.update(stream_read_gbps=bw / 1e9, cpu_expert_bytes_per_token=bpt,
@@ -134,7 +122,7 @@ def main() -> None:
                     if a.out:  # after every row: a later setting that fails keeps the earlier ones
                         Path(a.out).write_text(json.dumps(results, indent=2))
                     extra = f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f}" if b == 1 else ""
-                    print(f"{sync:6s} fused {fused} deferred {deferred} graphs {mode:3s} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
+                    print(f"deferred {deferred} graphs {mode:3s} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
             runner.graphs = graphs

@@ -125,8 +125,6 @@ def _declare(lib) -> None:
         "hm_submit_hostfn": (None, [vp]),
         "hm_sync_hostfn": (None, [vp]),
         "hm_stream_read": (C.c_double, [vp, i64, i32]),
-        "hm_doorbell_add": (i32, [vp, C.POINTER(HostCall), vp, vp]),
-        "hm_doorbell_clear": (None, [vp]),
         "hm_set_prefetch": (None, [i32]),
         "hm_get_prefetch": (i32, []),
     }
@@ -143,7 +141,7 @@ def lib():
             path = _locate()
             handle = C.CDLL(str(path))
             _declare(handle)
-            if handle.hm_abi_version() != 2:
+            if handle.hm_abi_version() != 3:
                 raise RuntimeError(f"{path}: unexpected ABI version; rebuild with pip install -e .")
             _lib = handle
         return _lib

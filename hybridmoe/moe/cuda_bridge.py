@@ -15,7 +15,6 @@ library, so no Python runs inside them.
 from __future__ import annotations
 
 import ctypes as C
-import os
 
 import torch
 
@@ -32,10 +31,7 @@ def libcuda():
         for name, args in (("cuLaunchHostFunc", [C.c_void_p, C.c_void_p, C.c_void_p]),
                            ("cuMemHostRegister_v2", [C.c_void_p, C.c_size_t, C.c_uint]),
                            ("cuMemHostUnregister", [C.c_void_p]),
-                           ("cuMemHostGetFlags", [C.POINTER(C.c_uint), C.c_void_p]),
-                           ("cuMemHostGetDevicePointer_v2", [C.POINTER(C.c_uint64), C.c_void_p, C.c_uint]),
-                           ("cuStreamWriteValue32_v2", [C.c_void_p, C.c_uint64, C.c_uint32, C.c_uint]),
-                           ("cuStreamWaitValue32_v2", [C.c_void_p, C.c_uint64, C.c_uint32, C.c_uint])):
+                           ("cuMemHostGetFlags", [C.POINTER(C.c_uint), C.c_void_p])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, C.c_int
         _libcuda = lib
@@ -48,55 +44,6 @@ def launch_host_func(fn_addr: int, userdata: C.Structure) -> None:
     rc = libcuda().cuLaunchHostFunc(C.c_void_p(stream), C.c_void_p(fn_addr), C.c_void_p(C.addressof(userdata)))
     if rc != 0:
         raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}")
-
-
-# How the stream hands a CPU task over and waits for it: "hostfn" (cuLaunchHostFunc; validated on
-# the H200) or "memops" (doorbell words written and waited on by stream memory operations; no
-# driver callback thread on the path; not yet validated on a GPU).
-SYNC_MODE = os.environ.get("HYBRIDMOE_CPU_SYNC", "hostfn")
-_WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"{what} failed with CUDA error {rc}")
-
-
-class Doorbell:
-    """Two 32-bit words (go, done) in page-locked memory, registered with the CPU pool's watcher
-    for one HostCall (native hm_doorbell_add): writing go=1 queues the call's task; the pool writes
-    done=1 when it has run. On CUDA the stream writes and waits on them (stream memory operations);
-    without a GPU a test writes and reads them from the host."""
-
-    def __init__(self, pool_handle: int, call: native.HostCall, pinned: bool = True) -> None:
-        self.call = call
-        self.words = torch.zeros(2, dtype=torch.int32, pin_memory=pinned)  # [go, done]
-        self.go, self.done = self.words.data_ptr(), self.words.data_ptr() + 4
-        if native.lib().hm_doorbell_add(pool_handle, C.byref(call), self.go, self.done):
-            raise RuntimeError("hm_doorbell_add refused the doorbell")
-        self._dev: tuple[int, int] | None = None
-
-    def device_addresses(self) -> tuple[int, int]:
-        """The words' addresses as the GPU sees them (mapped pinned memory)."""
-        if self._dev is None:
-            dptr = C.c_uint64()
-            _check(libcuda().cuMemHostGetDevicePointer_v2(C.byref(dptr), C.c_void_p(self.go), 0),
-                   "cuMemHostGetDevicePointer")
-            self._dev = (dptr.value, dptr.value + 4)
-        return self._dev
-
-    def enqueue_ring(self) -> None:
-        """On the current stream, after the work before it: go = 1."""
-        stream = torch.cuda.current_stream().cuda_stream
-        _check(libcuda().cuStreamWriteValue32_v2(C.c_void_p(stream), self.device_addresses()[0], 1, 0),
-               "cuStreamWriteValue32")
-
-    def enqueue_wait(self) -> None:
-        """On the current stream: wait until done == 1, then set it back to 0 for the next round."""
-        stream = C.c_void_p(torch.cuda.current_stream().cuda_stream)
-        done = self.device_addresses()[1]
-        _check(libcuda().cuStreamWaitValue32_v2(stream, done, 1, _WAIT_VALUE_EQ), "cuStreamWaitValue32")
-        _check(libcuda().cuStreamWriteValue32_v2(stream, done, 0, 0), "cuStreamWriteValue32")
 
 
 class PinnedIO:
@@ -122,7 +69,6 @@ class StreamCPUTask:
         self.io = io
         self.x, self.ids, self.w, self.out = io.x, io.ids, io.w, io.out
         self.calls: dict[int, native.HostCall] = {}
-        self.bells: dict[int, Doorbell] = {}  # SYNC_MODE "memops": one per HostCall
         self.submit_fn, self.sync_fn = native.host_functions()
 
     def _call(self, t: int) -> native.HostCall:
@@ -130,8 +76,6 @@ class StreamCPUTask:
         if call is None:
             task, _ = self.layer.make_task(self.x[:t], self.ids[:t], self.w[:t], self.out[:t])
             call = self.calls[t] = native.HostCall(self.layer.pool.handle, task, 0, 0, 0, 0)
-            if SYNC_MODE == "memops":
-                self.bells[t] = Doorbell(self.layer.pool.handle, call)
         if call.status:
             raise RuntimeError("a CPU expert task driven from the CUDA stream failed (status flag set)")
         return call
@@ -142,25 +86,9 @@ class StreamCPUTask:
         self.x[:t].copy_(x, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         self.w[:t].copy_(w, non_blocking=True)
-        self.enqueue_start(t)
-
-    def enqueue_start(self, t: int) -> None:
-        """Queue the CPU task once the stream gets here (its inputs are in the pinned buffers)."""
-        call = self._call(t)
-        if SYNC_MODE == "memops":
-            self.bells[t].enqueue_ring()
-        else:
-            launch_host_func(self.submit_fn, call)
-
-    def enqueue_wait(self, t: int) -> None:
-        """Block the stream until the task is done (its output is then in self.out[:t])."""
-        call = self._call(t)
-        if SYNC_MODE == "memops":
-            self.bells[t].enqueue_wait()
-        else:
-            launch_host_func(self.sync_fn, call)
+        launch_host_func(self.submit_fn, self._call(t))
 
     def enqueue_result(self, t: int, device: torch.device) -> torch.Tensor:
         """Block the stream until the task is done, then bring its output back: [T, H] float32."""
-        self.enqueue_wait(t)
+        launch_host_func(self.sync_fn, self._call(t))
         return self.out[:t].to(device, non_blocking=True)

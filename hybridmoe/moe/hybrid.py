@@ -11,9 +11,8 @@ MoE layer's output, so the CPU works through the next attention. The last MoE la
 nothing and collects what the one before it deferred.
 
 Two ways to drive the CPU side: from Python (submit/sync; the CPU device, and CUDA with
-HYBRIDMOE_STREAM_HOST_FUNCTIONS=0), or from the CUDA stream (moe/cuda_bridge.py; capturable in a
-CUDA graph; the default on CUDA, validated on the H200), by host functions or, with
-HYBRIDMOE_CPU_SYNC=memops, by doorbell words the stream writes and waits on.
+HYBRIDMOE_STREAM_HOST_FUNCTIONS=0), or from the CUDA stream by host functions (moe/cuda_bridge.py;
+capturable in a CUDA graph; the default on CUDA, validated on the H200).
 
 Layerwise prefill (--kt-gpu-prefill-token-threshold N): the model runner wraps a forward of T >= N
 tokens in `HybridPlan.layerwise_forward`, which sets `layerwise_active`; every layer then computes
@@ -36,9 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridmoe.config import ConfigError, EngineArgs
-from hybridmoe.cpu import native
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts, register_experts_backend
-from hybridmoe.moe.hybrid_kernels import combine, host_pointers_ok, split_stage
 from hybridmoe.moe.layerwise import (
     LayerwisePrefill,
     PackedFormat,
@@ -55,9 +52,6 @@ log = logging.getLogger(__name__)
 # HYBRIDMOE_STREAM_HOST_FUNCTIONS=0 asks for the Python-driven path (then the runner keeps CUDA
 # graphs off for hybrid models).
 USE_STREAM_HOST_FUNCTIONS = os.environ.get("HYBRIDMOE_STREAM_HOST_FUNCTIONS", "1") != "0"
-# Without deferral, the hand-over as two Triton kernels on the pinned buffers (hybrid_kernels.py)
-# instead of copies and small ops: opt-in (HYBRIDMOE_FUSED_HANDOVER=1) until measured on a GPU.
-FUSED_HANDOVER = os.environ.get("HYBRIDMOE_FUSED_HANDOVER", "0") == "1"
 
 
 @dataclass
@@ -109,14 +103,9 @@ class HybridPlan:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.num_deferred = num_deferred
-        pools = set()
         for idx, layer in self.layers.items():
             layer.defer = 0 if idx == self.moe_layers[-1] else num_deferred
             layer._stream_tasks.clear()  # their (now, deferred) pairs were built for the old setting
-            if layer.cpu is not None:
-                pools.add(layer.cpu.layer.pool.handle)
-        for handle in pools:  # doorbells of the dropped tasks (cuda_bridge SYNC_MODE "memops")
-            native.lib().hm_doorbell_clear(handle)
 
     @contextmanager
     def layerwise_forward(self, num_tokens: int) -> Iterator[bool]:
@@ -291,8 +280,6 @@ class HybridExperts(MoEExperts):
                     return StreamCPUTask(self.cpu.layer, io)
 
                 tasks = self._stream_tasks[cap] = (make(0), make(1) if self.defer else None)
-            if FUSED_HANDOVER and not self.defer and plan.pending_stream is None and host_pointers_ok(x.device):
-                return self._forward_stream_fused(x, ids, topk_weights, tasks[0])
             now, later = self._split(ids, topk_weights)
             w = topk_weights.float()
             tasks[0].enqueue_submit(x, now.int(), w)
@@ -306,21 +293,6 @@ class HybridExperts(MoEExperts):
             out += task.enqueue_result(pt, x.device)
         plan.pending_stream = (tasks[1], t) if tasks is not None and self.defer else None
         return out.to(x.dtype)
-
-    def _forward_stream_fused(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
-                              task) -> torch.Tensor:
-        """The stream path without deferral in 2 launches around the experts (hybrid_kernels.py):
-        the split writes the CPU task's inputs straight into its pinned buffers, and the result is
-        added from them."""
-        t, k = ids.shape
-        io = task.io
-        gid = torch.empty(t, k, dtype=torch.int32, device=x.device)  # [T, K]
-        gw = torch.empty(t, k, dtype=torch.float32, device=x.device)  # [T, K]
-        split_stage(x, ids, topk_weights, self.gpu_local, self.cpu_local, gid, gw, io.x[:t], io.ids[:t], io.w[:t])
-        task.enqueue_start(t)
-        gpu_out = self.gpu.forward(x, gid, gw) if self.gpu is not None else None  # while the CPU works
-        task.enqueue_wait(t)
-        return combine(gpu_out, io.out[:t], x.dtype, x.device)
 
     def _forward_layerwise(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Every expert on the GPU side: the resident ones, and the CPU-resident ones streamed in and

@@ -2,21 +2,13 @@
 // shapes; nothing here depends on torch. Compiled for baseline x86-64: every entry point that could
 // reach AVX2 code first checks the CPU (dispatch.cpp), so a missing ISA is an error, never SIGILL.
 // Errors inside a task are caught, recorded with the task id, and returned by hm_sync.
-#include <immintrin.h>
-
-#include <atomic>
-#include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
-#include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
-#include <vector>
 
 #include "common.h"
 #include "moe.h"
@@ -29,56 +21,23 @@ const Kernels* kernels_checked(int isa);
 extern double g_profile[8];
 }
 
-struct HmHostCall;  // defined in the extern "C" block below
-
 namespace {
-
-// A doorbell: the stream-memory-operation form of the host functions (see hm_doorbell_add).
-struct Bell {
-  HmHostCall* call;
-  std::atomic<uint32_t>* go;
-  std::atomic<uint32_t>* done;
-};
 
 struct Pool {
   hm::ThreadPool tp;
   hm::Workspace* ws;
   std::mutex em;
   std::deque<std::pair<int64_t, std::string>> errors;
-  // doorbells: the watcher reads an immutable snapshot; hm_doorbell_add/clear publish a new one
-  std::mutex bm;
-  std::shared_ptr<const std::vector<Bell>> bells = std::make_shared<const std::vector<Bell>>();
-  std::thread watcher;
-  std::atomic<bool> wstop{false};
-  std::atomic<uint64_t> wgen{0};  // watcher loop count: hm_doorbell_clear waits for it to move on
   Pool(int n, const int* cpus, int nsub) : tp(n, cpus, nsub), ws(hm::workspace_create(tp.size())) {}
   ~Pool() {
-    wstop.store(true);
-    if (watcher.joinable()) watcher.join();
     tp.wait_pending(0);
     hm::workspace_destroy(ws);
   }
-  std::shared_ptr<const std::vector<Bell>> snapshot() {
-    std::lock_guard<std::mutex> lk(bm);
-    return bells;
-  }
-  void watch();
   void record(std::string msg) {
     std::lock_guard<std::mutex> lk(em);
     errors.emplace_back(tp.completed() + 1, std::move(msg));  // tasks run in order: this is our id
   }
 };
-
-// Runs a task body as hm_submit does; returns the error message ("" when it ran).
-std::string run_guarded(Pool* pool, const HmTask& t) {
-  try {
-    return hm::run_moe_task(pool->tp, *pool->ws, t);
-  } catch (const std::exception& e) {
-    return std::string("CPU MoE task failed: ") + e.what();
-  } catch (...) {
-    return "CPU MoE task failed (unknown exception)";
-  }
-}
 
 void put(char* buf, int len, const std::string& s) {
   if (buf && len > 0) std::snprintf(buf, size_t(len), "%s", s.c_str());
@@ -97,7 +56,7 @@ struct HmHostCall {      // userdata of the host-function entry points
   int32_t pad_;
 };
 
-int hm_abi_version() { return 2; }
+int hm_abi_version() { return 3; }
 
 void* hm_pool_create(int n, const int* cpus, int nsub, char* err, int errlen) {
   char why[256];
@@ -149,7 +108,14 @@ int64_t hm_submit(void* p, const HmTask* task) {
   Pool* pool = static_cast<Pool*>(p);
   HmTask t = *task;
   return pool->tp.submit([pool, t] {
-    std::string err = run_guarded(pool, t);
+    std::string err;
+    try {
+      err = hm::run_moe_task(pool->tp, *pool->ws, t);
+    } catch (const std::exception& e) {
+      err = std::string("CPU MoE task failed: ") + e.what();
+    } catch (...) {
+      err = "CPU MoE task failed (unknown exception)";
+    }
     if (!err.empty()) pool->record(err);
   });
 }
@@ -212,38 +178,6 @@ void hm_sync_hostfn(void* userdata) {
     if (e.first == c->id) c->status = 1;
 }
 
-// Doorbells, the form of the host functions for CUDA stream memory operations: the stream writes 1
-// into a call's `go` word (cuStreamWriteValue32); the pool's watcher thread, which polls the words
-// of the registered calls, clears it and queues the call's task; when that has run (or failed:
-// status 1, message kept for hm_sync) it writes 1 into `done`, which the stream waits for
-// (cuStreamWaitValue32) and then clears. Both words live in page-locked host memory the GPU can
-// write; no driver callback thread is on the path. The watcher spins while calls keep coming and
-// backs off to short sleeps after HYBRIDMOE_CPU_SPIN_US (default 1000) without one.
-int hm_doorbell_add(void* p, HmHostCall* call, uint32_t* go, uint32_t* done) {
-  Pool* pool = static_cast<Pool*>(p);
-  if (!call || !go || !done) return 1;
-  std::lock_guard<std::mutex> lk(pool->bm);
-  auto next = std::make_shared<std::vector<Bell>>(*pool->bells);
-  next->push_back(Bell{call, reinterpret_cast<std::atomic<uint32_t>*>(go), reinterpret_cast<std::atomic<uint32_t>*>(done)});
-  pool->bells = next;
-  if (!pool->watcher.joinable()) pool->watcher = std::thread([pool] { pool->watch(); });
-  return 0;
-}
-
-// Forgets every doorbell. On return the watcher no longer reads their words (it has started a scan
-// of the new, empty list), so their memory may be freed once the pool has no task pending.
-void hm_doorbell_clear(void* p) {
-  Pool* pool = static_cast<Pool*>(p);
-  uint64_t g;
-  {
-    std::lock_guard<std::mutex> lk(pool->bm);
-    pool->bells = std::make_shared<const std::vector<Bell>>();
-    g = pool->wgen.load();
-  }
-  if (!pool->watcher.joinable()) return;
-  while (pool->wgen.load() < g + 2) std::this_thread::sleep_for(std::chrono::microseconds(10));
-}
-
 // Stream-read bandwidth (GB/s) of a `bytes` buffer read by all pool threads, best of `iters`.
 double hm_stream_read(void* p, int64_t bytes, int iters) {
   Pool* pool = static_cast<Pool*>(p);
@@ -260,39 +194,3 @@ double hm_stream_read(void* p, int64_t bytes, int iters) {
 }
 
 }  // extern "C"
-
-namespace {
-void Pool::watch() {
-  const char* env = std::getenv("HYBRIDMOE_CPU_SPIN_US");
-  const auto spin = std::chrono::microseconds(env ? std::atoll(env) : 1000);
-  auto last = std::chrono::steady_clock::now();
-  int idle = 0;
-  while (!wstop.load(std::memory_order_relaxed)) {
-    wgen.fetch_add(1);
-    auto snap = snapshot();
-    bool rang = false;
-    for (const Bell& b : *snap) {
-      if (b.go->load(std::memory_order_acquire) == 0) continue;
-      b.go->store(0, std::memory_order_relaxed);
-      rang = true;
-      HmHostCall* c = b.call;
-      std::atomic<uint32_t>* done = b.done;
-      Pool* self = this;
-      c->id = tp.submit([self, c, done] {
-        std::string err = run_guarded(self, c->task);
-        c->status = err.empty() ? 0 : 1;
-        if (!err.empty()) self->record(err);
-        done->store(1, std::memory_order_release);  // last: the stream may reuse the buffers now
-      });
-    }
-    if (rang) {
-      last = std::chrono::steady_clock::now();
-      idle = 0;
-    } else if (++idle % 64 == 0 && std::chrono::steady_clock::now() - last > spin) {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    } else {
-      _mm_pause();
-    }
-  }
-}
-}  // namespace
