@@ -29,6 +29,22 @@ def test_greedy_and_temperature_zero():
     assert s(logits, reqs).next_ids == logits.argmax(-1).tolist()
 
 
+def test_plain_greedy_fast_path_matches_full_path():
+    """An all-greedy batch without penalties or logprobs takes one argmax (padded vocab rows
+    ignored); a batch that also needs logprobs goes the full way: same tokens either way."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, 61).to(torch.bfloat16)
+    logits[:, 57:] = 100.0  # padding columns beyond the vocabulary must never win
+    s = Sampler(57, [])
+    fast = s(logits, [_req(temperature=0.0) for _ in range(5)])
+    assert fast.logprobs is None
+    full = s(logits, [_req(temperature=0.0) for _ in range(4)] + [Req(rid="lp", prompt_ids=[1], params=SamplingParams(
+        temperature=0.0), return_logprob=True)])
+    assert fast.next_ids == full.next_ids == logits[:, :57].float().argmax(-1).tolist()
+    assert not Sampler._plain_greedy(_req(temperature=0.0, min_new_tokens=2))  # EOS still banned
+    assert not Sampler._plain_greedy(_req(temperature=0.0, repetition_penalty=1.2))
+
+
 def test_temperature_sampling_matches_softmax():
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])

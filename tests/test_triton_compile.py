@@ -47,3 +47,9 @@ def test_add_rmsnorm_kernel_compiles(has_res):
 def test_topk_softmax_kernel_compiles():
     types = dict(logits_ptr="*bf16", w_ptr="*fp32", ids_ptr="*i32", n_experts="i32")
     compile_sm90(F._topk_softmax_kernel, types, dict(K=8, RENORM=True, BLOCK=128))
+
+
+def test_sum_pairs_kernel_compiles():
+    from hybridmoe.moe.triton_moe_kernels import _sum_pairs_kernel
+
+    compile_sm90(_sum_pairs_kernel, dict(pairs_ptr="*bf16", out_ptr="*bf16", H="i32"), dict(K=8, BLOCK=1024))

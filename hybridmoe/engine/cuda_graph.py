@@ -15,6 +15,7 @@ from hybridmoe.layers.attention.base import AttentionMetadata
 
 if TYPE_CHECKING:
     from hybridmoe.engine.model_runner import ModelRunner
+    from hybridmoe.engine.request import Req
 
 log = logging.getLogger(__name__)
 
@@ -27,21 +28,34 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """Captured decode forwards (model + logits) per padded batch size.
+
+    The graphs read their inputs from two device buffers (int64: ids, positions, slots; int32: seq
+    lens, block table) filled each step from pinned host mirrors by two asynchronous copies, so a
+    decode step costs two H2D copies and a replay instead of a dozen small tensors and copies
+    (decode at batch 1 is bound by what the host does between replays)."""
+
     def __init__(self, runner: ModelRunner, max_bs: int) -> None:
         self.runner = runner
         self.sizes = capture_sizes(max_bs)
-        self.max_bs = self.sizes[-1]
+        self.max_bs = b = self.sizes[-1]
         dev = runner.device
-        p = runner.max_pages_per_seq
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.qsl = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
-        self.block_table = torch.zeros(self.max_bs, p, dtype=torch.int32, device=dev)
-        self.slots = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.pages = p = runner.max_pages_per_seq
+        pin = dev.type == "cuda"
+        self.host64 = torch.zeros(3, b, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        self.host32 = torch.zeros(b + b * p, dtype=torch.int32, pin_memory=pin)  # seq lens | block table [B, P]
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.dev64 = torch.zeros(3, b, dtype=torch.int64, device=dev)
+        self.dev32 = torch.zeros(b + b * p, dtype=torch.int32, device=dev)
+        self.input_ids, self.positions, self.slots = self.dev64[0], self.dev64[1], self.dev64[2]
+        self.seq_lens = self.dev32[:b]
+        self.block_table = self.dev32[b:].view(b, p)
+        self.seq_lens.fill_(1)
+        self.qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs
@@ -73,19 +87,29 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        n = meta.num_seqs
+    def run(self, reqs: list[Req], page_size: int) -> torch.Tensor:  # logits [n, V]
+        """One decode step of `reqs` (one new token each, at position num_computed) through the
+        graph of the smallest captured size >= len(reqs). Padding rows read and write only the
+        scratch page 0 with a sequence length of 1."""
+        n = len(reqs)
         bs = next(b for b in self.sizes if b >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_table[:bs].zero_()
-        self.block_table[:n, : meta.block_table.shape[1]].copy_(meta.block_table)
-        if bs > n:  # padding rows: scratch page, length 1
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.slots[n:bs].zero_()
-            self.seq_lens[n:bs].fill_(1)
+        h64, h32, p = self.np64, self.np32, self.pages
+        if self.copied is not None:  # normally long done: the sampled ids were read on the host since
+            self.copied.synchronize()
+        table = h32[self.max_bs:self.max_bs + bs * p].reshape(bs, p)
+        table[:] = 0
+        for i, r in enumerate(reqs):
+            pos = r.num_computed
+            h64[0, i] = r.token_at(pos)
+            h64[1, i] = pos
+            h64[2, i] = r.pages[pos // page_size] * page_size + pos % page_size
+            h32[i] = pos + 1
+            table[i, : len(r.pages)] = r.pages
+        h64[:, n:bs] = 0
+        h32[n:bs] = 1
+        self.dev64.copy_(self.host64, non_blocking=True)  # contiguous: a plain async copy (3 x B ints)
+        self.dev32[: self.max_bs + bs * p].copy_(self.host32[: self.max_bs + bs * p], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

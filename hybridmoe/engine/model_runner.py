@@ -233,10 +233,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [B', V] for the requests of the batch that sample this step, in batch order."""
+        if self.graphs is not None:
+            live = [(r, smp) for r, n, smp in zip(batch.reqs, batch.num_tokens, batch.sample) if n > 0]
+            if all(n <= 1 for n in batch.num_tokens) and self.graphs.can_run(len(live)):  # decode
+                logits = self.graphs.run([r for r, _ in live], self.page_size)  # [B, V]
+                if all(smp for _, smp in live):
+                    return logits
+                rows = [i for i, (_, smp) in enumerate(live) if smp]
+                return logits[torch.tensor(rows, device=logits.device)]
         input_ids, positions, meta, rows = self.prepare(batch)
-        if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs):
-            logits = self.graphs.replay(input_ids, positions, meta)
-            return logits[rows]
         with self._layerwise(input_ids.shape[0]):
             hidden = self.model(input_ids, positions, self._ctx(meta))
         return self.model.compute_logits(hidden[rows])

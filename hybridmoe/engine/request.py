@@ -141,6 +141,11 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, pos: int) -> int:
+        """all_ids[pos] without building the list."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

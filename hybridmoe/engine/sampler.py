@@ -32,6 +32,8 @@ class Sampler:
         self.eos_ids = stop_ids_always
 
     def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:  # logits [B, V]
+        if all(self._plain_greedy(r) for r in reqs):  # one argmax kernel: decode at batch 1 feels every launch
+            return SampleOutput(torch.argmax(logits[:, : self.vocab_size], dim=-1).tolist(), None, None)
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         dev = logits.device
@@ -63,6 +65,14 @@ class Sampler:
             top = [list(zip(vals_l[b][: r.top_logprobs_num], idx_l[b][: r.top_logprobs_num]))
                    for b, r in enumerate(reqs)]
         return SampleOutput(ids_list, chosen.tolist(), top)
+
+    @staticmethod
+    def _plain_greedy(r: Req) -> bool:
+        """Greedy with nothing that changes the logits first (penalties, min_new_tokens) and no
+        logprobs: the argmax of the raw logits is the answer."""
+        p = r.params
+        return (p.is_greedy and not r.return_logprob and p.repetition_penalty == 1 and p.frequency_penalty == 0
+                and p.presence_penalty == 0 and len(r.output_ids) >= p.min_new_tokens)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         params = [r.params for r in reqs]

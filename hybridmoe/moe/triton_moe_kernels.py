@@ -13,7 +13,7 @@ whole forward can be captured in a CUDA graph for a fixed T):
   2. `_gate_up_kernel`: for each (block, N-tile of I): x[token(pair)] @ gate_up[e]^T for the gate rows
      and the up rows, silu(gate) * up fused in the epilogue -> inter[pair, I].
   3. `_down_kernel`: inter[pair] @ down[e]^T times the pair's routing weight -> out_pairs[pair, H].
-  4. out = out_pairs.view(T, K, H).sum(1), accumulated in fp32 (deterministic; no atomics).
+  4. `_sum_pairs_kernel`: out[t] = sum over the K pairs of t, accumulated in fp32 (deterministic; no atomics).
 """
 
 from __future__ import annotations
@@ -315,6 +315,29 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _sum_pairs_kernel(pairs_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, n] = sum_j pairs[t * K + j, n], accumulated in fp32 and rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(pairs_ptr + (t * K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_pairs(out_pairs: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:  # [T*K, H] -> [T, H]
+    """The K expert outputs of each token summed: one small kernel (torch's generic reduction
+    took ~4.7 us per layer at decode on the H200, twice this)."""
+    hidden = out_pairs.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=out_pairs.dtype, device=out_pairs.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block))](out_pairs, out, hidden, K=top_k, BLOCK=block,
+                                                               num_warps=4)
+    return out
+
+
 def fused_moe(
     x: torch.Tensor,  # [T, H]
     gate_up: torch.Tensor,  # [E, 2I, H]
@@ -364,5 +387,4 @@ def fused_moe(
     )
     if top_k == 1:
         return out_pairs
-    # one reduction kernel: torch sums bf16/fp16 in fp32 and rounds once (as .float().sum().to())
-    return out_pairs.view(num_tokens, top_k, hidden).sum(dim=1)
+    return sum_pairs(out_pairs, num_tokens, top_k)

@@ -1,0 +1,62 @@
+"""The decode graphs' input filling (pinned host mirrors -> static device buffers) gives the
+graph the same ids, positions, KV slots, sequence lengths and block table as the eager path's
+prepare(), with padding rows on the scratch page. Runs on the CPU: the graph replay is replaced by
+a stand-in that records the static buffers (the real replay is covered by the GPU tests)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from hybridmoe import LLM
+from hybridmoe.engine.cuda_graph import DecodeGraphs
+from hybridmoe.engine.request import Req, SamplingParams
+from hybridmoe.engine.scheduler import ScheduledBatch
+
+
+class _Recorder:
+    def __init__(self, graphs: DecodeGraphs, bs: int) -> None:
+        self.graphs, self.bs = graphs, bs
+
+    def replay(self) -> None:
+        g = self.graphs
+        g.seen = (self.bs, g.input_ids[: self.bs].clone(), g.positions[: self.bs].clone(), g.slots[: self.bs].clone(),
+                  g.seq_lens[: self.bs].clone(), g.block_table[: self.bs].clone())
+
+
+def test_graph_inputs_match_prepare():
+    llm = LLM(device="cpu", progress=False)  # the demo model: only its runner's shapes matter here
+    runner = llm.engine.runner
+    s = runner.page_size
+    graphs = DecodeGraphs(runner, 8)
+    for bs in graphs.sizes:
+        graphs.graphs[bs] = _Recorder(graphs, bs)
+        graphs.outputs[bs] = torch.arange(bs * 3, dtype=torch.float32).view(bs, 3)
+    rng = random.Random(0)
+    free = list(range(1, runner.num_pages))
+    rng.shuffle(free)
+    for n in (1, 3, 5, 8, 2):  # sizes that pad (3 -> 4, 5 -> 8) and shrink after a larger batch
+        reqs = []
+        for _ in range(n):
+            prompt = [rng.randrange(100) for _ in range(rng.randrange(1, 40))]
+            out = [rng.randrange(100) for _ in range(rng.randrange(0, 30))]
+            r = Req(rid=str(rng.random()), prompt_ids=prompt, params=SamplingParams(), output_ids=out)
+            r.num_computed = len(prompt) + len(out) - 1  # the last token is the new one
+            r.pages = [free.pop() for _ in range(-(-(r.num_computed + 1) // s))]
+            reqs.append(r)
+        batch = ScheduledBatch(reqs=reqs, num_tokens=[1] * n, sample=[True] * n)
+        ids, pos, meta, _ = runner.prepare(batch)
+        logits = graphs.run(reqs, s)
+        bs, g_ids, g_pos, g_slots, g_lens, g_table = graphs.seen
+        assert bs == next(b for b in graphs.sizes if b >= n) and logits.shape[0] == n
+        assert torch.equal(g_ids[:n], ids) and torch.equal(g_pos[:n], pos)
+        assert torch.equal(g_slots[:n], meta.slot_mapping) and torch.equal(g_lens[:n], meta.seq_lens)
+        w = meta.block_table.shape[1]
+        assert torch.equal(g_table[:n, :w], meta.block_table) and not g_table[:n, w:].any()
+        # padding rows: token 0 at position 0 into slot 0 of the scratch page, length 1
+        assert not g_ids[n:].any() and not g_pos[n:].any() and not g_slots[n:].any() and not g_table[n:].any()
+        assert bool((g_lens[n:] == 1).all())
+        for r in reqs:
+            free.extend(r.pages)
+    llm.shutdown()
