@@ -124,6 +124,8 @@ def _declare(lib) -> None:
         "hm_profile": (None, [C.POINTER(C.c_double), i32]),
         "hm_submit_hostfn": (None, [vp]),
         "hm_sync_hostfn": (None, [vp]),
+        "hm_submit2_hostfn": (None, [vp]),
+        "hm_sync2_hostfn": (None, [vp]),
         "hm_stream_read": (C.c_double, [vp, i64, i32]),
         "hm_set_prefetch": (None, [i32]),
         "hm_get_prefetch": (i32, []),
@@ -141,7 +143,7 @@ def lib():
             path = _locate()
             handle = C.CDLL(str(path))
             _declare(handle)
-            if handle.hm_abi_version() != 3:
+            if handle.hm_abi_version() != 4:
                 raise RuntimeError(f"{path}: unexpected ABI version; rebuild with pip install -e .")
             _lib = handle
         return _lib
@@ -209,3 +211,16 @@ def host_functions() -> tuple[int, int]:
     """Addresses of hm_submit_hostfn and hm_sync_hostfn (CUhostFn: void fn(void* userdata))."""
     lb = lib()
     return (C.cast(lb.hm_submit_hostfn, C.c_void_p).value, C.cast(lb.hm_sync_hostfn, C.c_void_p).value)
+
+
+class HostCallPair(C.Structure):
+    """userdata of hm_submit2_hostfn / hm_sync2_hostfn: two HostCalls handled by one host function
+    (a first, then b). The HostCalls must outlive the pair."""
+
+    _fields_ = [("a", C.POINTER(HostCall)), ("b", C.POINTER(HostCall))]
+
+
+def pair_host_functions() -> tuple[int, int]:
+    """Addresses of hm_submit2_hostfn and hm_sync2_hostfn (userdata: a HostCallPair)."""
+    lb = lib()
+    return (C.cast(lb.hm_submit2_hostfn, C.c_void_p).value, C.cast(lb.hm_sync2_hostfn, C.c_void_p).value)

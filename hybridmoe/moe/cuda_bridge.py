@@ -7,7 +7,10 @@ Legend: T tokens, K top-k, H hidden.
 Fixed pinned buffers x_h [T, H], ids_h [T, K], w_h [T, K], out_h [T, H] (shared by the layers) and
 one HostCall struct per (layer, T). On the stream: D2H copies into the buffers -> host function `hm_submit_hostfn`
 (queues the task on the CPU pool and returns) -> the GPU's own work -> host function
-`hm_sync_hostfn` (blocks the stream until the task is done) -> H2D copy of out_h. libcuda is
+`hm_sync_hostfn` (blocks the stream until the task is done) -> H2D copy of out_h. With deferral
+the pair forms queue a layer's two tasks, and wait for a layer's task and the previous layer's
+deferred one, with one host function each (every host function is a trip through the driver's
+callback thread). libcuda is
 loaded at run time (never linked), and the host functions are C entry points of the native
 library, so no Python runs inside them.
 """
@@ -54,22 +57,27 @@ class PinnedIO:
 
     def __init__(self, cap: int, k: int, hidden: int, x_dtype: torch.dtype) -> None:
         self.cap = cap
-        self.x = torch.empty(cap, hidden, dtype=x_dtype, pin_memory=True)  # [cap, H]
-        self.ids = torch.full((cap, k), -1, dtype=torch.int32, pin_memory=True)  # [cap, K]
-        self.w = torch.zeros(cap, k, dtype=torch.float32, pin_memory=True)  # [cap, K]
-        self.out = torch.zeros(cap, hidden, dtype=torch.float32, pin_memory=True)  # [cap, H]
+        pin = torch.cuda.is_available()  # (False only in the CPU test that emulates the stream)
+        self.x = torch.empty(cap, hidden, dtype=x_dtype, pin_memory=pin)  # [cap, H]
+        self.ids = torch.full((cap, k), -1, dtype=torch.int32, pin_memory=pin)  # [cap, K]
+        self.w = torch.zeros(cap, k, dtype=torch.float32, pin_memory=pin)  # [cap, K]
+        self.out = torch.zeros(cap, hidden, dtype=torch.float32, pin_memory=pin)  # [cap, H]
 
 
 class StreamCPUTask:
     """One layer's CPU expert task driven from a CUDA stream, on a PinnedIO's buffers; one HostCall
-    per token count T points at their first T rows."""
+    per token count T points at their first T rows. `shared_input`: read x and w from that PinnedIO
+    instead (a deferred task reads the immediate task's copies; only its ids are its own)."""
 
-    def __init__(self, cpu_layer, io: PinnedIO) -> None:
+    def __init__(self, cpu_layer, io: PinnedIO, shared_input: PinnedIO | None = None) -> None:
         self.layer = cpu_layer
         self.io = io
-        self.x, self.ids, self.w, self.out = io.x, io.ids, io.w, io.out
+        src = shared_input or io
+        self.x, self.ids, self.w, self.out = src.x, io.ids, src.w, io.out
         self.calls: dict[int, native.HostCall] = {}
+        self.pairs: dict[tuple[int, int], native.HostCallPair] = {}  # (T, id(other)) -> pair
         self.submit_fn, self.sync_fn = native.host_functions()
+        self.submit2_fn, self.sync2_fn = native.pair_host_functions()
 
     def _call(self, t: int) -> native.HostCall:
         call = self.calls.get(t)
@@ -92,3 +100,31 @@ class StreamCPUTask:
         """Block the stream until the task is done, then bring its output back: [T, H] float32."""
         launch_host_func(self.sync_fn, self._call(t))
         return self.out[:t].to(device, non_blocking=True)
+
+    def _pair(self, t: int, other: StreamCPUTask) -> native.HostCallPair:
+        key = (t, id(other))
+        pair = self.pairs.get(key)
+        if pair is None:  # both HostCalls live in their tasks' caches, as long as this pair
+            pair = self.pairs[key] = native.HostCallPair(C.pointer(self._call(t)), C.pointer(other._call(t)))
+        else:
+            self._call(t), other._call(t)  # status checks
+        return pair
+
+    def enqueue_submit_with(self, later: StreamCPUTask, x: torch.Tensor, ids: torch.Tensor,
+                            later_ids: torch.Tensor, w: torch.Tensor) -> None:
+        """This task and a deferred one that shares its x and w (built with shared_input=this
+        task's PinnedIO): x and w copied once, both queued by one host function."""
+        assert later.x.data_ptr() == self.x.data_ptr() and later.w.data_ptr() == self.w.data_ptr()
+        t = x.shape[0]
+        self.x[:t].copy_(x, non_blocking=True)
+        self.ids[:t].copy_(ids, non_blocking=True)
+        later.ids[:t].copy_(later_ids, non_blocking=True)
+        self.w[:t].copy_(w, non_blocking=True)
+        launch_host_func(self.submit2_fn, self._pair(t, later))
+
+    def enqueue_result_with(self, earlier: StreamCPUTask, t: int,
+                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block the stream until this task and `earlier` (submitted before it: the previous
+        layer's deferred task) are done, with one host function; both outputs [T, H] float32."""
+        launch_host_func(self.sync2_fn, self._pair(t, earlier))
+        return self.out[:t].to(device, non_blocking=True), earlier.out[:t].to(device, non_blocking=True)

@@ -275,22 +275,32 @@ class HybridExperts(MoEExperts):
             cap = 1 << max(0, (t - 1).bit_length())
             tasks = self._stream_tasks.get(cap)
             if tasks is None:
-                def make(slot: int) -> StreamCPUTask:
-                    io = plan.pinned_io(self.layer_idx, slot, cap, ids.shape[1], self.hidden, x.dtype)
-                    return StreamCPUTask(self.cpu.layer, io)
+                def io(slot: int):
+                    return plan.pinned_io(self.layer_idx, slot, cap, ids.shape[1], self.hidden, x.dtype)
 
-                tasks = self._stream_tasks[cap] = (make(0), make(1) if self.defer else None)
+                first = StreamCPUTask(self.cpu.layer, io(0))
+                # the deferred task reads the immediate one's x and w: one copy of each
+                tasks = self._stream_tasks[cap] = (
+                    first, StreamCPUTask(self.cpu.layer, io(1), shared_input=io(0)) if self.defer else None)
             now, later = self._split(ids, topk_weights)
             w = topk_weights.float()
-            tasks[0].enqueue_submit(x, now.int(), w)
-            if later is not None:
-                tasks[1].enqueue_submit(x, later.int(), w)
+            if later is None:
+                tasks[0].enqueue_submit(x, now.int(), w)
+            else:  # both tasks queued by one host function
+                tasks[0].enqueue_submit_with(tasks[1], x, now.int(), later.int(), w)
         out = self._gpu_part(x, ids, topk_weights)  # runs while the CPU works
-        if tasks is not None:
-            out += tasks[0].enqueue_result(t, x.device)
-        if plan.pending_stream is not None:
-            task, pt = plan.pending_stream
-            out += task.enqueue_result(pt, x.device)
+        pending = plan.pending_stream
+        if tasks is not None and pending is not None and pending[1] == t:
+            # the previous layer's deferred task ran before this layer's (in-order pool): one wait
+            mine, earlier = tasks[0].enqueue_result_with(pending[0], t, x.device)
+            out += mine
+            out += earlier
+        else:
+            if tasks is not None:
+                out += tasks[0].enqueue_result(t, x.device)
+            if pending is not None:
+                task, pt = pending
+                out += task.enqueue_result(pt, x.device)
         plan.pending_stream = (tasks[1], t) if tasks is not None and self.defer else None
         return out.to(x.dtype)
 
@@ -328,7 +338,7 @@ class HybridExperts(MoEExperts):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.plan.layerwise_active:
             return self._forward_layerwise(x, topk_ids.long(), topk_weights)
-        if USE_STREAM_HOST_FUNCTIONS and x.is_cuda:
+        if _use_stream(x):
             return self._forward_stream(x, topk_ids.long(), topk_weights)
         plan = self.plan
         if self.is_first and plan.pending is not None:  # left over by an interrupted forward
@@ -356,6 +366,11 @@ class HybridExperts(MoEExperts):
             out += plan.pending.out.to(x.device)
         plan.pending = deferred
         return out.to(x.dtype)
+
+
+def _use_stream(x: torch.Tensor) -> bool:
+    """The CUDA stream path (a test on the CPU emulates the stream by running host functions inline)."""
+    return USE_STREAM_HOST_FUNCTIONS and x.is_cuda
 
 
 @register_experts_backend("hybrid")

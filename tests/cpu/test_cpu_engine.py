@@ -130,6 +130,37 @@ def test_host_function_entry_points(layer, pool):
         pool.sync()
 
 
+def test_pair_host_function_entry_points(layer, pool):
+    """One host function for two calls: submit both (in order), wait for both, each call's status
+    its own (the hybrid layer's immediate + deferred tasks, and a result wait that also collects the
+    previous layer's deferred task)."""
+    x, ids, w = inputs(5)
+    later_ids = ids.flip(1).contiguous()
+    outs = [torch.zeros(5, H), torch.zeros(5, H)]
+    tasks = [layer.make_task(x, i, w, o) for i, o in zip((ids, later_ids), outs)]
+    calls = [native.HostCall(pool.handle, t, 0, 0, -1, 0) for t, _ in tasks]
+    pair = native.HostCallPair(C.pointer(calls[0]), C.pointer(calls[1]))
+    hostfn = C.CFUNCTYPE(None, C.c_void_p)
+    submit2, sync2 = native.pair_host_functions()
+    hostfn(submit2)(C.addressof(pair))
+    assert 0 < calls[0].id < calls[1].id  # submitted in order
+    hostfn(sync2)(C.addressof(pair))
+    assert calls[0].status == calls[1].status == 0
+    assert torch.allclose(outs[0], layer.forward(x, ids, w), atol=1e-6)
+    assert torch.allclose(outs[1], layer.forward(x, later_ids, w), atol=1e-6)
+    bad = ids.clone()
+    bad[1, 1] = 99  # the second call fails, the first not
+    tasks[1] = layer.make_task(x, bad, w, outs[1])
+    calls[1] = native.HostCall(pool.handle, tasks[1][0], 0, 0, -1, 0)
+    pair = native.HostCallPair(C.pointer(calls[0]), C.pointer(calls[1]))
+    hostfn(submit2)(C.addressof(pair))
+    hostfn(sync2)(C.addressof(pair))
+    assert calls[0].status == 0 and calls[1].status == 1
+    with pytest.raises(CPUMoEError):  # the error also reaches the next Python sync
+        pool.sync()
+    assert torch.allclose(outs[0], layer.forward(x, ids, w), atol=1e-6)  # the pool runs on
+
+
 def test_stream_read(pool):
     assert pool.stream_read_gbps(16 << 20, 2) > 0.1
 

@@ -173,6 +173,48 @@ def test_memory_plan_is_printed_and_a_plan_that_does_not_fit_is_refused(model, c
     assert msg is not None and "--kt-num-gpu-experts 2 would fit" in msg
 
 
+@pytest.mark.parametrize("deferred", [0, 1, 2])
+def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
+    """The CUDA stream path's data flow (pinned buffers shared by alternating layers, the deferred
+    task reading the immediate task's x and w, one host function queueing both, one waiting for a
+    layer's task and the previous layer's deferred one) on the CPU: host functions run inline, as
+    the stream would run them in order. Same logits (fp32) and tokens as the Python-driven path."""
+    import ctypes as C
+
+    from hybridmoe.moe import cuda_bridge, hybrid
+
+    def run_inline(fn_addr, userdata):
+        C.CFUNCTYPE(None, C.c_void_p)(fn_addr)(C.addressof(userdata))
+
+    prompt = torch.randint(0, 211, (37,), generator=torch.Generator().manual_seed(6)).tolist()
+    opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3,
+                kt_max_deferred_experts_per_token=deferred)
+    ref = LLM(str(model), **opts)
+    ref_logits = ref.prompt_logits(prompt)
+    ref_tokens = [o["output_ids"] for o in ref.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
+    ref.shutdown()
+    monkeypatch.setattr(cuda_bridge, "launch_host_func", run_inline)
+    monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
+    calls = {"pair_submit": 0, "pair_sync": 0}
+    for name in ("enqueue_submit_with", "enqueue_result_with"):
+        orig = getattr(cuda_bridge.StreamCPUTask, name)
+
+        def counted(self, *a, _orig=orig, _key="pair_submit" if "submit" in name else "pair_sync", **kw):
+            calls[_key] += 1
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(cuda_bridge.StreamCPUTask, name, counted)
+    llm = LLM(str(model), **opts)
+    assert _rel(llm.prompt_logits(prompt), ref_logits) < 1e-5
+    got = [o["output_ids"] for o in llm.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
+    assert got == ref_tokens
+    if deferred:  # the pair forms ran (every MoE layer but the last defers; all but the first collect)
+        assert calls["pair_submit"] > 0 and calls["pair_sync"] > 0
+    else:
+        assert calls == {"pair_submit": 0, "pair_sync": 0}
+    llm.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deferred", [0, 1])
 @pytest.mark.parametrize("graphs", [False, True])

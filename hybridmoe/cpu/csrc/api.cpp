@@ -56,7 +56,7 @@ struct HmHostCall {      // userdata of the host-function entry points
   int32_t pad_;
 };
 
-int hm_abi_version() { return 3; }
+int hm_abi_version() { return 4; }
 
 void* hm_pool_create(int n, const int* cpus, int nsub, char* err, int errlen) {
   char why[256];
@@ -176,6 +176,26 @@ void hm_sync_hostfn(void* userdata) {
   c->status = 0;
   for (auto& e : pool->errors)
     if (e.first == c->id) c->status = 1;
+}
+
+// Two calls behind one host function (each host function costs the stream a trip through the
+// driver's callback thread): a layer's immediate and deferred tasks submitted together, or a
+// layer's task waited for together with the previous layer's deferred one.
+struct HmHostCallPair {
+  HmHostCall* a;
+  HmHostCall* b;
+};
+
+void hm_submit2_hostfn(void* userdata) {
+  HmHostCallPair* p = static_cast<HmHostCallPair*>(userdata);
+  hm_submit_hostfn(p->a);
+  hm_submit_hostfn(p->b);
+}
+
+void hm_sync2_hostfn(void* userdata) {
+  HmHostCallPair* p = static_cast<HmHostCallPair*>(userdata);
+  hm_sync_hostfn(p->a);
+  hm_sync_hostfn(p->b);
 }
 
 // Stream-read bandwidth (GB/s) of a `bytes` buffer read by all pool threads, best of `iters`.
