@@ -140,6 +140,7 @@ struct Ctx {
   const Kernels* k;
   ThreadPool* pool;
   Workspace* ws;
+  int nth = 1;  // threads sharing the current light phase (1: run inline by the leader)
   int64_t S, ld1, ld2;
   int gs1, gs2, xes;
   uint8_t *A1, *A2, *XQ;  // XQ: x quantized once per token
@@ -162,7 +163,7 @@ inline void range_of(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
 void ph_quant_tokens(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
   int64_t b, e;
-  range_of(c.t->T, tid, c.pool->size(), b, e);
+  range_of(c.t->T, tid, c.nth, b, e);
   const uint8_t* x = static_cast<const uint8_t*>(c.t->x);
   for (int64_t r = b; r < e; ++r)
     if (!c.k->quant_row(c.d->method, x + r * c.d->H * c.xes, c.t->x_dtype, c.d->H, c.d->Hp, c.d->group,
@@ -173,7 +174,7 @@ void ph_quant_tokens(int tid, void* p) {
 void ph_gather(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
   int64_t b, e;
-  range_of(c.S, tid, c.pool->size(), b, e);
+  range_of(c.S, tid, c.nth, b, e);
   for (int64_t s = b; s < e; ++s) {
     int64_t r = c.slot_tok[s];
     std::memcpy(c.A1 + s * c.ld1, c.XQ + r * c.ld1, size_t(c.ld1));
@@ -185,7 +186,7 @@ void ph_gather(int tid, void* p) {
 void ph_quant2(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
   int64_t b, e;
-  range_of(c.S, tid, c.pool->size(), b, e);
+  range_of(c.S, tid, c.nth, b, e);
   for (int64_t s = b; s < e; ++s)
     if (!c.k->quant_row(c.d->method, c.af + s * c.d->Ip, DT_F32, c.d->I, c.d->Ip, c.d->group, c.A2 + s * c.ld2,
                         c.sx2 + s, c.g2 + s * c.gs2))
@@ -255,6 +256,20 @@ HM_AVX2 void ph_reduce(int tid, void* p) {
         ob[h] = uint16_t((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
       }
     }
+  }
+}
+
+constexpr int64_t kInlineRows1 = 16;  // slots up to which x is converted and gathered inline
+constexpr int64_t kInlineRows2 = 8;   // slots up to which the activation is converted inline
+
+// A light phase (conversion, gather): inline on the calling (leader) thread, or on all threads.
+void light(ThreadPool& pool, Ctx& c, ThreadPool::PhaseFn fn, bool inline_) {
+  if (inline_) {
+    c.nth = 1;
+    fn(0, &c);
+  } else {
+    c.nth = pool.size();
+    pool.parallel(fn, &c);
   }
 }
 
@@ -375,14 +390,16 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
     c.XQ = ws.xq.get<uint8_t>(size_t(t.T) * size_t(c.ld1));
     c.XS = ws.xs.get<float>(size_t(t.T));
     c.XG = ws.xg.get<int32_t>(size_t(t.T) * size_t(c.gs1));
-    pool.parallel(ph_quant_tokens, &c);
+    // Decode-sized tasks convert their few rows on the leader alone: a parallel phase costs a
+    // wake-up and a barrier of every thread (several us), more than the work itself.
+    light(pool, c, ph_quant_tokens, c.S <= kInlineRows1);
     if (c.bad.load()) return "input x holds NaN or Inf";
-    pool.parallel(ph_gather, &c);
+    light(pool, c, ph_gather, c.S <= kInlineRows1);
     sw.lap(1);
     build_items(c, d.w13.N / 16, CW1);
     pool.parallel(ph_gemm<true>, &c);
     sw.lap(2);
-    pool.parallel(ph_quant2, &c);
+    light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";
     sw.lap(3);
     build_items(c, d.w2.N / 16, CW2);
