@@ -78,7 +78,7 @@ if want cpu-moe; then
   log bench-cpu-moe
   for m in AMXINT8 AMXINT4; do
     timeout 150 $PY benchmarks/bench_cpu_moe.py --method $m ${CPU_MOE_ARGS:-} --out "$out/cpu_moe_$m.json" 2>&1 \
-      | tail -16
+      | grep -v Warning | tail -40
   done | tee "$out/bench_cpu_moe.log"
   for th in ${CPU_MOE_THREADS:-}; do  # e.g. "12 14 15 16": the default thread count is the fastest one
     timeout 100 $PY benchmarks/bench_cpu_moe.py --method AMXINT8 --threads $th --T 1,4,16,1024 --seconds 0.5 2>&1 \
