@@ -184,6 +184,7 @@ class Engine:
         if any(n > 0 for n in batch.num_tokens):
             logits = self.runner.forward(batch)
             out = self.sampler(logits, sampling) if sampling else None
+            self.runner.check_step_errors()  # before any token of a failed step is kept
             self.scheduler.on_step_done(batch)
             now = time.time()
             for i, req in enumerate(sampling):

@@ -62,7 +62,14 @@ class LLM:
             return self._stream(reqs[0])
         for r in reqs:
             self.engine.submit(r)
-        self.engine.run_until_done(reqs)
+        try:
+            self.engine.run_until_done(reqs)
+        except Exception:  # a failed step: end these requests (pages freed) so the engine stays usable
+            for r in reqs:
+                if not r.finished:
+                    self.engine.abort(r.rid, "engine failure")
+            self.engine.step()  # takes the aborts in before scheduling: nothing of them runs again
+            raise
         outs = [Engine.output_dict(r) for r in reqs]
         return outs if batched else outs[0]
 

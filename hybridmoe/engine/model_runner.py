@@ -246,6 +246,12 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self._ctx(meta))
         return self.model.compute_logits(hidden[rows])
 
+    def check_step_errors(self) -> None:
+        """After a step's results were read on the host: raise what failed out of sight in it (CPU
+        expert tasks driven from the CUDA stream)."""
+        if self.hybrid is not None:
+            self.hybrid.check_cpu_errors()
+
     def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.attn_backend)
 

@@ -96,6 +96,16 @@ class HybridPlan:
             task.enqueue_result(t, self.device)  # stream-ordered wait; the output is not used
             self.pending_stream = None
 
+    def check_cpu_errors(self) -> None:
+        """Raise (CPUMoEError) the first error of the CPU expert tasks finished since the last check.
+        Tasks run from the CUDA stream (host functions, graph replays) cannot raise where they run:
+        the engine calls this after each step's sampled ids are read, so a failed step fails its
+        requests instead of returning tokens computed from stale CPU outputs."""
+        for layer in self.layers.values():
+            if layer.cpu is not None:  # one pool serves every layer; does not wait for running tasks
+                layer.cpu.layer.pool.sync(max_pending=1 << 62)
+                return
+
     def set_num_deferred(self, num_deferred: int) -> None:
         """Change every layer's deferral (benchmarks compare settings on one loaded model); decode
         CUDA graphs captured before must be captured again."""

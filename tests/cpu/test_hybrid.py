@@ -215,6 +215,41 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
     llm.shutdown()
 
 
+def test_stream_task_failure_fails_the_step(model, monkeypatch):
+    """A CPU task run from the stream cannot raise where it runs (a host function, a graph replay):
+    the engine checks after the step, so the request fails with the task's message instead of
+    getting tokens from stale outputs, and the next request is served normally."""
+    import ctypes as C
+
+    from hybridmoe.cpu.engine import CPUMoEError
+    from hybridmoe.moe import cuda_bridge, hybrid
+
+    prompt = torch.randint(0, 211, (23,), generator=torch.Generator().manual_seed(8)).tolist()
+    opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3)
+    ref = LLM(str(model), **opts)
+    ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    ref.shutdown()
+    monkeypatch.setattr(cuda_bridge, "launch_host_func",
+                        lambda fn, data: C.CFUNCTYPE(None, C.c_void_p)(fn)(C.addressof(data)))
+    monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
+    orig = cuda_bridge.StreamCPUTask.enqueue_submit
+    state = {"n": 0, "poison_at": 5}
+
+    def poisoned(self, x, ids, w):
+        state["n"] += 1
+        if state["n"] == state["poison_at"]:  # a decode step's CPU task gets a NaN input
+            x = x * float("nan")
+        return orig(self, x, ids, w)
+
+    monkeypatch.setattr(cuda_bridge.StreamCPUTask, "enqueue_submit", poisoned)
+    llm = LLM(str(model), **opts)
+    with pytest.raises(CPUMoEError, match="NaN"):
+        llm.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert llm.engine.kv.num_used() == 0 and not llm.engine.scheduler.has_work()
+    assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
+    llm.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deferred", [0, 1])
 @pytest.mark.parametrize("graphs", [False, True])
