@@ -129,6 +129,8 @@ def _declare(lib) -> None:
         "hm_stream_read": (C.c_double, [vp, i64, i32]),
         "hm_set_prefetch": (None, [i32]),
         "hm_get_prefetch": (i32, []),
+        "hm_set_item_bytes": (None, [i64]),
+        "hm_get_item_bytes": (i64, []),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -143,7 +145,7 @@ def lib():
             path = _locate()
             handle = C.CDLL(str(path))
             _declare(handle)
-            if handle.hm_abi_version() != 4:
+            if handle.hm_abi_version() != 5:
                 raise RuntimeError(f"{path}: unexpected ABI version; rebuild with pip install -e .")
             _lib = handle
         return _lib

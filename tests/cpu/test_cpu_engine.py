@@ -265,3 +265,29 @@ def test_prefetch_distance_changes_nothing_but_speed(method):
     finally:
         lib.hm_set_prefetch(before)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16"])
+def test_item_size_changes_nothing_but_speed(method):
+    """The few-row GEMM item size (hm_set_item_bytes, HYBRIDMOE_CPU_ITEM_KB) only changes how the
+    N-blocks are cut among the threads: results are bit-identical for every size, for tasks that
+    use it (few rows per expert) and tasks that do not (an expert with >= 64 rows)."""
+    g = torch.Generator().manual_seed(7)
+    e, h, i, k = 6, 192, 96, 3
+    gu, dn = torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1
+    layer = CPUMoELayer(pack_layer(gu, dn, method, group_size=64))
+    lib = native.lib()
+    before = lib.hm_get_item_bytes()
+    try:
+        for t in (1, 5, 90):
+            x = torch.randn(t, h, generator=g)
+            ids = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k].contiguous()
+            w = torch.rand(t, k, generator=g)
+            outs = []
+            for size in (0, 1, 3000, 64 << 10, 1 << 30):  # fixed widths, 1 block, a few, all of them
+                lib.hm_set_item_bytes(size)
+                assert lib.hm_get_item_bytes() == size
+                outs.append(layer.forward(x, ids, w))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), t
+    finally:
+        lib.hm_set_item_bytes(before)

@@ -56,7 +56,7 @@ struct HmHostCall {      // userdata of the host-function entry points
   int32_t pad_;
 };
 
-int hm_abi_version() { return 4; }
+int hm_abi_version() { return 5; }
 
 void* hm_pool_create(int n, const int* cpus, int nsub, char* err, int errlen) {
   char why[256];
@@ -157,6 +157,11 @@ int64_t hm_completed(void* p) { return static_cast<Pool*>(p)->tp.completed(); }
 // tasks.
 void hm_set_prefetch(int bytes) { hm::g_prefetch_bytes = bytes > 0 ? bytes : 0; }
 int hm_get_prefetch() { return hm::g_prefetch_bytes; }
+
+// Weight bytes per GEMM work item of few-row tasks (0: the fixed widths; negative: 0). Set between
+// tasks.
+void hm_set_item_bytes(int64_t bytes) { hm::g_item_bytes = bytes > 0 ? bytes : 0; }
+int64_t hm_get_item_bytes() { return hm::g_item_bytes; }
 
 // CUDA host-function forms (void fn(void*)), for cuLaunchHostFunc: no Python, no exceptions out.
 void hm_submit_hostfn(void* userdata) {

@@ -71,6 +71,11 @@ inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 // 0 = none. Set from HYBRIDMOE_CPU_PREFETCH at load, or hm_set_prefetch (benchmarks sweep it).
 extern int g_prefetch_bytes;
 
+// Weight bytes per GEMM work item for few-row (decode) tasks; 0 = the fixed widths (2 N-blocks of
+// w13, 4 of w2). Each item is a separate stream a thread starts cold, so fewer, larger items may
+// read faster. Set from HYBRIDMOE_CPU_ITEM_KB at load, or hm_set_item_bytes (benchmarks sweep it).
+extern int64_t g_item_bytes;
+
 }  // namespace hm
 
 // Defined in the ISA translation units (weak: a unit the compiler could not build is absent).

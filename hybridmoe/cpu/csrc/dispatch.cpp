@@ -16,6 +16,10 @@ int g_prefetch_bytes = [] {
   const char* v = std::getenv("HYBRIDMOE_CPU_PREFETCH");
   return v ? std::atoi(v) : 0;
 }();
+int64_t g_item_bytes = [] {
+  const char* v = std::getenv("HYBRIDMOE_CPU_ITEM_KB");
+  return v ? int64_t(std::atoll(v)) * 1024 : int64_t(0);
+}();
 }  // namespace hm
 
 namespace {

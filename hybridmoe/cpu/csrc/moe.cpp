@@ -274,6 +274,16 @@ void light(ThreadPool& pool, Ctx& c, ThreadPool::PhaseFn fn, bool inline_) {
 }
 
 // Items for one GEMM stage: per active expert, row chunks x N-block chunks, grouped by sub-pool.
+// W's N-blocks per few-row item: `cw`, or as many as hold g_item_bytes (even for w13's gate/up pairs).
+int few_row_width(const PackedMat& W, int cw, bool pairs) {
+  if (g_item_bytes <= 0) return cw;
+  const int NB = W.N / 16;
+  const int64_t block_bytes = std::max<int64_t>(1, W.expert_stride / NB);
+  int w = int(std::min<int64_t>(NB, std::max<int64_t>(1, g_item_bytes / block_bytes)));
+  if (pairs) w = std::max(2, w / 2 * 2);
+  return w;
+}
+
 void build_items(Ctx& c, int NB, int cw) {
   Workspace& ws = *c.ws;
   int nsub = std::min(c.pool->num_sub(), MAXSUB);
@@ -396,13 +406,13 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
     if (c.bad.load()) return "input x holds NaN or Inf";
     light(pool, c, ph_gather, c.S <= kInlineRows1);
     sw.lap(1);
-    build_items(c, d.w13.N / 16, CW1);
+    build_items(c, d.w13.N / 16, few_row_width(d.w13, CW1, true));
     pool.parallel(ph_gemm<true>, &c);
     sw.lap(2);
     light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";
     sw.lap(3);
-    build_items(c, d.w2.N / 16, CW2);
+    build_items(c, d.w2.N / 16, few_row_width(d.w2, CW2, false));
     pool.parallel(ph_gemm<false>, &c);
     sw.lap(4);
   } else {
