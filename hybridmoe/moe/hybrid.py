@@ -280,6 +280,8 @@ class HybridExperts(MoEExperts):
         from hybridmoe.moe.cuda_bridge import StreamCPUTask
 
         plan, t = self.plan, x.shape[0]
+        if self.is_first and plan.pending_stream is not None:  # left by an interrupted forward: not ours
+            plan.collect_pending()
         tasks = None
         if self.cpu is not None:
             cap = 1 << max(0, (t - 1).bit_length())

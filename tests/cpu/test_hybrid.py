@@ -250,6 +250,40 @@ def test_stream_task_failure_fails_the_step(model, monkeypatch):
     llm.shutdown()
 
 
+def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch):
+    """A forward that fails after a layer deferred CPU work leaves it pending; the next forward
+    waits for it and drops it (not added to its own first layer): same tokens as a fresh engine."""
+    import ctypes as C
+
+    from hybridmoe.moe import cuda_bridge, hybrid
+
+    prompt = torch.randint(0, 211, (19,), generator=torch.Generator().manual_seed(9)).tolist()
+    opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3,
+                kt_max_deferred_experts_per_token=1)
+    monkeypatch.setattr(cuda_bridge, "launch_host_func",
+                        lambda fn, data: C.CFUNCTYPE(None, C.c_void_p)(fn)(C.addressof(data)))
+    monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
+    fresh = LLM(str(model), **opts)
+    ref_tokens = fresh.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    fresh.shutdown()
+    llm = LLM(str(model), **opts)
+    last = llm.engine.runner.hybrid.moe_layers[-1]
+    orig = hybrid.HybridExperts._gpu_part
+    state = {"armed": True}
+
+    def failing(self, x, ids, w):
+        if state["armed"] and self.layer_idx == last:  # the earlier MoE layers have deferred work
+            state["armed"] = False
+            raise RuntimeError("injected failure")
+        return orig(self, x, ids, w)
+
+    monkeypatch.setattr(hybrid.HybridExperts, "_gpu_part", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
+    llm.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deferred", [0, 1])
 @pytest.mark.parametrize("graphs", [False, True])
