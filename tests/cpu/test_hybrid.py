@@ -173,18 +173,25 @@ def test_memory_plan_is_printed_and_a_plan_that_does_not_fit_is_refused(model, c
     assert msg is not None and "--kt-num-gpu-experts 2 would fit" in msg
 
 
+def _emulate_stream(monkeypatch) -> None:
+    """The CUDA stream path on the CPU: every hybrid layer takes it, and host functions run inline
+    when enqueued (the order a stream would run them in)."""
+    import ctypes as C
+
+    from hybridmoe.moe import cuda_bridge, hybrid
+
+    monkeypatch.setattr(cuda_bridge, "launch_host_func",
+                        lambda fn, data: C.CFUNCTYPE(None, C.c_void_p)(fn)(C.addressof(data)))
+    monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
+
+
 @pytest.mark.parametrize("deferred", [0, 1, 2])
 def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
     """The CUDA stream path's data flow (pinned buffers shared by alternating layers, the deferred
     task reading the immediate task's x and w, one host function queueing both, one waiting for a
     layer's task and the previous layer's deferred one) on the CPU: host functions run inline, as
     the stream would run them in order. Same logits (fp32) and tokens as the Python-driven path."""
-    import ctypes as C
-
-    from hybridmoe.moe import cuda_bridge, hybrid
-
-    def run_inline(fn_addr, userdata):
-        C.CFUNCTYPE(None, C.c_void_p)(fn_addr)(C.addressof(userdata))
+    from hybridmoe.moe import cuda_bridge
 
     prompt = torch.randint(0, 211, (37,), generator=torch.Generator().manual_seed(6)).tolist()
     opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3,
@@ -193,8 +200,7 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
     ref_logits = ref.prompt_logits(prompt)
     ref_tokens = [o["output_ids"] for o in ref.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
     ref.shutdown()
-    monkeypatch.setattr(cuda_bridge, "launch_host_func", run_inline)
-    monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
+    _emulate_stream(monkeypatch)
     calls = {"pair_submit": 0, "pair_sync": 0}
     for name in ("enqueue_submit_with", "enqueue_result_with"):
         orig = getattr(cuda_bridge.StreamCPUTask, name)
@@ -219,19 +225,15 @@ def test_stream_task_failure_fails_the_step(model, monkeypatch):
     """A CPU task run from the stream cannot raise where it runs (a host function, a graph replay):
     the engine checks after the step, so the request fails with the task's message instead of
     getting tokens from stale outputs, and the next request is served normally."""
-    import ctypes as C
-
     from hybridmoe.cpu.engine import CPUMoEError
-    from hybridmoe.moe import cuda_bridge, hybrid
+    from hybridmoe.moe import cuda_bridge
 
     prompt = torch.randint(0, 211, (23,), generator=torch.Generator().manual_seed(8)).tolist()
     opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3)
     ref = LLM(str(model), **opts)
     ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
     ref.shutdown()
-    monkeypatch.setattr(cuda_bridge, "launch_host_func",
-                        lambda fn, data: C.CFUNCTYPE(None, C.c_void_p)(fn)(C.addressof(data)))
-    monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
+    _emulate_stream(monkeypatch)
     orig = cuda_bridge.StreamCPUTask.enqueue_submit
     state = {"n": 0, "poison_at": 5}
 
@@ -253,16 +255,12 @@ def test_stream_task_failure_fails_the_step(model, monkeypatch):
 def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch):
     """A forward that fails after a layer deferred CPU work leaves it pending; the next forward
     waits for it and drops it (not added to its own first layer): same tokens as a fresh engine."""
-    import ctypes as C
-
-    from hybridmoe.moe import cuda_bridge, hybrid
+    from hybridmoe.moe import hybrid
 
     prompt = torch.randint(0, 211, (19,), generator=torch.Generator().manual_seed(9)).tolist()
     opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3,
                 kt_max_deferred_experts_per_token=1)
-    monkeypatch.setattr(cuda_bridge, "launch_host_func",
-                        lambda fn, data: C.CFUNCTYPE(None, C.c_void_p)(fn)(C.addressof(data)))
-    monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
+    _emulate_stream(monkeypatch)
     fresh = LLM(str(model), **opts)
     ref_tokens = fresh.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
     fresh.shutdown()
