@@ -12,6 +12,7 @@ same process with the library's own thread pool. Writes JSON with --out.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -78,14 +79,16 @@ def run(args) -> dict:
     )
     print(f"# stream-read bandwidth (library pool, {args.stream_bytes >> 20} MiB): {stream:.1f} GB/s")
     print(f"{'T':>6} {'us/layer':>10} {'GB/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'experts':>8} {'stream':>7} {'pf':>6} "
-          f"{'itemKB':>6}")
+          f"{'itemKB':>6} {'guided':>6}")
     rows = []
     probes = [stream]
     prefetch = args.prefetch if args.prefetch is not None else [native.lib().hm_get_prefetch()]
     items = args.item_kb if args.item_kb is not None else [native.lib().hm_get_item_bytes() // 1024]
-    for pf, ikb, t in ((pf, ikb, t) for pf in prefetch for ikb in items for t in args.T):
+    guided = args.guided if args.guided is not None else [native.lib().hm_get_guided()]
+    for pf, ikb, gd, t in itertools.product(prefetch, items, guided, args.T):
         native.lib().hm_set_prefetch(pf)
         native.lib().hm_set_item_bytes(ikb * 1024)
+        native.lib().hm_set_guided(gd)
         # the probe read 94-147 GB/s minutes apart on one machine: each row gets its own, taken
         # right before it, and the ratio is to the median of the first and that one
         probe = pool.stream_read_gbps(args.stream_bytes, 5)
@@ -130,6 +133,7 @@ def run(args) -> dict:
                 "T": t,
                 "prefetch": pf,
                 "item_kb": ikb,
+                "guided": gd,
                 "phase_us": phases,
                 "us_per_layer": med * 1e6,
                 "eff_bw_gbps": bw,
@@ -143,7 +147,7 @@ def run(args) -> dict:
         ph = " ".join(f"{k}={v:.0f}" for k, v in phases.items()) if args.profile else ""
         print(
             f"{t:>6} {med * 1e6:>10.1f} {bw:>8.1f} {bw / ref_bw:>6.2f} {tflops:>8.2f} {experts:>8.1f} "
-            f"{ref_bw:>7.1f} {pf:>6} {ikb:>6}  {ph}", flush=True
+            f"{ref_bw:>7.1f} {pf:>6} {ikb:>6} {gd:>6}  {ph}", flush=True
         )
     # The machine's read bandwidth moved between probes of one run (82-150 GB/s seen on the H200
     # host): the conservative ceiling is the best any probe of the run saw.
@@ -200,6 +204,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="print mean us per phase")
     ap.add_argument("--item-kb", type=lambda s: [int(v) for v in s.split(",")], default=None,
                     help="few-row GEMM item sizes to compare, KiB (0: the fixed widths; default: the library's)")
+    ap.add_argument("--guided", type=lambda s: [int(v) for v in s.split(",")], default=None,
+                    help="GEMM item claiming to compare: 0 one item per claim, d>0 guided (default: the library's)")
     ap.add_argument("--prefetch", type=lambda s: [int(v) for v in s.split(",")], default=None,
                     help="software prefetch distances (bytes) to compare, e.g. 0,512,2048 (default: the library's)")
     ap.add_argument("--out", default=None, help="JSON output path")

@@ -131,6 +131,8 @@ def _declare(lib) -> None:
         "hm_get_prefetch": (i32, []),
         "hm_set_item_bytes": (None, [i64]),
         "hm_get_item_bytes": (i64, []),
+        "hm_set_guided": (None, [i32]),
+        "hm_get_guided": (i32, []),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -145,7 +147,7 @@ def lib():
             path = _locate()
             handle = C.CDLL(str(path))
             _declare(handle)
-            if handle.hm_abi_version() != 5:
+            if handle.hm_abi_version() != 6:
                 raise RuntimeError(f"{path}: unexpected ABI version; rebuild with pip install -e .")
             _lib = handle
         return _lib

@@ -2,12 +2,13 @@
 host-function entry points, the stream-read probe, and the "cpu" experts backend."""
 
 import ctypes as C
+import itertools
 
 import pytest
 import torch
 
 from hybridmoe.cpu import native
-from hybridmoe.cpu.engine import CPUMoEError, CPUMoELayer
+from hybridmoe.cpu.engine import CPUMoEError, CPUMoELayer, CPUThreadPool
 from hybridmoe.cpu.quant import pack_layer
 from hybridmoe.cpu.reference import moe_reference, rel_error
 
@@ -269,25 +270,33 @@ def test_prefetch_distance_changes_nothing_but_speed(method):
 
 @pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16"])
 def test_item_size_changes_nothing_but_speed(method):
-    """The few-row GEMM item size (hm_set_item_bytes, HYBRIDMOE_CPU_ITEM_KB) only changes how the
-    N-blocks are cut among the threads: results are bit-identical for every size, for tasks that
+    """The few-row GEMM item size (hm_set_item_bytes, HYBRIDMOE_CPU_ITEM_KB) and the guided claiming
+    (hm_set_guided, HYBRIDMOE_CPU_GUIDED) only change how the N-blocks are cut among the threads: results are bit-identical for every size, for tasks that
     use it (few rows per expert) and tasks that do not (an expert with >= 64 rows)."""
     g = torch.Generator().manual_seed(7)
     e, h, i, k = 6, 192, 96, 3
     gu, dn = torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1
-    layer = CPUMoELayer(pack_layer(gu, dn, method, group_size=64))
+    # 3 threads on 2 cores: claims race, and a guided run ends in single-item claims
+    layer = CPUMoELayer(pack_layer(gu, dn, method, group_size=64), pool=CPUThreadPool(threads=3))
     lib = native.lib()
-    before = lib.hm_get_item_bytes()
+    before = lib.hm_get_item_bytes(), lib.hm_get_guided()
     try:
         for t in (1, 5, 90):
             x = torch.randn(t, h, generator=g)
             ids = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k].contiguous()
             w = torch.rand(t, k, generator=g)
             outs = []
-            for size in (0, 1, 3000, 64 << 10, 1 << 30):  # fixed widths, 1 block, a few, all of them
+            # fixed widths, 1 block, a few, all of them; claims of one item, or guided runs
+            for size, guided in itertools.product((0, 1, 3000, 64 << 10, 1 << 30), (0, 1, 3)):
                 lib.hm_set_item_bytes(size)
-                assert lib.hm_get_item_bytes() == size
+                lib.hm_set_guided(guided)
+                assert (lib.hm_get_item_bytes(), lib.hm_get_guided()) == (size, guided)
                 outs.append(layer.forward(x, ids, w))
             assert all(torch.equal(outs[0], o) for o in outs[1:]), t
+            # BF16 on AVX2 keeps fp32 activations; AVX-512/AMX round them to bf16
+            aq = "int8" if method != "BF16" else None if layer.kernel_name == "avx2" else "bf16"
+            ref = moe_reference(x, ids, w, *layer.packed.dequantized(), act_quant=aq)
+            assert rel_error(outs[0], ref) < 2e-3, t
     finally:
-        lib.hm_set_item_bytes(before)
+        lib.hm_set_item_bytes(before[0])
+        lib.hm_set_guided(before[1])

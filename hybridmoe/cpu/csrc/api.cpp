@@ -56,7 +56,7 @@ struct HmHostCall {      // userdata of the host-function entry points
   int32_t pad_;
 };
 
-int hm_abi_version() { return 5; }
+int hm_abi_version() { return 6; }
 
 void* hm_pool_create(int n, const int* cpus, int nsub, char* err, int errlen) {
   char why[256];
@@ -162,6 +162,11 @@ int hm_get_prefetch() { return hm::g_prefetch_bytes; }
 // tasks.
 void hm_set_item_bytes(int64_t bytes) { hm::g_item_bytes = bytes > 0 ? bytes : 0; }
 int64_t hm_get_item_bytes() { return hm::g_item_bytes; }
+
+// GEMM item claiming (0: one item per claim; d > 0: guided, items left / (d * threads) per claim;
+// negative: 0). Set between tasks.
+void hm_set_guided(int div) { hm::g_guided_div = div > 0 ? div : 0; }
+int hm_get_guided() { return hm::g_guided_div; }
 
 // CUDA host-function forms (void fn(void*)), for cuLaunchHostFunc: no Python, no exceptions out.
 void hm_submit_hostfn(void* userdata) {

@@ -76,6 +76,12 @@ extern int g_prefetch_bytes;
 // read faster. Set from HYBRIDMOE_CPU_ITEM_KB at load, or hm_set_item_bytes (benchmarks sweep it).
 extern int64_t g_item_bytes;
 
+// GEMM item claiming: 0 = one item per claim (dynamic); d > 0 = guided, a thread claims
+// max(1, items left / (d * threads)) consecutive items at once (consecutive items of a few-row
+// expert are contiguous weights, so the thread reads one long stream). HYBRIDMOE_CPU_GUIDED /
+// hm_set_guided.
+extern int g_guided_div;
+
 }  // namespace hm
 
 // Defined in the ISA translation units (weak: a unit the compiler could not build is absent).

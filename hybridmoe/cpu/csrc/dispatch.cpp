@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -19,6 +20,10 @@ int g_prefetch_bytes = [] {
 int64_t g_item_bytes = [] {
   const char* v = std::getenv("HYBRIDMOE_CPU_ITEM_KB");
   return v ? int64_t(std::atoll(v)) * 1024 : int64_t(0);
+}();
+int g_guided_div = [] {
+  const char* v = std::getenv("HYBRIDMOE_CPU_GUIDED");
+  return v ? std::max(0, std::atoi(v)) : 0;
 }();
 }  // namespace hm
 

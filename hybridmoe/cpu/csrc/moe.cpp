@@ -200,9 +200,25 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
   int sub = c.pool->sub_of(tid);
   int64_t beg = c.sub_beg[sub], n = c.sub_beg[sub + 1] - beg;
   float* C = STAGE1 ? c.ws->cbuf[size_t(tid)].get<float>(size_t(MC) * CW_BIG * 16) : nullptr;
-  for (;;) {
-    int64_t i = c.next[sub].v.fetch_add(1, std::memory_order_relaxed);
-    if (i >= n) break;
+  const int div = g_guided_div * c.pool->sub_size(sub);
+  std::atomic<int64_t>& next = c.next[sub].v;
+  int64_t i = 0, end = 0;
+  for (;; ++i) {
+    if (i >= end) {  // claim the next run of items
+      if (div <= 0) {
+        i = next.fetch_add(1, std::memory_order_relaxed);
+        end = i + 1;
+      } else {  // guided: a share of what is left, so a thread streams long runs of contiguous blocks
+        i = next.load(std::memory_order_relaxed);
+        int64_t cnt = 1;
+        do {
+          if (i >= n) break;
+          cnt = std::max<int64_t>(1, (n - i) / div);
+        } while (!next.compare_exchange_weak(i, i + cnt, std::memory_order_relaxed));
+        end = i + cnt;
+      }
+      if (i >= n) break;
+    }
     const Item& it = c.ws->items[size_t(beg + i)];
     int64_t r0 = c.ws->offs[size_t(it.e)] + it.m0;
     int M = it.m1 - it.m0;
