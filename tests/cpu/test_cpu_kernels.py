@@ -50,9 +50,9 @@ def routing(t, e, k, seed=1, dup=False):
     return ids, w / w.sum(-1, keepdim=True).clamp_min(1e-6)
 
 
-def oracle_quant(method, isa):
-    if method == "BF16":
-        return "bf16" if isa in ("avx512", "amx") else None
+def oracle_quant(method, isa, x_dtype=torch.float32):
+    if method == "BF16":  # AVX-512/AMX BF16 kernels round activations to bf16; fp32 x runs the AVX2 one
+        return "bf16" if isa in ("avx512", "amx") and x_dtype == torch.bfloat16 else None
     return "int8"
 
 
@@ -85,7 +85,7 @@ def check(
     base = torch.randn(t, h).to(dtype) if accumulate else None
     out = base.clone() if accumulate else torch.full((t, h), float("nan")).to(dtype)
     layer.forward(x, ids, w, out=out, accumulate=accumulate, skip_mask=skip)
-    ref = moe_reference(x, ids, w, g2, d2, act, skip, oracle_quant(method, isa))
+    ref = moe_reference(x, ids, w, g2, d2, act, skip, oracle_quant(method, isa, dtype))
     if accumulate:
         ref = ref + base.float()
     if t == 0:
@@ -110,8 +110,10 @@ def test_small(method, group, sym, isa, pool, t, e, k, h, i):
 
 @pytest.mark.parametrize("method,group,sym", METHODS, ids=METHOD_IDS)
 def test_many_rows_per_expert(method, group, sym, isa, pool):
-    # ~75 rows per expert: the AMX tile path (>= 16 rows), row counts not a multiple of 16 or 32
+    # ~75 rows per expert: the AMX tile path (>= 16 rows), row counts not a multiple of 16 or 32;
+    # bf16 x as well: BF16's AVX-512/AMX kernels only run for bf16 activations
     check(method, group, sym, isa, pool, 150, 4, 2, 200, 96)
+    check(method, group, sym, isa, pool, 150, 4, 2, 200, 96, dtype=torch.bfloat16, seed=3)
 
 
 @pytest.mark.parametrize("method,group,sym", METHODS, ids=METHOD_IDS)
@@ -124,6 +126,8 @@ def test_wide_routing(method, group, sym, isa, pool):
 def test_long_prompt(method, group, sym, isa, pool):
     # T=5000: several 256-row chunks per expert
     check(method, group, sym, isa, pool, 5000, 4, 2, 64, 64, fp_check=False)
+    if method == "BF16":
+        check(method, group, sym, isa, pool, 700, 4, 2, 64, 64, fp_check=False, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("method,group,sym", METHODS, ids=METHOD_IDS)

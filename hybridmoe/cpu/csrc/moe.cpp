@@ -391,6 +391,13 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
   c.t = &t;
   c.d = &d;
   c.k = L.k;
+  // The AVX-512/AMX BF16 kernels take bf16 activations. fp32 x (an fp32 model) would be rounded
+  // to bf16, about 3e-3 relative off the fp32 path: such tasks run the AVX2 kernel, which keeps
+  // fp32 activations (same packed weights; every ISA that has AVX-512 has AVX2).
+  if (d.method == M_BF16 && t.x_dtype == DT_F32 && L.isa != ISA_AVX2) {
+    const Kernels* k2 = kernels_checked(ISA_AVX2);
+    if (k2) c.k = k2;
+  }
   c.pool = &pool;
   c.ws = &ws;
   c.xes = t.x_dtype == DT_F32 ? 4 : 2;
@@ -399,8 +406,8 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
   if (!err.empty()) return err;
   if (c.S > 0) {
     const int G = d.method == M_INT4 ? d.group : 64;
-    c.ld1 = L.k->act_row_bytes(d.method, d.Hp);
-    c.ld2 = L.k->act_row_bytes(d.method, d.Ip);
+    c.ld1 = c.k->act_row_bytes(d.method, d.Hp);
+    c.ld2 = c.k->act_row_bytes(d.method, d.Ip);
     c.gs1 = d.Hp / G;
     c.gs2 = d.Ip / G;
     size_t rows = size_t(c.S) + PADROWS;

@@ -30,6 +30,8 @@ struct HmLayer {
   int isa;
 };
 
+const Kernels* kernels_checked(int isa);  // the ISA's table, or nullptr when it cannot run here
+
 struct Workspace;  // scratch buffers, one per pool (tasks run one at a time)
 Workspace* workspace_create(int nthreads);
 void workspace_destroy(Workspace*);
