@@ -293,8 +293,7 @@ def test_item_size_changes_nothing_but_speed(method):
                 assert (lib.hm_get_item_bytes(), lib.hm_get_guided()) == (size, guided)
                 outs.append(layer.forward(x, ids, w))
             assert all(torch.equal(outs[0], o) for o in outs[1:]), t
-            # BF16 on AVX2 keeps fp32 activations; AVX-512/AMX round them to bf16
-            aq = "int8" if method != "BF16" else None if layer.kernel_name == "avx2" else "bf16"
+            aq = "int8" if method != "BF16" else None  # fp32 x: BF16 keeps fp32 activations
             ref = moe_reference(x, ids, w, *layer.packed.dequantized(), act_quant=aq)
             assert rel_error(outs[0], ref) < 2e-3, t
     finally:

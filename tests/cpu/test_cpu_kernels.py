@@ -51,8 +51,8 @@ def routing(t, e, k, seed=1, dup=False):
 
 
 def oracle_quant(method, isa, x_dtype=torch.float32):
-    if method == "BF16":  # AVX-512/AMX BF16 kernels round activations to bf16; fp32 x runs the AVX2 one
-        return "bf16" if isa in ("avx512", "amx") and x_dtype == torch.bfloat16 else None
+    if method == "BF16":  # activations keep x's precision (bf16 x: the activation is rounded to bf16)
+        return "bf16" if x_dtype == torch.bfloat16 else None
     return "int8"
 
 

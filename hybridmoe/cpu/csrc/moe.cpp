@@ -141,6 +141,7 @@ struct Ctx {
   ThreadPool* pool;
   Workspace* ws;
   int nth = 1;  // threads sharing the current light phase (1: run inline by the leader)
+  bool round_act_bf16 = false;  // BF16 on the fp32-activation kernel with bf16 x: round like the others
   int64_t S, ld1, ld2;
   int gs1, gs2, xes;
   uint8_t *A1, *A2, *XQ;  // XQ: x quantized once per token
@@ -183,14 +184,26 @@ void ph_gather(int tid, void* p) {
   }
 }
 
+// x -> bf16 precision (round to nearest even; NaN and Inf stay so), kept as fp32
+inline void round_to_bf16(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &x[i], 4);
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
+    std::memcpy(&x[i], &u, 4);
+  }
+}
+
 void ph_quant2(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
   int64_t b, e;
   range_of(c.S, tid, c.nth, b, e);
-  for (int64_t s = b; s < e; ++s)
+  for (int64_t s = b; s < e; ++s) {
+    if (c.round_act_bf16) round_to_bf16(c.af + s * c.d->Ip, c.d->I);
     if (!c.k->quant_row(c.d->method, c.af + s * c.d->Ip, DT_F32, c.d->I, c.d->Ip, c.d->group, c.A2 + s * c.ld2,
                         c.sx2 + s, c.g2 + s * c.gs2))
       c.bad.store(1);
+  }
 }
 
 template <bool STAGE1>
@@ -292,12 +305,14 @@ void light(ThreadPool& pool, Ctx& c, ThreadPool::PhaseFn fn, bool inline_) {
 // Items for one GEMM stage: per active expert, row chunks x N-block chunks, grouped by sub-pool.
 // W's N-blocks per few-row item: `cw`, or as many as hold g_item_bytes (even for w13's gate/up pairs).
 int few_row_width(const PackedMat& W, int cw, bool pairs) {
+  (void)pairs;
   if (g_item_bytes <= 0) return cw;
   const int NB = W.N / 16;
   const int64_t block_bytes = std::max<int64_t>(1, W.expert_stride / NB);
   int w = int(std::min<int64_t>(NB, std::max<int64_t>(1, g_item_bytes / block_bytes)));
-  if (pairs) w = std::max(2, w / 2 * 2);
-  return w;
+  // even: w13 items hold whole gate/up pairs, and every kernel's gemm takes an even block count
+  // (the AMX one computes two N-blocks at a time); NB is a multiple of 4
+  return std::max(2, w / 2 * 2);
 }
 
 void build_items(Ctx& c, int NB, int cw) {
@@ -394,10 +409,11 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
   // The AVX-512/AMX BF16 kernels take bf16 activations. fp32 x (an fp32 model) would be rounded
   // to bf16, about 3e-3 relative off the fp32 path: such tasks run the AVX2 kernel, which keeps
   // fp32 activations (same packed weights; every ISA that has AVX-512 has AVX2).
-  if (d.method == M_BF16 && t.x_dtype == DT_F32 && L.isa != ISA_AVX2) {
-    const Kernels* k2 = kernels_checked(ISA_AVX2);
-    if (k2) c.k = k2;
-  }
+  // The other way round, with bf16 x the AVX2 kernel rounds the activation to bf16 as the
+  // AVX-512/AMX ones (and the GPU) do: BF16 activations take x's precision on every ISA.
+  const Kernels* k_fp32act = d.method == M_BF16 ? kernels_checked(ISA_AVX2) : nullptr;
+  if (k_fp32act && t.x_dtype == DT_F32) c.k = k_fp32act;
+  c.round_act_bf16 = k_fp32act && c.k == k_fp32act && t.x_dtype == DT_BF16;
   c.pool = &pool;
   c.ws = &ws;
   c.xes = t.x_dtype == DT_F32 ? 4 : 2;
