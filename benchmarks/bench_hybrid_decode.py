@@ -8,6 +8,9 @@ the bound = the CPU pool's stream-read bandwidth measured in the same run / the 
 token reads (expected number of CPU-resident experts among its top-k, times the packed bytes of
 one expert, over all MoE layers), and the ratio to it; at the end the same ratio to the bound from
 the best of the run's probes (one at the start, one after every batch-1 row), the conservative one.
+Every row also carries the CPU engine's trace summary (hybridmoe/cpu/trace.py: the pool's idle
+time before each task, split into waiting for the submit and start latency, and how long after a
+task ends the stream's wait returns and the next task is submitted); batch-1 rows print it.
 
     python benchmarks/bench_hybrid_decode.py --out results.json
 """
@@ -46,19 +49,26 @@ def cpu_expert_bytes_per_token(model, topk: int) -> tuple[float, int]:
 
 def run_batch(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
     from hybridmoe.cpu import native
+    from hybridmoe.cpu.engine import default_pool
+    from hybridmoe.cpu.trace import summarize
 
     eng = llm.engine
     reqs = start_decode(llm, batch, prompt_len, steps, vocab)
     native.profile(reset=True)
+    default_pool().sync()
+    default_pool().trace_start(1 << 19)  # submit/start/end/wait times of every CPU task (~50 ns each)
     t0, n, nsteps = time.perf_counter(), 0, 0
     while not all(r.finished for r in reqs):
         n += len(eng.step())
         nsteps += 1
     dt = time.perf_counter() - t0
+    default_pool().sync()
+    trace = summarize(default_pool().trace_stop())
     prof = native.profile(reset=True)
     cpu_busy = sum(v for k, v in prof.items() if k != "tasks")
     return {"tokens_per_s": n / dt, "ms_per_step": 1e3 * dt / nsteps, "cpu_busy_ms_per_step": 1e3 * cpu_busy / nsteps,
-            "other_ms_per_step": 1e3 * (dt - cpu_busy) / nsteps, "cpu_tasks_per_step": prof["tasks"] / nsteps}
+            "other_ms_per_step": 1e3 * (dt - cpu_busy) / nsteps, "cpu_tasks_per_step": prof["tasks"] / nsteps,
+            "cpu_trace": trace}
 
 
 def main() -> None:
@@ -79,6 +89,7 @@ def main() -> None:
 
     from hybridmoe import LLM
     from hybridmoe.cpu.engine import default_pool
+    from hybridmoe.cpu.trace import format_summary
     from hybridmoe.engine.cuda_graph import DecodeGraphs
 
     results = {"shape": vars(a), "runs": []}
@@ -128,6 +139,8 @@ def main() -> None:
                     print(f"deferred {deferred} graphs {mode:3s} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
+                    if b == 1:
+                        print(f"  CPU trace: {format_summary(row['cpu_trace'])}", flush=True)
             runner.graphs = graphs
         llm.shutdown()
     # conservative: the bound from the best probe of the run (the first one can read low)

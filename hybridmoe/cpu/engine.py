@@ -95,6 +95,20 @@ class CPUThreadPool:
         """Stream-read bandwidth measured with this pool's threads (GB/s)."""
         return native.lib().hm_stream_read(self._h, int(nbytes), int(iters))
 
+    def trace_start(self, capacity: int = 1 << 16) -> None:
+        """Record when each task is submitted, starts and ends, and when host functions wait for
+        it (hybridmoe.cpu.trace reads them); call while no task is queued."""
+        self._trace_cap = int(capacity)
+        native.lib().hm_trace_start(self._h, self._trace_cap)
+
+    def trace_stop(self) -> torch.Tensor:
+        """Stop recording; the events as an int64 tensor [n, 3] of (t_ns, task id, kind), kinds in
+        hybridmoe.cpu.trace.KINDS. Call once the traced tasks and host functions are done."""
+        cap = getattr(self, "_trace_cap", 0)
+        buf = torch.zeros(max(cap, 1), 4, dtype=torch.int64)
+        n = native.lib().hm_trace_stop(self._h, C.cast(buf.data_ptr(), C.POINTER(C.c_int64)), cap)
+        return buf[: min(n, cap), :3].clone()
+
 
 _default_pool: CPUThreadPool | None = None
 _pool_lock = threading.Lock()

@@ -133,6 +133,8 @@ def _declare(lib) -> None:
         "hm_get_item_bytes": (i64, []),
         "hm_set_guided": (None, [i32]),
         "hm_get_guided": (i32, []),
+        "hm_trace_start": (None, [vp, i64]),
+        "hm_trace_stop": (i64, [vp, C.POINTER(C.c_int64), i64]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -147,7 +149,7 @@ def lib():
             path = _locate()
             handle = C.CDLL(str(path))
             _declare(handle)
-            if handle.hm_abi_version() != 6:
+            if handle.hm_abi_version() != 7:
                 raise RuntimeError(f"{path}: unexpected ABI version; rebuild with pip install -e .")
             _lib = handle
         return _lib

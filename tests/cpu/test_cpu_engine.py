@@ -3,6 +3,7 @@ host-function entry points, the stream-read probe, and the "cpu" experts backend
 
 import ctypes as C
 import itertools
+import time
 
 import pytest
 import torch
@@ -299,3 +300,40 @@ def test_item_size_changes_nothing_but_speed(method):
     finally:
         lib.hm_set_item_bytes(before[0])
         lib.hm_set_guided(before[1])
+
+
+def test_trace_decomposes_the_time_between_tasks(layer, pool):
+    """A stream emulated in Python: submit host function, "GPU work" (sleep), wait host function,
+    more "GPU work" before the next layer's submit. The trace sees every task's submit, start, end
+    and wait, and the summary puts the sleeps where they belong: the pool waits for the next submit
+    (>= the 3 ms after each wait) and the next submit comes >= 3 ms after a wait returns."""
+    from hybridmoe.cpu.trace import format_summary, summarize, task_times
+
+    lb = native.lib()
+    x, ids, w = inputs(3)
+    out = torch.zeros(3, H)
+    task, keep = layer.make_task(x, ids, w, out)
+    pool.sync()
+    pool.trace_start(1000)
+    first = None
+    for _ in range(5):
+        call = native.HostCall(pool.handle, task, 0, 0, -1, 0)
+        lb.hm_submit_hostfn(C.addressof(call))
+        first = first or call.id
+        time.sleep(0.001)
+        lb.hm_sync_hostfn(C.addressof(call))
+        time.sleep(0.003)
+    ev = pool.trace_stop()
+    tt = task_times(ev)
+    assert sorted(tt) == list(range(first, first + 5))
+    for v in tt.values():  # every event once, in causal order
+        assert v["submit"] <= v["start"] <= v["end"] <= v["sync_exit"] and v["sync_enter"] <= v["sync_exit"]
+    s = summarize(ev)
+    assert s["tasks"] == 5 and s["waited_tasks"] == 4, s
+    assert s["gpu_path_us"] >= 3000 and s["wait_submit_us"] >= 3000, s
+    assert 0 < s["run_us"] < s["wall_us"] and s["wake_us"] >= 0 and s["start_latency_us"] >= 0, s
+    assert abs(s["idle_before_us"] - (s["wait_submit_us"] + s["start_latency_us"])) < 1.0, s
+    assert "5 tasks" in format_summary(s)
+    pool.trace_start(2)  # capacity: later events are dropped, and counted
+    pool.sync(pool.submit(*layer.make_task(x, ids, w, out)))
+    assert pool.trace_stop().shape == (2, 3)

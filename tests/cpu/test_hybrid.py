@@ -191,6 +191,8 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
     task reading the immediate task's x and w, one host function queueing both, one waiting for a
     layer's task and the previous layer's deferred one) on the CPU: host functions run inline, as
     the stream would run them in order. Same logits (fp32) and tokens as the Python-driven path."""
+    from hybridmoe.cpu.engine import default_pool
+    from hybridmoe.cpu.trace import summarize
     from hybridmoe.moe import cuda_bridge
 
     prompt = torch.randint(0, 211, (37,), generator=torch.Generator().manual_seed(6)).tolist()
@@ -211,7 +213,14 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
 
         monkeypatch.setattr(cuda_bridge.StreamCPUTask, name, counted)
     llm = LLM(str(model), **opts)
+    pool = default_pool()
+    pool.sync()
+    pool.trace_start()
     assert _rel(llm.prompt_logits(prompt), ref_logits) < 1e-5
+    trace = summarize(pool.trace_stop())  # one forward: a task per MoE layer, one more per deferring layer
+    n_moe = len(llm.engine.runner.model.moe_blocks())
+    assert trace["tasks"] == n_moe + (n_moe - 1 if deferred else 0), trace
+    assert trace["waited_tasks"] >= 1 and trace["run_us"] > 0, trace
     got = [o["output_ids"] for o in llm.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
     assert got == ref_tokens
     if deferred:  # the pair forms ran (every MoE layer but the last defers; all but the first collect)

@@ -2,6 +2,9 @@
 // shapes; nothing here depends on torch. Compiled for baseline x86-64: every entry point that could
 // reach AVX2 code first checks the CPU (dispatch.cpp), so a missing ISA is an error, never SIGILL.
 // Errors inside a task are caught, recorded with the task id, and returned by hm_sync.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -9,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common.h"
 #include "moe.h"
@@ -23,11 +27,35 @@ extern double g_profile[8];
 
 namespace {
 
+// One trace event: what happened to which task, when (steady clock, ns). Kinds: 0 submitted,
+// 1 started, 2 finished, 3 a host function began waiting for it, 4 that wait returned.
+struct TraceEv {
+  int64_t t_ns;
+  int64_t id;
+  int32_t kind;
+  int32_t pad_;
+};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 struct Pool {
   hm::ThreadPool tp;
   hm::Workspace* ws;
   std::mutex em;
   std::deque<std::pair<int64_t, std::string>> errors;
+  // Trace ring (off unless hm_trace_start): slots taken with one atomic add, events past the
+  // capacity dropped; written by the submitting, the leader and the host-function threads.
+  std::vector<TraceEv> trace;
+  std::atomic<int64_t> trace_n{0};
+  std::atomic<bool> tracing{false};
+  void ev(int kind, int64_t id, int64_t t = 0) {
+    if (!tracing.load(std::memory_order_relaxed)) return;
+    int64_t i = trace_n.fetch_add(1, std::memory_order_relaxed);
+    if (i < int64_t(trace.size())) trace[size_t(i)] = TraceEv{t ? t : now_ns(), id, kind, 0};
+  }
   Pool(int n, const int* cpus, int nsub) : tp(n, cpus, nsub), ws(hm::workspace_create(tp.size())) {}
   ~Pool() {
     tp.wait_pending(0);
@@ -56,7 +84,7 @@ struct HmHostCall {      // userdata of the host-function entry points
   int32_t pad_;
 };
 
-int hm_abi_version() { return 6; }
+int hm_abi_version() { return 7; }
 
 void* hm_pool_create(int n, const int* cpus, int nsub, char* err, int errlen) {
   char why[256];
@@ -107,8 +135,11 @@ const char* hm_layer_kernel_name(void* l) { return static_cast<hm::HmLayer*>(l)-
 int64_t hm_submit(void* p, const HmTask* task) {
   Pool* pool = static_cast<Pool*>(p);
   HmTask t = *task;
-  return pool->tp.submit([pool, t] {
+  const int64_t t_sub = pool->tracing.load(std::memory_order_relaxed) ? now_ns() : 0;
+  const int64_t id = pool->tp.submit([pool, t] {
     std::string err;
+    const int64_t my_id = pool->tp.completed() + 1;  // tasks run in order
+    pool->ev(1, my_id);
     try {
       err = hm::run_moe_task(pool->tp, *pool->ws, t);
     } catch (const std::exception& e) {
@@ -117,7 +148,10 @@ int64_t hm_submit(void* p, const HmTask* task) {
       err = "CPU MoE task failed (unknown exception)";
     }
     if (!err.empty()) pool->record(err);
+    pool->ev(2, my_id);
   });
+  if (t_sub) pool->ev(0, id, t_sub);
+  return id;
 }
 
 // Waits for task `id` (id > 0) or until at most max_pending tasks remain (id <= 0). Returns 0, or 1
@@ -178,10 +212,12 @@ void hm_submit_hostfn(void* userdata) {
 void hm_sync_hostfn(void* userdata) {
   HmHostCall* c = static_cast<HmHostCall*>(userdata);
   Pool* pool = static_cast<Pool*>(c->pool);
+  pool->ev(3, c->id);
   if (c->id > 0)
     pool->tp.wait_task(c->id);
   else
     pool->tp.wait_pending(c->max_pending);
+  pool->ev(4, c->id);
   std::lock_guard<std::mutex> lk(pool->em);
   c->status = 0;
   for (auto& e : pool->errors)
@@ -206,6 +242,34 @@ void hm_sync2_hostfn(void* userdata) {
   HmHostCallPair* p = static_cast<HmHostCallPair*>(userdata);
   hm_sync_hostfn(p->a);
   hm_sync_hostfn(p->b);
+}
+
+// Starts recording trace events (up to `capacity`; earlier events are discarded). Call while no
+// task runs or is queued.
+void hm_trace_start(void* p, int64_t capacity) {
+  Pool* pool = static_cast<Pool*>(p);
+  pool->tracing.store(false);
+  pool->trace.assign(size_t(capacity > 0 ? capacity : 0), TraceEv{0, 0, 0, 0});
+  pool->trace_n.store(0);
+  pool->tracing.store(true);
+}
+
+// Stops recording; copies up to `max` events (4 int64 each: t_ns, id, kind, 0), in the order
+// their slots were taken, to out and returns how many were recorded (may exceed max and the
+// capacity: the rest were dropped). Call once the traced tasks and host functions are done.
+int64_t hm_trace_stop(void* p, int64_t* out, int64_t max) {
+  Pool* pool = static_cast<Pool*>(p);
+  pool->tracing.store(false);
+  int64_t n = pool->trace_n.load();
+  int64_t k = std::min<int64_t>({n, max, int64_t(pool->trace.size())});
+  for (int64_t i = 0; i < k; ++i) {
+    const TraceEv& e = pool->trace[size_t(i)];
+    out[4 * i] = e.t_ns;
+    out[4 * i + 1] = e.id;
+    out[4 * i + 2] = e.kind;
+    out[4 * i + 3] = 0;
+  }
+  return n;
 }
 
 // Stream-read bandwidth (GB/s) of a `bytes` buffer read by all pool threads, best of `iters`.
