@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import sys
 import tempfile
@@ -84,6 +85,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--off-steps", type=int, default=16, help="decode steps with graphs off (slow)")
     p.add_argument("--batched-steps", type=int, default=32, help="decode steps with graphs on at batch > 1")
+    p.add_argument("--blocking-sync", default="on",
+                   help="on,off: read each step's result sleeping (the engine's default) and/or spinning")
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
@@ -124,9 +127,11 @@ def main() -> None:
                 if mode == "on" and graphs is None:
                     continue
                 runner.graphs = graphs if mode == "on" else None
-                for b in a.batch:
+                for b, blocking in itertools.product(a.batch, a.blocking_sync.split(",")):
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
-                    row = {"deferred": deferred, "graphs": mode, "batch": b, "steps": steps,
+                    # the step's result read sleeping (the engine's default) or spinning
+                    llm.engine.sampler.wait_event = torch.cuda.Event(blocking=True) if blocking == "on" else None
+                    row = {"deferred": deferred, "graphs": mode, "batch": b, "steps": steps, "blocking_sync": blocking,
                            **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     if b == 1:
                         row.update(stream_read_gbps=bw / 1e9, cpu_expert_bytes_per_token=bpt,
@@ -136,7 +141,8 @@ def main() -> None:
                     if a.out:  # after every row: a later setting that fails keeps the earlier ones
                         Path(a.out).write_text(json.dumps(results, indent=2))
                     extra = f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f}" if b == 1 else ""
-                    print(f"deferred {deferred} graphs {mode:3s} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
+                    bl = "" if a.blocking_sync == "on" else f" blocking-sync {blocking:3s}"
+                    print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
                     if b == 1:
@@ -149,7 +155,7 @@ def main() -> None:
     for row in results["runs"]:
         if row["batch"] == 1:
             row["ratio_to_best_probe_bound"] = row["tokens_per_s"] * bpt / (best * 1e9)
-            print(f"deferred {row['deferred']} graphs {row['graphs']:3s} batch 1: ratio {row['ratio_to_best_probe_bound']:.2f} "
+            print(f"deferred {row['deferred']} graphs {row['graphs']:3s} blocking-sync {row['blocking_sync']:3s} batch 1: ratio {row['ratio_to_best_probe_bound']:.2f} "
                   f"of the bound from the best probe of the run ({best:.1f} GB/s -> {best * 1e9 / bpt:.1f} tok/s; "
                   f"probes {', '.join(f'{v:.0f}' for v in probes)})")
     if a.out:

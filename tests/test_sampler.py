@@ -122,3 +122,23 @@ def test_invalid_params_name_the_field(bad):
 def test_unknown_param_is_refused():
     with pytest.raises(SamplingParamsError, match="unknown sampling parameter"):
         SamplingParams.from_any({"temprature": 1.0})
+
+
+def test_wait_event_is_for_cuda_results_only():
+    """The hybrid engine's sleeping wait (Sampler.wait_event) is recorded only for CUDA results;
+    CPU results are read as they are, with the same ids."""
+    calls = []
+
+    class Ev:
+        def record(self):
+            calls.append("record")
+
+        def synchronize(self):
+            calls.append("sync")
+
+    logits = torch.randn(3, 57)
+    s = Sampler(57, [])
+    plain = s(logits, [_req(temperature=0.0) for _ in range(3)])
+    s.wait_event = Ev()
+    assert s(logits, [_req(temperature=0.0) for _ in range(3)]).next_ids == plain.next_ids
+    assert calls == []

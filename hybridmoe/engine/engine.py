@@ -7,6 +7,7 @@ Thread-safety: `submit`/`abort` may be called from any thread (they go through a
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from collections.abc import Iterable
@@ -35,6 +36,12 @@ log = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request that cannot be served as given (the server answers 400)."""
+
+
+def blocking_sync_wanted() -> bool:
+    """Whether a hybrid engine waits for a step's result sleeping (HYBRIDMOE_BLOCKING_SYNC, default
+    on) rather than spinning on a core that the CPU experts' threads need."""
+    return os.environ.get("HYBRIDMOE_BLOCKING_SYNC", "1") not in ("0", "off", "false")
 
 
 def _load_tokenizer(args: EngineArgs):
@@ -85,6 +92,8 @@ class Engine:
                                    self.runner.context_len)
         self.eos_ids = _eos_ids(args.model_path, self.hf_config, self.tokenizer)
         self.sampler = Sampler(self.hf_config.vocab_size, self.eos_ids)
+        if self.runner.hybrid is not None and self.runner.device.type == "cuda" and blocking_sync_wanted():
+            self.sampler.wait_event = torch.cuda.Event(blocking=True)
         self.reqs: dict[str, Req] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

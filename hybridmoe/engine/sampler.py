@@ -30,10 +30,21 @@ class Sampler:
     def __init__(self, vocab_size: int, stop_ids_always: list[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_ids = stop_ids_always
+        # With CPU experts the step's GPU work waits for the CPU engine's threads: a host thread
+        # spinning in a CUDA copy for the whole step takes a core from them (or from the driver's
+        # host-function thread). An event made with blocking=True sleeps instead (set by Engine).
+        self.wait_event: torch.cuda.Event | None = None
+
+    def _ids(self, ids: torch.Tensor) -> list[int]:
+        """Sampled ids to the host, after the step's GPU work (sleeping, with wait_event)."""
+        if self.wait_event is not None and ids.is_cuda:
+            self.wait_event.record()
+            self.wait_event.synchronize()
+        return ids.tolist()
 
     def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:  # logits [B, V]
         if all(self._plain_greedy(r) for r in reqs):  # one argmax kernel: decode at batch 1 feels every launch
-            return SampleOutput(torch.argmax(logits[:, : self.vocab_size], dim=-1).tolist(), None, None)
+            return SampleOutput(self._ids(torch.argmax(logits[:, : self.vocab_size], dim=-1)), None, None)
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         dev = logits.device
@@ -53,11 +64,11 @@ class Sampler:
 
         want_lp = any(r.return_logprob for r in reqs)
         if not want_lp:
-            return SampleOutput(next_ids.tolist(), None, None)
+            return SampleOutput(self._ids(next_ids), None, None)
         lp = torch.log_softmax(raw, dim=-1)
         chosen = lp.gather(1, next_ids[:, None])[:, 0]
         n_top = max(r.top_logprobs_num for r in reqs)
-        ids_list = next_ids.tolist()
+        ids_list = self._ids(next_ids)
         top: list[list[tuple[float, int]]] | None = None
         if n_top > 0:
             vals, idx = torch.topk(lp, min(n_top, lp.shape[-1]), dim=-1)

@@ -311,6 +311,7 @@ def test_stream_path_on_cuda(model, monkeypatch, graphs, deferred):
     monkeypatch.setattr(hybrid, "USE_STREAM_HOST_FUNCTIONS", True)
     llm = LLM(str(model), disable_cuda_graph=not graphs, **opts)
     assert (llm.engine.runner.graphs is not None) == graphs
+    assert llm.engine.sampler.wait_event is not None  # the step's result is read sleeping
     assert _rel(llm.prompt_logits(prompt), ref_logits) < 1e-3
     assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
     # a batch of 3 through the captured graphs (the pinned buffers shared by the layers)
