@@ -87,10 +87,13 @@ def main() -> None:
     p.add_argument("--batched-steps", type=int, default=32, help="decode steps with graphs on at batch > 1")
     p.add_argument("--blocking-sync", default="on",
                    help="on,off: read each step's result sleeping (the engine's default) and/or spinning")
+    p.add_argument("--hostfn-spin-us", type=lambda v: [int(x) for x in v.split(",")], default=[-1],
+                   help="host-function waits spin this long before sleeping, e.g. 1000,0 (-1: the pool's spin)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
     from hybridmoe import LLM
+    from hybridmoe.cpu import native
     from hybridmoe.cpu.engine import default_pool
     from hybridmoe.cpu.trace import format_summary
     from hybridmoe.engine.cuda_graph import DecodeGraphs
@@ -127,12 +130,13 @@ def main() -> None:
                 if mode == "on" and graphs is None:
                     continue
                 runner.graphs = graphs if mode == "on" else None
-                for b, blocking in itertools.product(a.batch, a.blocking_sync.split(",")):
+                for b, blocking, spin in itertools.product(a.batch, a.blocking_sync.split(","), a.hostfn_spin_us):
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
                     # the step's result read sleeping (the engine's default) or spinning
                     llm.engine.sampler.wait_event = torch.cuda.Event(blocking=True) if blocking == "on" else None
+                    native.lib().hm_set_hostfn_spin_us(spin)
                     row = {"deferred": deferred, "graphs": mode, "batch": b, "steps": steps, "blocking_sync": blocking,
-                           **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
+                           "hostfn_spin_us": spin, **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     if b == 1:
                         row.update(stream_read_gbps=bw / 1e9, cpu_expert_bytes_per_token=bpt,
                                    bound_tokens_per_s=bound, ratio_to_bound=row["tokens_per_s"] / bound)
@@ -142,6 +146,7 @@ def main() -> None:
                         Path(a.out).write_text(json.dumps(results, indent=2))
                     extra = f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f}" if b == 1 else ""
                     bl = "" if a.blocking_sync == "on" else f" blocking-sync {blocking:3s}"
+                    bl += "" if a.hostfn_spin_us == [-1] else f" hostfn-spin {spin:5d} us"
                     print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
@@ -155,7 +160,8 @@ def main() -> None:
     for row in results["runs"]:
         if row["batch"] == 1:
             row["ratio_to_best_probe_bound"] = row["tokens_per_s"] * bpt / (best * 1e9)
-            print(f"deferred {row['deferred']} graphs {row['graphs']:3s} blocking-sync {row['blocking_sync']:3s} batch 1: ratio {row['ratio_to_best_probe_bound']:.2f} "
+            print(f"deferred {row['deferred']} graphs {row['graphs']:3s} blocking-sync {row['blocking_sync']:3s} "
+                  f"hostfn-spin {row['hostfn_spin_us']} batch 1: ratio {row['ratio_to_best_probe_bound']:.2f} "
                   f"of the bound from the best probe of the run ({best:.1f} GB/s -> {best * 1e9 / bpt:.1f} tok/s; "
                   f"probes {', '.join(f'{v:.0f}' for v in probes)})")
     if a.out:

@@ -337,3 +337,27 @@ def test_trace_decomposes_the_time_between_tasks(layer, pool):
     pool.trace_start(2)  # capacity: later events are dropped, and counted
     pool.sync(pool.submit(*layer.make_task(x, ids, w, out)))
     assert pool.trace_stop().shape == (2, 3)
+
+
+@pytest.mark.parametrize("spin_us", [0, 50])
+def test_host_function_wait_that_sleeps(layer, pool, spin_us):
+    """hm_set_hostfn_spin_us: a host function's wait spins that long, then sleeps until the pool
+    wakes it; the task's result and status are the same, for tasks that end before and after the
+    wait begins."""
+    lb = native.lib()
+    before = lb.hm_get_hostfn_spin_us()
+    lb.hm_set_hostfn_spin_us(spin_us)
+    try:
+        assert lb.hm_get_hostfn_spin_us() == spin_us
+        for t in (1, 40, 300):  # short and longer tasks
+            x, ids, w = inputs(t, seed=t)
+            out = torch.zeros(t, H)
+            task, keep = layer.make_task(x, ids, w, out)
+            call = native.HostCall(pool.handle, task, 0, 0, -1, 0)
+            lb.hm_submit_hostfn(C.addressof(call))
+            lb.hm_sync_hostfn(C.addressof(call))
+            assert call.status == 0 and pool.pending() == 0
+            assert torch.allclose(out, layer.forward(x, ids, w), atol=1e-6)
+    finally:
+        lb.hm_set_hostfn_spin_us(before)
+    assert lb.hm_get_hostfn_spin_us() == before

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -66,6 +67,15 @@ struct Pool {
     errors.emplace_back(tp.completed() + 1, std::move(msg));  // tasks run in order: this is our id
   }
 };
+
+// How long a host function's wait spins before it sleeps (ns; < 0: the pool's idle spin). The
+// driver's host-function thread is not one of the pool's pinned threads: spinning, it competes
+// for a core with them for as long as the task runs. HYBRIDMOE_CPU_HOSTFN_SPIN_US /
+// hm_set_hostfn_spin_us.
+std::atomic<int64_t> g_hostfn_spin_ns{[] {
+  const char* v = std::getenv("HYBRIDMOE_CPU_HOSTFN_SPIN_US");
+  return v ? int64_t(std::atoll(v)) * 1000 : int64_t(-1);
+}()};
 
 void put(char* buf, int len, const std::string& s) {
   if (buf && len > 0) std::snprintf(buf, size_t(len), "%s", s.c_str());
@@ -197,6 +207,13 @@ int hm_get_prefetch() { return hm::g_prefetch_bytes; }
 void hm_set_item_bytes(int64_t bytes) { hm::g_item_bytes = bytes > 0 ? bytes : 0; }
 int64_t hm_get_item_bytes() { return hm::g_item_bytes; }
 
+// Host-function waits: spin this long (us) before sleeping; < 0: the pool's idle spin. Any time.
+void hm_set_hostfn_spin_us(int64_t us) { g_hostfn_spin_ns.store(us < 0 ? -1 : us * 1000); }
+int64_t hm_get_hostfn_spin_us() {
+  int64_t ns = g_hostfn_spin_ns.load();
+  return ns < 0 ? -1 : ns / 1000;
+}
+
 // GEMM item claiming (0: one item per claim; d > 0: guided, items left / (d * threads) per claim;
 // negative: 0). Set between tasks.
 void hm_set_guided(int div) { hm::g_guided_div = div > 0 ? div : 0; }
@@ -213,10 +230,11 @@ void hm_sync_hostfn(void* userdata) {
   HmHostCall* c = static_cast<HmHostCall*>(userdata);
   Pool* pool = static_cast<Pool*>(c->pool);
   pool->ev(3, c->id);
+  const int64_t spin = g_hostfn_spin_ns.load(std::memory_order_relaxed);
   if (c->id > 0)
-    pool->tp.wait_task(c->id);
+    pool->tp.wait_task(c->id, spin);
   else
-    pool->tp.wait_pending(c->max_pending);
+    pool->tp.wait_pending(c->max_pending, spin);
   pool->ev(4, c->id);
   std::lock_guard<std::mutex> lk(pool->em);
   c->status = 0;

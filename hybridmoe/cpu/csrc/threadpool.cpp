@@ -52,14 +52,16 @@ ThreadPool::~ThreadPool() {
   for (auto& t : threads_) t.join();
 }
 
-bool ThreadPool::spin_until(const std::function<bool()>& ready) const {
+bool ThreadPool::spin_until(const std::function<bool()>& ready, int64_t spin_ns) const {
+  if (spin_ns < 0) spin_ns = spin_ns_;
   int64_t t0 = now_ns();
   for (int i = 0;; ++i) {
     if (ready()) return true;
+    if (spin_ns == 0) return false;
     _mm_pause();
     if ((i & 255) == 255) {
       int64_t el = now_ns() - t0;
-      if (el > spin_ns_) return false;
+      if (el > spin_ns) return false;
       if (el > kYieldAfterNs) std::this_thread::yield();  // let a descheduled peer run (oversubscribed CPU)
     }
   }
@@ -149,18 +151,18 @@ void ThreadPool::leader_loop() {
   }
 }
 
-void ThreadPool::wait_task(int64_t id) {
+void ThreadPool::wait_task(int64_t id, int64_t spin_ns) {
   auto ready = [&] { return completed_.load() >= id; };
-  if (spin_until(ready)) return;
+  if (spin_until(ready, spin_ns)) return;
   std::unique_lock<std::mutex> lk(qm_);
   done_waiters_.fetch_add(1);
   dcv_.wait(lk, ready);
   done_waiters_.fetch_sub(1);
 }
 
-void ThreadPool::wait_pending(int64_t max_pending) {
+void ThreadPool::wait_pending(int64_t max_pending, int64_t spin_ns) {
   if (max_pending < 0) max_pending = 0;
-  wait_task(submitted_.load() - max_pending);
+  wait_task(submitted_.load() - max_pending, spin_ns);
 }
 
 }  // namespace hm

@@ -34,8 +34,10 @@ class ThreadPool {
 
   // Task queue (any thread). Tasks run in submission order; ids start at 1.
   int64_t submit(std::function<void()> task);
-  void wait_task(int64_t id);          // until task `id` has finished
-  void wait_pending(int64_t max_pending);  // until at most max_pending tasks are queued or running
+  // Until task `id` has finished / at most max_pending tasks are queued or running. The caller
+  // spins for spin_ns (< 0: the pool's idle spin, HYBRIDMOE_CPU_SPIN_US) and then sleeps.
+  void wait_task(int64_t id, int64_t spin_ns = -1);
+  void wait_pending(int64_t max_pending, int64_t spin_ns = -1);
   int64_t submitted() const { return submitted_.load(); }
   int64_t completed() const { return completed_.load(); }
 
@@ -43,7 +45,7 @@ class ThreadPool {
   void worker(int tid);
   void leader_loop();
   void run_phase_worker(int tid, uint64_t& seen);
-  bool spin_until(const std::function<bool()>& ready) const;
+  bool spin_until(const std::function<bool()>& ready, int64_t spin_ns = -1) const;
 
   int n_, nsub_;
   int64_t spin_ns_;
