@@ -89,6 +89,9 @@ def main() -> None:
                    help="on,off: read each step's result sleeping (the engine's default) and/or spinning")
     p.add_argument("--hostfn-spin-us", type=lambda v: [int(x) for x in v.split(",")], default=[-1],
                    help="host-function waits spin this long before sleeping, e.g. 1000,0 (-1: the pool's spin)")
+    p.add_argument("--pin-hostfn", default="off",
+                   help="off,on: host functions run on the CPUs outside the pool (hm_set_pin_hostfn)")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tests), not a measurement")
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
@@ -103,7 +106,8 @@ def main() -> None:
         write_config(Path(d), a)
         max_bs = max(a.batch)
         t = time.perf_counter()
-        llm = LLM(d, device="cuda", dtype="bfloat16", load_format="dummy", progress=False,
+        cuda = a.device == "cuda"
+        llm = LLM(d, device=a.device, dtype="bfloat16" if cuda else "float32", load_format="dummy", progress=False,
                   skip_tokenizer_init=True, kt_method=a.method, kt_num_gpu_experts=a.gpu_experts,
                   kt_cpuinfer=a.cpuinfer, kt_max_deferred_experts_per_token=a.deferred[0],
                   disable_cuda_graph="on" not in a.graphs, cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
@@ -120,7 +124,8 @@ def main() -> None:
             if deferred != runner.hybrid.num_deferred:  # same model, other deferral: tasks rebuilt, graphs captured again
                 runner.graphs = None
                 gc.collect()
-                torch.cuda.empty_cache()
+                if cuda:
+                    torch.cuda.empty_cache()
                 runner.hybrid.set_num_deferred(deferred)
                 if "on" in a.graphs:
                     runner.graphs = DecodeGraphs(runner, max_bs)
@@ -130,13 +135,15 @@ def main() -> None:
                 if mode == "on" and graphs is None:
                     continue
                 runner.graphs = graphs if mode == "on" else None
-                for b, blocking, spin in itertools.product(a.batch, a.blocking_sync.split(","), a.hostfn_spin_us):
+                for b, blocking, spin, pin in itertools.product(a.batch, a.blocking_sync.split(","), a.hostfn_spin_us,
+                                                                a.pin_hostfn.split(",")):
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
                     # the step's result read sleeping (the engine's default) or spinning
-                    llm.engine.sampler.wait_event = torch.cuda.Event(blocking=True) if blocking == "on" else None
+                    llm.engine.sampler.wait_event = torch.cuda.Event(blocking=True) if blocking == "on" and cuda else None
                     native.lib().hm_set_hostfn_spin_us(spin)
+                    native.lib().hm_set_pin_hostfn(int(pin == "on"))
                     row = {"deferred": deferred, "graphs": mode, "batch": b, "steps": steps, "blocking_sync": blocking,
-                           "hostfn_spin_us": spin, **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
+                           "hostfn_spin_us": spin, "pin_hostfn": pin, **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     if b == 1:
                         row.update(stream_read_gbps=bw / 1e9, cpu_expert_bytes_per_token=bpt,
                                    bound_tokens_per_s=bound, ratio_to_bound=row["tokens_per_s"] / bound)
@@ -147,6 +154,7 @@ def main() -> None:
                     extra = f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f}" if b == 1 else ""
                     bl = "" if a.blocking_sync == "on" else f" blocking-sync {blocking:3s}"
                     bl += "" if a.hostfn_spin_us == [-1] else f" hostfn-spin {spin:5d} us"
+                    bl += "" if a.pin_hostfn == "off" else f" pin-hostfn {pin:3s}"
                     print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
@@ -161,7 +169,7 @@ def main() -> None:
         if row["batch"] == 1:
             row["ratio_to_best_probe_bound"] = row["tokens_per_s"] * bpt / (best * 1e9)
             print(f"deferred {row['deferred']} graphs {row['graphs']:3s} blocking-sync {row['blocking_sync']:3s} "
-                  f"hostfn-spin {row['hostfn_spin_us']} batch 1: ratio {row['ratio_to_best_probe_bound']:.2f} "
+                  f"hostfn-spin {row['hostfn_spin_us']} pin-hostfn {row['pin_hostfn']} batch 1: ratio {row['ratio_to_best_probe_bound']:.2f} "
                   f"of the bound from the best probe of the run ({best:.1f} GB/s -> {best * 1e9 / bpt:.1f} tok/s; "
                   f"probes {', '.join(f'{v:.0f}' for v in probes)})")
     if a.out:

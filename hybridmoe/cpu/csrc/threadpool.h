@@ -24,6 +24,7 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return n_; }
+  const std::vector<int>& cpus() const { return cpus_; }  // CPU of each thread (-1: not pinned)
   int num_sub() const { return nsub_; }
   int sub_of(int tid) const { return int(int64_t(tid) * nsub_ / n_); }
   int sub_begin(int s) const { return int((int64_t(s) * n_ + nsub_ - 1) / nsub_); }

@@ -1,0 +1,29 @@
+"""bench_hybrid_decode.py runs end to end (a tiny model on the CPU, `--device cpu`): the script the
+H200 runs is not first exercised on the device. It checks the script, not the numbers."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_hybrid_decode_smoke(tmp_path):
+    out = tmp_path / "hb.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_hybrid_decode.py"), "--device", "cpu",
+           "--layers", "2", "--experts", "8", "--topk", "2", "--hidden", "64", "--inter", "64", "--heads", "4",
+           "--kv-heads", "2", "--head-dim", "16", "--vocab", "128", "--gpu-experts", "2", "--deferred", "0", "1",
+           "--batch", "1", "--graphs", "off", "--off-steps", "3", "--prompt-len", "8", "--blocking-sync", "on",
+           "--hostfn-spin-us=-1", "--pin-hostfn", "off", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = res["runs"]
+    assert [(r["deferred"], r["batch"]) for r in rows] == [(0, 1), (1, 1)]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["cpu_tasks_per_step"] > 0
+        # every layer's task traced: 2 MoE layers (+1 deferred) per step, 3 steps and more
+        assert r["cpu_trace"]["tasks"] >= 3 * (2 + r["deferred"]) and r["cpu_trace"]["run_us"] > 0
+        assert 0 < r["ratio_to_best_probe_bound"] <= r["ratio_to_bound"] * 1.0001
+    assert "CPU trace:" in proc.stdout
