@@ -1,17 +1,23 @@
 """Where the CPU expert engine's time goes between tasks, from its trace events
 (CPUThreadPool.trace_start / trace_stop).
 
-Per task: `run` (start -> end), `idle_before` (the pool idle between the previous task's end and
-this start), split into `wait_submit` (the pool had nothing to do: the task was not submitted yet,
-i.e. the GPU side had not reached its submit host function) and `start_latency` (submitted, or the
-previous task done, whichever was later -> started: queue hand-over and thread wake-up). Per host
-function wait on a task: `wake` (task end -> the wait returned: what the stream loses after the
-CPU is done) and `gpu_path` (that return -> the next task's submit: the GPU work and host-function
+The pool's side, per pair of consecutive tasks: `run` (start -> end) and `idle_before` (the
+previous task's end -> this start), split into `wait_submit` (nothing was queued: the task had not
+been submitted, i.e. the GPU side had not reached its submit host function) and `start_latency`
+(submitted, or the previous task done, whichever was later -> started: queue hand-over and thread
+wake-up). A layer's immediate and deferred tasks are submitted together, so their pair shows no
+idle time; the totals say how much of the traced wall time the pool sat idle.
+
+The stream's side, per host function that waited for a task: `blocked` (the wait began -> it
+returned: the stream stalled on the CPU), `wake` (the task ended, or the wait began if later ->
+the wait returned) and, per release of the stream (a wait returning with no other return before
+the next submit), `gpu_path` (that return -> the next submit: the GPU work and host-function
 launches between one layer's CPU result and the next layer's CPU task).
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 
 import torch
@@ -31,48 +37,58 @@ def task_times(events: torch.Tensor) -> dict[int, dict[str, int]]:
     return out
 
 
+def _mean_us(v: list[int]) -> float:
+    return statistics.fmean(v) / 1e3 if v else float("nan")
+
+
 def summarize(events: torch.Tensor) -> dict[str, float]:
-    """Means in microseconds over the traced tasks (see the module docstring), the task count and
+    """Means in microseconds (see the module docstring), counts, and totals in milliseconds over
     the traced wall time. Tasks missing an event (cut off by the capacity) are skipped."""
     tt = task_times(events)
     ids = sorted(i for i, v in tt.items() if {"submit", "start", "end"} <= v.keys())
-    run, idle, wait_sub, lat, wake, gpu = [], [], [], [], [], []
+    run = [tt[i]["end"] - tt[i]["start"] for i in ids]
+    idle, wait_sub, lat = [], [], []
     for a, b in zip(ids, ids[1:]):
         if b != a + 1:
             continue
         pa, pb = tt[a], tt[b]
-        if a == ids[0]:
-            run.append(pa["end"] - pa["start"])
-        run.append(pb["end"] - pb["start"])
         idle.append(max(0, pb["start"] - pa["end"]))
         wait_sub.append(max(0, pb["submit"] - pa["end"]))
         lat.append(max(0, pb["start"] - max(pb["submit"], pa["end"])))
-        if "sync_exit" in pa:
-            wake.append(max(0, pa["sync_exit"] - pa["end"]))
-            gpu.append(max(0, pb["submit"] - pa["sync_exit"]))
-
-    def mean_us(v: list[int]) -> float:
-        return statistics.fmean(v) / 1e3 if v else float("nan")
-
-    wall = (tt[ids[-1]]["end"] - tt[ids[0]]["submit"]) / 1e3 if ids else 0.0
+    waited = [tt[i] for i in ids if {"sync_enter", "sync_exit"} <= tt[i].keys()]
+    blocked = [v["sync_exit"] - v["sync_enter"] for v in waited]
+    wake = [max(0, v["sync_exit"] - max(v["sync_enter"], v["end"])) for v in waited]
+    releases = sorted(v["sync_exit"] for v in waited)
+    submits = sorted(tt[i]["submit"] for i in ids)
+    gpu = []
+    for r, r_next in zip(releases, releases[1:] + [None]):
+        j = bisect.bisect_right(submits, r)
+        if j < len(submits) and (r_next is None or submits[j] <= r_next):
+            gpu.append(submits[j] - r)
+    wall = tt[ids[-1]]["end"] - tt[ids[0]]["submit"] if ids else 0
     return {
         "tasks": float(len(ids)),
-        "wall_us": wall,
-        "run_us": mean_us(run),
-        "idle_before_us": mean_us(idle),
-        "wait_submit_us": mean_us(wait_sub),
-        "start_latency_us": mean_us(lat),
-        "wake_us": mean_us(wake),
-        "gpu_path_us": mean_us(gpu),
-        "waited_tasks": float(len(wake)),
+        "wall_ms": wall / 1e6,
+        "run_us": _mean_us(run),
+        "run_total_ms": sum(run) / 1e6,
+        "idle_before_us": _mean_us(idle),
+        "idle_total_ms": sum(idle) / 1e6,
+        "wait_submit_us": _mean_us(wait_sub),
+        "start_latency_us": _mean_us(lat),
+        "waits": float(len(waited)),
+        "blocked_us": _mean_us(blocked),
+        "wake_us": _mean_us(wake),
+        "releases": float(len(gpu)),
+        "gpu_path_us": _mean_us(gpu),
     }
 
 
 def format_summary(s: dict[str, float]) -> str:
     """One line for logs."""
     return (
-        f"{int(s['tasks'])} tasks: run {s['run_us']:.1f} us, pool idle before a task {s['idle_before_us']:.1f} us "
-        f"(nothing submitted {s['wait_submit_us']:.1f}, start latency {s['start_latency_us']:.1f}); "
-        f"host-function wait returns {s['wake_us']:.1f} us after the task ends, next submit "
-        f"{s['gpu_path_us']:.1f} us after that ({int(s['waited_tasks'])} waits)"
+        f"{int(s['tasks'])} tasks in {s['wall_ms']:.1f} ms: run {s['run_us']:.1f} us each ({s['run_total_ms']:.1f} ms), "
+        f"pool idle before a task {s['idle_before_us']:.1f} us ({s['idle_total_ms']:.1f} ms; nothing submitted "
+        f"{s['wait_submit_us']:.1f}, start latency {s['start_latency_us']:.1f}); {int(s['waits'])} stream waits: "
+        f"blocked {s['blocked_us']:.1f} us, return {s['wake_us']:.1f} us after the task ends; next submit "
+        f"{s['gpu_path_us']:.1f} us after a release ({int(s['releases'])})"
     )
