@@ -256,7 +256,7 @@ HM_AVX2 void ph_reduce(int tid, void* p) {
   const HmTask& t = *c.t;
   const int H = c.d->H, K = t.K;
   int64_t nch = (H + HCHUNK - 1) / HCHUNK, b, e;
-  range_of(t.T * nch, tid, c.pool->size(), b, e);
+  range_of(t.T * nch, tid, c.nth, b, e);
   alignas(32) float acc[HCHUNK];
   for (int64_t u = b; u < e; ++u) {
     int64_t tok = u / nch;
@@ -457,7 +457,8 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
   } else {
     c.y = nullptr;
   }
-  pool.parallel(ph_reduce, &c);
+  // a decode-sized sum (T * K <= 16 rows of H) costs a few us on one thread, less than a phase
+  light(pool, c, ph_reduce, t.T * int64_t(t.K) <= kInlineRows1);
   sw.lap(5);
   g_profile[6] += 1;  // task count
   return "";
