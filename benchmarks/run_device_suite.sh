@@ -34,8 +34,9 @@ fi
 if want cpu-isa-tests; then
   log cpu-isa-tests
   for isa in avx2 avx512 amx; do
+    # failures with their one-line reason (the summary alone needed a second run to diagnose)
     HYBRIDMOE_CPU_ISA=$isa HYBRIDMOE_TEST_THREADS=8 timeout 150 $PY -m pytest -q -p no:cacheprovider tests/cpu \
-      2>&1 | tail -2 | sed "s/^/[$isa] /"
+      --tb=line -rf 2>&1 | grep -E "^(FAILED|E  )|passed|failed|error" | head -30 | sed "s/^/[$isa] /"
   done | tee "$out/cpu_isa_tests.log"
 fi
 if want sweep; then
