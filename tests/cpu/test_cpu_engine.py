@@ -332,7 +332,6 @@ def test_trace_decomposes_the_time_between_tasks(layer, pool):
     assert s["tasks"] == 5 and s["waits"] == 5 and s["releases"] == 4, s  # the last release has no next submit
     assert s["gpu_path_us"] >= 3000 and s["wait_submit_us"] >= 3000, s
     assert 0 < s["run_us"] and s["run_total_ms"] < s["wall_ms"] and s["wake_us"] >= 0 and s["start_latency_us"] >= 0, s
-    assert abs(s["idle_before_us"] - (s["wait_submit_us"] + s["start_latency_us"])) < 1.0, s
     assert s["idle_total_ms"] >= 4 * 3.0 and s["blocked_us"] <= 1000 + s["run_us"] + 500, s
     assert "5 tasks" in format_summary(s)
     pool.trace_start(2)  # capacity: later events are dropped, and counted

@@ -165,7 +165,7 @@ void* hm_layer_create(const hm::LayerDesc* d, int isa, char* err, int errlen) {
     put(err, errlen, bad);
     return nullptr;
   }
-  return new hm::HmLayer{*d, k, isa};
+  return new hm::HmLayer{*d, k, isa, d->method == hm::M_BF16 ? hm::kernels_checked(hm::ISA_AVX2) : nullptr};
 }
 
 void hm_layer_destroy(void* l) { delete static_cast<hm::HmLayer*>(l); }

@@ -303,9 +303,8 @@ void light(ThreadPool& pool, Ctx& c, ThreadPool::PhaseFn fn, bool inline_) {
 }
 
 // Items for one GEMM stage: per active expert, row chunks x N-block chunks, grouped by sub-pool.
-// W's N-blocks per few-row item: `cw`, or as many as hold g_item_bytes (even for w13's gate/up pairs).
-int few_row_width(const PackedMat& W, int cw, bool pairs) {
-  (void)pairs;
+// W's N-blocks per few-row item: `cw`, or as many as hold g_item_bytes (always even).
+int few_row_width(const PackedMat& W, int cw) {
   if (g_item_bytes <= 0) return cw;
   const int NB = W.N / 16;
   const int64_t block_bytes = std::max<int64_t>(1, W.expert_stride / NB);
@@ -411,9 +410,8 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
   // fp32 activations (same packed weights; every ISA that has AVX-512 has AVX2).
   // The other way round, with bf16 x the AVX2 kernel rounds the activation to bf16 as the
   // AVX-512/AMX ones (and the GPU) do: BF16 activations take x's precision on every ISA.
-  const Kernels* k_fp32act = d.method == M_BF16 ? kernels_checked(ISA_AVX2) : nullptr;
-  if (k_fp32act && t.x_dtype == DT_F32) c.k = k_fp32act;
-  c.round_act_bf16 = k_fp32act && c.k == k_fp32act && t.x_dtype == DT_BF16;
+  if (L.k_fp32act && t.x_dtype == DT_F32) c.k = L.k_fp32act;
+  c.round_act_bf16 = L.k_fp32act && c.k == L.k_fp32act && t.x_dtype == DT_BF16;
   c.pool = &pool;
   c.ws = &ws;
   c.xes = t.x_dtype == DT_F32 ? 4 : 2;
@@ -445,13 +443,13 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
     if (c.bad.load()) return "input x holds NaN or Inf";
     light(pool, c, ph_gather, c.S <= kInlineRows1);
     sw.lap(1);
-    build_items(c, d.w13.N / 16, few_row_width(d.w13, CW1, true));
+    build_items(c, d.w13.N / 16, few_row_width(d.w13, CW1));
     pool.parallel(ph_gemm<true>, &c);
     sw.lap(2);
     light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";
     sw.lap(3);
-    build_items(c, d.w2.N / 16, few_row_width(d.w2, CW2, false));
+    build_items(c, d.w2.N / 16, few_row_width(d.w2, CW2));
     pool.parallel(ph_gemm<false>, &c);
     sw.lap(4);
   } else {

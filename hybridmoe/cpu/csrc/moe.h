@@ -28,9 +28,8 @@ struct HmLayer {
   LayerDesc d;
   const Kernels* k;
   int isa;
+  const Kernels* k_fp32act;  // BF16: the kernels that keep fp32 activations (AVX2); else nullptr
 };
-
-const Kernels* kernels_checked(int isa);  // the ISA's table, or nullptr when it cannot run here
 
 struct Workspace;  // scratch buffers, one per pool (tasks run one at a time)
 Workspace* workspace_create(int nthreads);
