@@ -21,6 +21,7 @@ import argparse
 import gc
 import itertools
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -87,8 +88,14 @@ def main() -> None:
     p.add_argument("--batched-steps", type=int, default=32, help="decode steps with graphs on at batch > 1")
     p.add_argument("--blocking-sync", default="on",
                    help="on,off: read each step's result sleeping (the engine's default) and/or spinning")
-    p.add_argument("--hostfn-spin-us", type=lambda v: [int(x) for x in v.split(",")], default=[-1],
+    p.add_argument("--hostfn-spin-us", type=lambda v: [int(x) for x in v.split(",")], default=[0],
                    help="host-function waits spin this long before sleeping, e.g. 1000,0 (-1: the pool's spin)")
+    p.add_argument("--submit", default="gated",
+                   help="gated,hostfn: CPU tasks started by a go word the stream sets (the default) and/or by a "
+                        "host function (graphs are captured again for each)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the whole grid this many times, interleaved (the host's bandwidth drifts); the "
+                        "summary gives each setting's median")
     p.add_argument("--pin-hostfn", default="off",
                    help="off,on: host functions run on the CPUs outside the pool (hm_set_pin_hostfn)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tests), not a measurement")
@@ -100,6 +107,7 @@ def main() -> None:
     from hybridmoe.cpu.engine import default_pool
     from hybridmoe.cpu.trace import format_summary
     from hybridmoe.engine.cuda_graph import DecodeGraphs
+    from hybridmoe.moe import cuda_bridge
 
     results = {"shape": vars(a), "runs": []}
     with tempfile.TemporaryDirectory() as d:
@@ -120,16 +128,20 @@ def main() -> None:
         bound = bw / bpt
         print(f"CPU stream read {bw / 1e9:.1f} GB/s; CPU expert bytes/token {bpt / 1e9:.3f} GB "
               f"({per_expert / 1e6:.2f} MB per expert) -> bound {bound:.1f} tok/s", flush=True)
-        for deferred in a.deferred:
-            if deferred != runner.hybrid.num_deferred:  # same model, other deferral: tasks rebuilt, graphs captured again
+        current = (cuda_bridge.GATED_SUBMIT, runner.hybrid.num_deferred)
+        for rep, submit, deferred in itertools.product(range(a.repeat), a.submit.split(","), a.deferred):
+            want = (submit == "gated", deferred)
+            if want != current:  # same model, other setting: tasks rebuilt, graphs captured again
                 runner.graphs = None
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
+                cuda_bridge.GATED_SUBMIT = want[0]
                 runner.hybrid.set_num_deferred(deferred)
                 if "on" in a.graphs:
                     runner.graphs = DecodeGraphs(runner, max_bs)
                     runner.graphs.capture()
+                current = want
             graphs = runner.graphs
             for mode in a.graphs.split(","):
                 if mode == "on" and graphs is None:
@@ -142,18 +154,26 @@ def main() -> None:
                     llm.engine.sampler.wait_event = torch.cuda.Event(blocking=True) if blocking == "on" and cuda else None
                     native.lib().hm_set_hostfn_spin_us(spin)
                     native.lib().hm_set_pin_hostfn(int(pin == "on"))
-                    row = {"deferred": deferred, "graphs": mode, "batch": b, "steps": steps, "blocking_sync": blocking,
-                           "hostfn_spin_us": spin, "pin_hostfn": pin, **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
+                    row = {"rep": rep, "submit": submit, "deferred": deferred, "graphs": mode, "batch": b,
+                           "steps": steps, "blocking_sync": blocking, "hostfn_spin_us": spin, "pin_hostfn": pin,
+                           **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     if b == 1:
-                        row.update(stream_read_gbps=bw / 1e9, cpu_expert_bytes_per_token=bpt,
-                                   bound_tokens_per_s=bound, ratio_to_bound=row["tokens_per_s"] / bound)
+                        before = probes[-1]
                         probes.append(default_pool().stream_read_gbps())
+                        # the host's bandwidth drifts: the probes just before and after this row
+                        adjacent = (before + probes[-1]) / 2
+                        row.update(stream_read_gbps=bw / 1e9, cpu_expert_bytes_per_token=bpt,
+                                   bound_tokens_per_s=bound, ratio_to_bound=row["tokens_per_s"] / bound,
+                                   adjacent_probes_gbps=[before, probes[-1]],
+                                   ratio_to_adjacent_bound=row["tokens_per_s"] * bpt / (adjacent * 1e9))
                     results["runs"].append(row)
                     if a.out:  # after every row: a later setting that fails keeps the earlier ones
                         Path(a.out).write_text(json.dumps(results, indent=2))
-                    extra = f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f}" if b == 1 else ""
-                    bl = "" if a.blocking_sync == "on" else f" blocking-sync {blocking:3s}"
-                    bl += "" if a.hostfn_spin_us == [-1] else f" hostfn-spin {spin:5d} us"
+                    extra = (f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f} (adjacent probes "
+                             f"{row['ratio_to_adjacent_bound']:.2f})") if b == 1 else ""
+                    bl = f" {submit:6s}" if "," in a.submit else ""
+                    bl += "" if a.blocking_sync == "on" else f" blocking-sync {blocking:3s}"
+                    bl += "" if a.hostfn_spin_us == [0] else f" hostfn-spin {spin:5d} us"
                     bl += "" if a.pin_hostfn == "off" else f" pin-hostfn {pin:3s}"
                     print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
@@ -165,13 +185,31 @@ def main() -> None:
     # conservative: the bound from the best probe of the run (the first one can read low)
     best = max(probes)
     results["stream_probes_gbps"] = probes
+    groups: dict[tuple, list[dict]] = {}
     for row in results["runs"]:
         if row["batch"] == 1:
             row["ratio_to_best_probe_bound"] = row["tokens_per_s"] * bpt / (best * 1e9)
-            print(f"deferred {row['deferred']} graphs {row['graphs']:3s} blocking-sync {row['blocking_sync']:3s} "
-                  f"hostfn-spin {row['hostfn_spin_us']} pin-hostfn {row['pin_hostfn']} batch 1: ratio {row['ratio_to_best_probe_bound']:.2f} "
-                  f"of the bound from the best probe of the run ({best:.1f} GB/s -> {best * 1e9 / bpt:.1f} tok/s; "
-                  f"probes {', '.join(f'{v:.0f}' for v in probes)})")
+        key = tuple(row[k] for k in ("submit", "deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us",
+                                     "pin_hostfn"))
+        groups.setdefault(key, []).append(row)
+    print(f"best probe of the run {best:.1f} GB/s -> bound {best * 1e9 / bpt:.1f} tok/s; probes "
+          f"{', '.join(f'{v:.0f}' for v in probes)}")
+    results["summary"] = []
+    for key, rows in groups.items():
+        med = statistics.median(r["tokens_per_s"] for r in rows)
+        entry = dict(zip(("submit", "deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "pin_hostfn"),
+                         key), runs=len(rows), median_tokens_per_s=med,
+                     tokens_per_s=[r["tokens_per_s"] for r in rows])
+        line = (f"submit {key[0]:6s} deferred {key[1]} graphs {key[2]:3s} batch {key[3]:3d} blocking-sync {key[4]:3s} "
+                f"hostfn-spin {key[5]} pin-hostfn {key[6]:3s}: median {med:.1f} tok/s of {len(rows)} "
+                f"({', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])})")
+        if key[3] == 1:
+            entry["median_ratio_to_best_probe_bound"] = med * bpt / (best * 1e9)
+            entry["median_ratio_to_adjacent_bound"] = statistics.median(r["ratio_to_adjacent_bound"] for r in rows)
+            line += (f"; ratio {entry['median_ratio_to_best_probe_bound']:.2f} of the best-probe bound, "
+                     f"{entry['median_ratio_to_adjacent_bound']:.2f} of the adjacent-probe bound")
+        results["summary"].append(entry)
+        print(line)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=2))
 

@@ -126,6 +126,8 @@ def _declare(lib) -> None:
         "hm_sync_hostfn": (None, [vp]),
         "hm_submit2_hostfn": (None, [vp]),
         "hm_sync2_hostfn": (None, [vp]),
+        "hm_submit_gated": (None, [C.POINTER(HostCall), vp]),
+        "hm_submit_gated_many": (None, [C.POINTER(C.POINTER(HostCall)), C.POINTER(vp), i32]),
         "hm_stream_read": (C.c_double, [vp, i64, i32]),
         "hm_set_prefetch": (None, [i32]),
         "hm_get_prefetch": (i32, []),
@@ -153,7 +155,7 @@ def lib():
             path = _locate()
             handle = C.CDLL(str(path))
             _declare(handle)
-            if handle.hm_abi_version() != 7:
+            if handle.hm_abi_version() != 8:
                 raise RuntimeError(f"{path}: unexpected ABI version; rebuild with pip install -e .")
             _lib = handle
         return _lib

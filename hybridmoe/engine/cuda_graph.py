@@ -54,6 +54,7 @@ class DecodeGraphs:
         self.qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.programs: dict = {}  # bs -> cuda_bridge.SubmitProgram: the CPU tasks a replay needs queued
         self.pool = None
         self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
 
@@ -69,6 +70,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        from hybridmoe.moe.cuda_bridge import SubmitProgram, record_submits
+
         model = self.runner.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -78,8 +81,11 @@ class DecodeGraphs:
                 for _ in range(2):  # warm up: autotuning, lazy init outside the graph
                     model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], ctx))
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                # hybrid MoE layers' gated CPU tasks: recorded here, queued before each replay
+                with record_submits() as submits, torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     out = model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], ctx))
+                if submits:
+                    self.programs[bs] = SubmitProgram(submits)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, out
@@ -111,5 +117,8 @@ class DecodeGraphs:
         self.dev32[: self.max_bs + bs * p].copy_(self.host32[: self.max_bs + bs * p], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        program = self.programs.get(bs)
+        if program is not None:  # the graph's CPU tasks, each started by the graph when its inputs land
+            program.submit()
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

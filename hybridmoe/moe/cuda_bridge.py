@@ -5,25 +5,41 @@ decode step with CPU experts can be captured in a CUDA graph.
 Legend: T tokens, K top-k, H hidden.
 
 Fixed pinned buffers x_h [T, H], ids_h [T, K], w_h [T, K], out_h [T, H] (shared by the layers) and
-one HostCall struct per (layer, T). On the stream: D2H copies into the buffers -> host function `hm_submit_hostfn`
-(queues the task on the CPU pool and returns) -> the GPU's own work -> host function
-`hm_sync_hostfn` (blocks the stream until the task is done) -> H2D copy of out_h. With deferral
-the pair forms queue a layer's two tasks, and wait for a layer's task and the previous layer's
-deferred one, with one host function each (every host function is a trip through the driver's
-callback thread). libcuda is
-loaded at run time (never linked), and the host functions are C entry points of the native
-library, so no Python runs inside them.
+one HostCall struct per (layer, T). On the stream: D2H copies into the buffers -> the start of the
+CPU task -> the GPU's own work -> host function `hm_sync_hostfn` (blocks the stream until the task
+is done) -> H2D copy of out_h. With deferral a layer's deferred task is queued right after its
+immediate one, and one host function (`hm_sync2_hostfn`) waits for a layer's task and the
+previous layer's deferred one (every host function is a trip through the driver's callback
+thread, and the stream waits for it).
+
+Two ways to start the CPU task (GATED_SUBMIT, HYBRIDMOE_GATED_SUBMIT=0 for the second):
+- gated (default): the task is queued from Python at once and its start is gated on a pinned
+  "go" word that a stream copy sets after the input copies; the pool's leader thread, idle
+  anyway, polls it. The stream needs no host function for it. A captured decode graph replays no
+  Python, so `record_submits` collects the gated submits of the capture and the graph's owner
+  queues them (`SubmitProgram.submit`) before each replay.
+- host function: `hm_submit_hostfn` queues the task when the stream reaches it.
+
+libcuda is loaded at run time (never linked), and the host functions are C entry points of the
+native library, so no Python runs inside them.
 """
 
 from __future__ import annotations
 
 import ctypes as C
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from hybridmoe.cpu import native
 
 _libcuda = None
+# Gated submits (module docstring); read when a layer queues a task, so a benchmark can switch it
+# between captures.
+GATED_SUBMIT = os.environ.get("HYBRIDMOE_GATED_SUBMIT", "1") != "0"
+_recording: list[tuple[native.HostCall, int | None, object]] | None = None
 
 
 def libcuda():
@@ -47,6 +63,48 @@ def launch_host_func(fn_addr: int, userdata: C.Structure) -> None:
     rc = libcuda().cuLaunchHostFunc(C.c_void_p(stream), C.c_void_p(fn_addr), C.c_void_p(C.addressof(userdata)))
     if rc != 0:
         raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}")
+
+
+@contextmanager
+def record_submits() -> Iterator[list]:
+    """Around a CUDA graph capture: the gated submits the captured forward makes are collected, in
+    order, instead of queued (the GPU runs nothing during capture); wrap the list in a
+    SubmitProgram and submit it before every replay of that graph."""
+    global _recording
+    if _recording is not None:
+        raise RuntimeError("record_submits is already active")
+    _recording = []
+    try:
+        yield _recording
+    finally:
+        _recording = None
+
+
+class SubmitProgram:
+    """The gated submits of one captured graph, queued in capture order by one native call."""
+
+    def __init__(self, recorded: list) -> None:
+        n = len(recorded)
+        self.n = n
+        self._keep = recorded  # the HostCalls and go words must live as long as the program
+        self._calls = (C.POINTER(native.HostCall) * n)(*(C.pointer(c) for c, _, _ in recorded))
+        self._gos = (C.c_void_p * n)(*(go for _, go, _ in recorded))
+
+    def submit(self) -> None:
+        native.lib().hm_submit_gated_many(self._calls, self._gos, self.n)
+
+
+def _gated_submit(call: native.HostCall, go: torch.Tensor | None) -> None:
+    """Queue `call`'s task now, started once `go` is set (None: not gated); recorded instead while
+    a graph is captured."""
+    go_ptr = None if go is None else go.data_ptr()
+    if _recording is not None:
+        _recording.append((call, go_ptr, go))
+        return
+    if go is not None and go.is_pinned() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a hybrid MoE layer was captured in a CUDA graph outside record_submits: "
+                           "its CPU tasks would never be queued at replay")
+    native.lib().hm_submit_gated(C.byref(call), go_ptr)
 
 
 class PinnedIO:
@@ -75,6 +133,9 @@ class StreamCPUTask:
         src = shared_input or io
         self.x, self.ids, self.w, self.out = src.x, io.ids, src.w, io.out
         self.calls: dict[int, native.HostCall] = {}
+        pin = torch.cuda.is_available()
+        self.go = torch.zeros(1, dtype=torch.int32, pin_memory=pin)  # set by the stream: the task may start
+        self._one: torch.Tensor | None = None  # int32 [1] = 1 on the stream's device (the go copy's source)
         self.pairs: dict[tuple[int, int], native.HostCallPair] = {}  # (T, id(other)) -> pair
         self.submit_fn, self.sync_fn = native.host_functions()
         self.submit2_fn, self.sync2_fn = native.pair_host_functions()
@@ -88,13 +149,23 @@ class StreamCPUTask:
         # HybridPlan.check_cpu_errors; the status flag only records it here)
         return call
 
+    def _release(self, device: torch.device) -> None:
+        """Stream-ordered, after the input copies: the go word that starts a gated task."""
+        if self._one is None or self._one.device != device:
+            self._one = torch.ones(1, dtype=torch.int32, device=device)
+        self.go.copy_(self._one, non_blocking=True)
+
     def enqueue_submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
-        """Copy the inputs out (stream-ordered) and queue the CPU task once they have landed."""
+        """Copy the inputs out (stream-ordered) and start the CPU task once they have landed."""
         t = x.shape[0]
         self.x[:t].copy_(x, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         self.w[:t].copy_(w, non_blocking=True)
-        launch_host_func(self.submit_fn, self._call(t))
+        if GATED_SUBMIT:
+            self._release(x.device)
+            _gated_submit(self._call(t), self.go)
+        else:
+            launch_host_func(self.submit_fn, self._call(t))
 
     def enqueue_result(self, t: int, device: torch.device) -> torch.Tensor:
         """Block the stream until the task is done, then bring its output back: [T, H] float32."""
@@ -118,7 +189,12 @@ class StreamCPUTask:
         self.ids[:t].copy_(ids, non_blocking=True)
         later.ids[:t].copy_(later_ids, non_blocking=True)
         self.w[:t].copy_(w, non_blocking=True)
-        launch_host_func(self.submit2_fn, self._pair(t, later))
+        if GATED_SUBMIT:  # the deferred task is queued right behind the gated one: it needs no gate
+            self._release(x.device)
+            _gated_submit(self._call(t), self.go)
+            _gated_submit(later._call(t), None)
+        else:
+            launch_host_func(self.submit2_fn, self._pair(t, later))
 
     def enqueue_result_with(self, earlier: StreamCPUTask, t: int,
                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

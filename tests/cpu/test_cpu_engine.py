@@ -398,3 +398,109 @@ def test_host_functions_can_move_their_thread_off_the_pool_cpus(weights):
     assert seen[0] == (0, allowed - set(pool.cpus)) and seen[1] == (0, allowed)
     assert torch.allclose(out, layer.forward(x, ids, w), atol=1e-6)
     pool.close()
+
+
+def test_gated_submit_waits_for_its_go_word(layer, pool):
+    """hm_submit_gated: the task is queued at once but starts only when its go word is set (by the
+    stream's copy on CUDA; here by hand), clears the word, and gives the ungated result; a task
+    queued behind it ungated (a deferred task) waits its turn; the trace counts a gated task as
+    submitted when it was released."""
+    from hybridmoe.cpu.trace import task_times
+
+    lb = native.lib()
+    x, ids, w = inputs(5, seed=3)
+    outs = [torch.zeros(5, H), torch.zeros(5, H)]
+    tasks = [layer.make_task(x, ids, w, o) for o in outs]
+    calls = [native.HostCall(pool.handle, t, 0, 0, -1, 0) for t, _ in tasks]
+    go = torch.zeros(1, dtype=torch.int32)
+    pool.sync()
+    pool.trace_start(100)
+    lb.hm_submit_gated(C.byref(calls[0]), go.data_ptr())
+    lb.hm_submit_gated(C.byref(calls[1]), None)
+    assert calls[1].id == calls[0].id + 1
+    time.sleep(0.05)
+    assert pool.pending() == 2 and not outs[0].any() and not outs[1].any()  # neither ran: the gate is shut
+    t_go = time.monotonic_ns()
+    go[0] = 1
+    lb.hm_sync_hostfn(C.addressof(calls[1]))
+    ev = pool.trace_stop()
+    assert calls[1].status == 0 and pool.pending() == 0 and go.item() == 0
+    want = layer.forward(x, ids, w)
+    assert torch.allclose(outs[0], want, atol=1e-6) and torch.allclose(outs[1], want, atol=1e-6)
+    tt = task_times(ev)[calls[0].id]
+    assert tt["submit"] >= t_go and tt["start"] >= tt["submit"]  # (steady clock = CLOCK_MONOTONIC)
+
+
+def test_gated_task_that_is_never_released_fails_after_the_timeout(tmp_path):
+    """A gated task whose go word never comes (a graph launch that failed) is skipped after
+    HYBRIDMOE_CPU_GATE_TIMEOUT_S with an error that says so; the pool serves the next task."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "gate.py"
+    script.write_text(
+        "import ctypes as C, torch\n"
+        "from hybridmoe.cpu import native\n"
+        "from hybridmoe.cpu.engine import CPUMoEError, CPUMoELayer, CPUThreadPool\n"
+        "from hybridmoe.cpu.quant import pack_layer\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "gu, dn = torch.randn(4, 128, 64, generator=g) / 8, torch.randn(4, 64, 64, generator=g) / 8\n"
+        "pool = CPUThreadPool(threads=1)\n"
+        "layer = CPUMoELayer(pack_layer(gu, dn, 'BF16'), pool=pool)\n"
+        "x, ids, w = torch.randn(2, 64, generator=g), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2, generator=g)\n"
+        "out = torch.zeros(2, 64)\n"
+        "task, keep = layer.make_task(x, ids, w, out)\n"
+        "call = native.HostCall(pool.handle, task, 0, 0, -1, 0)\n"
+        "go = torch.zeros(1, dtype=torch.int32)\n"
+        "native.lib().hm_submit_gated(C.byref(call), go.data_ptr())\n"
+        "try:\n"
+        "    pool.sync()\n"
+        "except CPUMoEError as e:\n"
+        "    print('ERROR', e)\n"
+        "assert not out.any()\n"
+        "print('NEXT', torch.allclose(layer.forward(x, ids, w), layer.forward(x, ids, w)))\n")
+    env = {**__import__("os").environ, "HYBRIDMOE_CPU_GATE_TIMEOUT_S": "0.3"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ERROR" in r.stdout and "did not release it within HYBRIDMOE_CPU_GATE_TIMEOUT_S" in r.stdout, r.stdout
+    assert "NEXT True" in r.stdout and time.monotonic() - t0 < 60
+
+
+def test_submit_program_queues_recorded_gated_submits_in_order(layer, pool):
+    """cuda_bridge.record_submits / SubmitProgram (what a captured decode graph replays): the
+    recorded submits are queued in capture order by one call each time, each gated on its own word
+    (or none), and run as often as the program is submitted."""
+    from hybridmoe.moe import cuda_bridge
+
+    x, ids, w = inputs(4, seed=5)
+    outs = [torch.zeros(4, H) for _ in range(3)]
+    calls = [native.HostCall(pool.handle, layer.make_task(x, ids, w, o, accumulate=True)[0], 0, 0, -1, 0)
+             for o in outs]
+    gos = [torch.zeros(1, dtype=torch.int32), None, torch.zeros(1, dtype=torch.int32)]
+    with cuda_bridge.record_submits() as rec:
+        for c, g in zip(calls, gos):
+            cuda_bridge._gated_submit(c, g)
+        with pytest.raises(RuntimeError, match="already active"):
+            with cuda_bridge.record_submits():
+                pass
+    assert pool.pending() == 0 and len(rec) == 3  # recorded, not queued
+    program = cuda_bridge.SubmitProgram(rec)
+    want = layer.forward(x, ids, w)
+    for rep in (1, 2):
+        pool.sync()
+        program.submit()
+        ids_now = [c.id for c in calls]
+        assert ids_now == list(range(ids_now[0], ids_now[0] + 3))
+        time.sleep(0.02)
+        assert pool.pending() == 3  # the first one's gate is shut: nothing behind it runs
+        gos[0][0] = 1
+        deadline = time.monotonic() + 30
+        while pool.pending() > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.02)
+        assert pool.pending() == 1  # the second was not gated, the third waits for its word
+        gos[2][0] = 1
+        pool.sync()
+        for o in outs:  # accumulate=True: each submission adds one more result
+            assert torch.allclose(o, rep * want, atol=1e-5)

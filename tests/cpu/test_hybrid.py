@@ -185,12 +185,14 @@ def _emulate_stream(monkeypatch) -> None:
     monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
 
 
+@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("deferred", [0, 1, 2])
-def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
+def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, gated):
     """The CUDA stream path's data flow (pinned buffers shared by alternating layers, the deferred
-    task reading the immediate task's x and w, one host function queueing both, one waiting for a
-    layer's task and the previous layer's deferred one) on the CPU: host functions run inline, as
-    the stream would run them in order. Same logits (fp32) and tokens as the Python-driven path."""
+    task reading the immediate task's x and w, both queued together, by a gated submit or one host
+    function, one host function waiting for a layer's task and the previous layer's deferred one)
+    on the CPU: host functions run inline, as the stream would run them in order, and go words are
+    set by a plain copy. Same logits (fp32) and tokens as the Python-driven path."""
     from hybridmoe.cpu.engine import default_pool
     from hybridmoe.cpu.trace import summarize
     from hybridmoe.moe import cuda_bridge
@@ -203,6 +205,7 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
     ref_tokens = [o["output_ids"] for o in ref.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
     ref.shutdown()
     _emulate_stream(monkeypatch)
+    monkeypatch.setattr(cuda_bridge, "GATED_SUBMIT", gated)
     calls = {"pair_submit": 0, "pair_sync": 0}
     for name in ("enqueue_submit_with", "enqueue_result_with"):
         orig = getattr(cuda_bridge.StreamCPUTask, name)
@@ -292,13 +295,16 @@ def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("deferred", [0, 1])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_stream_path_on_cuda(model, monkeypatch, graphs, deferred):
-    """The CPU side driven from the CUDA stream (host functions), eager and captured in decode
-    graphs, gives what the Python-driven path gives: same greedy tokens, logits within 1e-3 (bf16
-    model on the GPU)."""
-    from hybridmoe.moe import hybrid
+def test_stream_path_on_cuda(model, monkeypatch, graphs, deferred, gated):
+    """The CPU side driven from the CUDA stream (gated submits or submit host functions, wait host
+    functions), eager and captured in decode graphs, gives what the Python-driven path gives: same
+    greedy tokens, logits within 1e-3 (bf16 model on the GPU)."""
+    from hybridmoe.moe import cuda_bridge, hybrid
+
+    monkeypatch.setattr(cuda_bridge, "GATED_SUBMIT", gated)
 
     prompt = torch.randint(0, 211, (50,), generator=torch.Generator().manual_seed(4)).tolist()
     opts = dict(device="cuda", dtype="bfloat16", progress=False, kt_method="BF16", kt_num_gpu_experts=4,
@@ -319,6 +325,8 @@ def test_stream_path_on_cuda(model, monkeypatch, graphs, deferred):
     outs = [o["output_ids"] for o in llm.generate(input_ids=batch, sampling_params=GREEDY)]
     single = [llm.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch]
     assert outs == single
+    if graphs:  # a replay queues its graph's CPU tasks (gated), or its host functions do
+        assert bool(llm.engine.runner.graphs.programs) == gated
 
 
 @pytest.mark.gpu

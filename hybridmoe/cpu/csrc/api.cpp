@@ -2,6 +2,7 @@
 // shapes; nothing here depends on torch. Compiled for baseline x86-64: every entry point that could
 // reach AVX2 code first checks the CPU (dispatch.cpp), so a missing ISA is an error, never SIGILL.
 // Errors inside a task are caught, recorded with the task id, and returned by hm_sync.
+#include <immintrin.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <exception>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -72,11 +74,12 @@ struct Pool {
 
 // How long a host function's wait spins before it sleeps (ns; < 0: the pool's idle spin). The
 // driver's host-function thread is not one of the pool's pinned threads: spinning, it competes
-// for a core with them for as long as the task runs. HYBRIDMOE_CPU_HOSTFN_SPIN_US /
-// hm_set_hostfn_spin_us.
+// for a core with them for as long as the task runs. Default 0 (sleep at once): on the H200 host
+// a hybrid decode step was 8-17% faster than with the pool's 1 ms spin (session 5, call 1).
+// HYBRIDMOE_CPU_HOSTFN_SPIN_US / hm_set_hostfn_spin_us.
 std::atomic<int64_t> g_hostfn_spin_ns{[] {
   const char* v = std::getenv("HYBRIDMOE_CPU_HOSTFN_SPIN_US");
-  return v ? int64_t(std::atoll(v)) * 1000 : int64_t(-1);
+  return v ? int64_t(std::atoll(v)) * 1000 : int64_t(0);
 }()};
 
 // Whether host functions move the thread that runs them (the CUDA driver's) onto the CPUs the
@@ -111,6 +114,60 @@ void put(char* buf, int len, const std::string& s) {
   if (buf && len > 0) std::snprintf(buf, size_t(len), "%s", s.c_str());
 }
 
+// Waits until the GPU has written a nonzero word to `go` (pinned host memory, written by a stream
+// copy queued after the task's input copies), then clears it for the next use. Spins for the
+// first millisecond (a decode step's GPU path between layers is ~0.1 ms), then polls every 20 us.
+// False after timeout_ns: the GPU never got there (a failed graph launch); the task is skipped.
+bool wait_go(volatile int32_t* go, int64_t timeout_ns) {
+  const int64_t t0 = now_ns();
+  for (int64_t i = 0; !*go; ++i) {
+    _mm_pause();
+    if ((i & 1023) == 1023) {
+      const int64_t el = now_ns() - t0;
+      if (el > timeout_ns) return false;
+      if (el > 1000000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);  // the inputs landed before the word did
+  *go = 0;
+  return true;
+}
+
+// How long a gated task waits for its go word (HYBRIDMOE_CPU_GATE_TIMEOUT_S, default 60 s).
+const int64_t g_gate_timeout_ns = [] {
+  const char* v = std::getenv("HYBRIDMOE_CPU_GATE_TIMEOUT_S");
+  const double s = v ? std::atof(v) : 60.0;
+  return int64_t((s > 0 ? s : 60.0) * 1e9);
+}();
+
+// Queues the task (gated: it starts once *go != 0) and returns its id at once.
+int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go) {
+  const int64_t t_sub = !go && pool->tracing.load(std::memory_order_relaxed) ? now_ns() : 0;
+  const int64_t id = pool->tp.submit([pool, t, go] {
+    std::string err;
+    const int64_t my_id = pool->tp.completed() + 1;  // tasks run in order
+    if (go) {  // for the trace, a gated task counts as submitted when the GPU released it
+      if (!wait_go(go, g_gate_timeout_ns)) {
+        pool->record("CPU MoE task skipped: the GPU did not release it within HYBRIDMOE_CPU_GATE_TIMEOUT_S");
+        return;
+      }
+      pool->ev(0, my_id);
+    }
+    pool->ev(1, my_id);
+    try {
+      err = hm::run_moe_task(pool->tp, *pool->ws, t);
+    } catch (const std::exception& e) {
+      err = std::string("CPU MoE task failed: ") + e.what();
+    } catch (...) {
+      err = "CPU MoE task failed (unknown exception)";
+    }
+    if (!err.empty()) pool->record(err);
+    pool->ev(2, my_id);
+  });
+  if (t_sub) pool->ev(0, id, t_sub);
+  return id;
+}
+
 }  // namespace
 
 extern "C" {
@@ -124,7 +181,7 @@ struct HmHostCall {      // userdata of the host-function entry points
   int32_t pad_;
 };
 
-int hm_abi_version() { return 7; }
+int hm_abi_version() { return 8; }
 
 void* hm_pool_create(int n, const int* cpus, int nsub, char* err, int errlen) {
   char why[256];
@@ -172,27 +229,7 @@ void hm_layer_destroy(void* l) { delete static_cast<hm::HmLayer*>(l); }
 const char* hm_layer_kernel_name(void* l) { return static_cast<hm::HmLayer*>(l)->k->name; }
 
 // Queues the task and returns its id at once. Pointers must stay valid until it completes.
-int64_t hm_submit(void* p, const HmTask* task) {
-  Pool* pool = static_cast<Pool*>(p);
-  HmTask t = *task;
-  const int64_t t_sub = pool->tracing.load(std::memory_order_relaxed) ? now_ns() : 0;
-  const int64_t id = pool->tp.submit([pool, t] {
-    std::string err;
-    const int64_t my_id = pool->tp.completed() + 1;  // tasks run in order
-    pool->ev(1, my_id);
-    try {
-      err = hm::run_moe_task(pool->tp, *pool->ws, t);
-    } catch (const std::exception& e) {
-      err = std::string("CPU MoE task failed: ") + e.what();
-    } catch (...) {
-      err = "CPU MoE task failed (unknown exception)";
-    }
-    if (!err.empty()) pool->record(err);
-    pool->ev(2, my_id);
-  });
-  if (t_sub) pool->ev(0, id, t_sub);
-  return id;
-}
+int64_t hm_submit(void* p, const HmTask* task) { return submit_task(static_cast<Pool*>(p), *task, nullptr); }
 
 // Waits for task `id` (id > 0) or until at most max_pending tasks remain (id <= 0). Returns 0, or 1
 // with the first error of the finished tasks (all their errors are then cleared) in err.
@@ -275,6 +312,21 @@ void hm_sync_hostfn(void* userdata) {
   c->status = 0;
   for (auto& e : pool->errors)
     if (e.first == c->id) c->status = 1;
+}
+
+// Gated submits: the task is queued now, from the host thread, and starts once the GPU has written
+// a nonzero int32 to `go` (pinned host memory) with a stream copy queued after the input copies.
+// The stream then needs no host function to start the CPU side (each one is a trip through the
+// driver's callback thread, and blocks the stream until it has run). c->id is set for
+// hm_sync_hostfn. go == nullptr: not gated (a deferred task queued right after a gated one).
+void hm_submit_gated(HmHostCall* c, int32_t* go) {
+  c->status = 0;
+  c->id = submit_task(static_cast<Pool*>(c->pool), c->task, go);
+}
+
+// The gated submits of one captured decode step, in capture order: queued before each replay.
+void hm_submit_gated_many(HmHostCall* const* calls, int32_t* const* gos, int n) {
+  for (int i = 0; i < n; ++i) hm_submit_gated(calls[i], gos[i]);
 }
 
 // Two calls behind one host function (each host function costs the stream a trip through the
