@@ -67,6 +67,9 @@ class HostCall(C.Structure):
         ("max_pending", C.c_int64),
         ("status", C.c_int32),
         ("pad_", C.c_int32),
+        ("head", C.c_int64),  # ids submitted and not yet waited for (a ring, oldest first)
+        ("tail", C.c_int64),
+        ("ring", C.c_int64 * 8),
     ]
 
 

@@ -133,6 +133,9 @@ class StreamCPUTask:
         src = shared_input or io
         self.x, self.ids, self.w, self.out = src.x, io.ids, src.w, io.out
         self.calls: dict[int, native.HostCall] = {}
+        # per T: submits queued without their wait queued yet (a forward interrupted in between
+        # leaves 1: the next submit first queues the missed wait, so waits and submits stay paired)
+        self.unsynced: dict[int, int] = {}
         pin = torch.cuda.is_available()
         self.go = torch.zeros(1, dtype=torch.int32, pin_memory=pin)  # set by the stream: the task may start
         self._one: torch.Tensor | None = None  # int32 [1] = 1 on the stream's device (the go copy's source)
@@ -155,9 +158,15 @@ class StreamCPUTask:
             self._one = torch.ones(1, dtype=torch.int32, device=device)
         self.go.copy_(self._one, non_blocking=True)
 
+    def _begin_submit(self, t: int) -> None:
+        if self.unsynced.get(t, 0):  # an interrupted forward's task: waited for before its buffers are reused
+            launch_host_func(self.sync_fn, self._call(t))
+        self.unsynced[t] = 1
+
     def enqueue_submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
         """Copy the inputs out (stream-ordered) and start the CPU task once they have landed."""
         t = x.shape[0]
+        self._begin_submit(t)
         self.x[:t].copy_(x, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         self.w[:t].copy_(w, non_blocking=True)
@@ -170,6 +179,7 @@ class StreamCPUTask:
     def enqueue_result(self, t: int, device: torch.device) -> torch.Tensor:
         """Block the stream until the task is done, then bring its output back: [T, H] float32."""
         launch_host_func(self.sync_fn, self._call(t))
+        self.unsynced[t] = 0
         return self.out[:t].to(device, non_blocking=True)
 
     def _pair(self, t: int, other: StreamCPUTask) -> native.HostCallPair:
@@ -185,6 +195,8 @@ class StreamCPUTask:
         task's PinnedIO): x and w copied once, both queued by one host function."""
         assert later.x.data_ptr() == self.x.data_ptr() and later.w.data_ptr() == self.w.data_ptr()
         t = x.shape[0]
+        self._begin_submit(t)
+        later._begin_submit(t)
         self.x[:t].copy_(x, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         later.ids[:t].copy_(later_ids, non_blocking=True)
@@ -201,4 +213,5 @@ class StreamCPUTask:
         """Block the stream until this task and `earlier` (submitted before it: the previous
         layer's deferred task) are done, with one host function; both outputs [T, H] float32."""
         launch_host_func(self.sync2_fn, self._pair(t, earlier))
+        self.unsynced[t] = earlier.unsynced[t] = 0
         return self.out[:t].to(device, non_blocking=True), earlier.out[:t].to(device, non_blocking=True)

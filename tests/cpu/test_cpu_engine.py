@@ -504,3 +504,48 @@ def test_submit_program_queues_recorded_gated_submits_in_order(layer, pool):
         pool.sync()
         for o in outs:  # accumulate=True: each submission adds one more result
             assert torch.allclose(o, rep * want, atol=1e-5)
+
+
+def test_host_call_waits_pair_with_submits_in_order(layer, pool):
+    """A HostCall submitted again before the stream waited for its previous task (a gated submit
+    runs on the host thread, ahead of the stream: the next forward's task) keeps both ids: each
+    hm_sync_hostfn waits for the oldest one, not the newest (that one waits for a go word the
+    stream writes only after this wait: a deadlock). Past 8 ids waiting, a submit blocks until a
+    wait takes one."""
+    import threading
+
+    lb = native.lib()
+    x, ids, w = inputs(3, seed=11)
+    out = torch.zeros(3, H)
+    call = native.HostCall(pool.handle, layer.make_task(x, ids, w, out)[0], 0, 0, -1, 0)
+    go = torch.zeros(1, dtype=torch.int32)
+    pool.sync()
+    lb.hm_submit_gated(C.byref(call), go.data_ptr())
+    first = call.id
+    lb.hm_submit_gated(C.byref(call), go.data_ptr())
+    assert call.id == first + 1 and call.tail - call.head == 2
+    go[0] = 1
+    waiter = threading.Thread(target=lb.hm_sync_hostfn, args=(C.addressof(call),), daemon=True)
+    waiter.start()
+    waiter.join(30)
+    assert not waiter.is_alive(), "the wait took the newest id"
+    assert pool.pending() == 1 and call.tail - call.head == 1  # the second task still waits for its go word
+    deadline = time.monotonic() + 30
+    while go.item() and time.monotonic() < deadline:  # the first task clears it before it runs
+        time.sleep(0.001)
+    go[0] = 1
+    lb.hm_sync_hostfn(C.addressof(call))
+    assert pool.pending() == 0 and call.head == call.tail and call.status == 0
+    assert torch.allclose(out, layer.forward(x, ids, w), atol=1e-6)
+    for _ in range(8):  # ungated: they run at once; their ids wait for the stream's waits
+        lb.hm_submit_gated(C.byref(call), None)
+    ninth = threading.Thread(target=lb.hm_submit_gated, args=(C.byref(call), None), daemon=True)
+    ninth.start()
+    time.sleep(0.05)
+    assert ninth.is_alive() and call.tail - call.head == 8  # blocked: the ring is full
+    lb.hm_sync_hostfn(C.addressof(call))
+    ninth.join(30)
+    assert not ninth.is_alive() and call.tail - call.head == 8
+    for _ in range(8):
+        lb.hm_sync_hostfn(C.addressof(call))
+    assert call.head == call.tail and pool.pending() == 0

@@ -172,16 +172,51 @@ int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go) {
 
 extern "C" {
 
+constexpr int kHostCallRing = 8;
+
 struct HmHostCall {      // userdata of the host-function entry points
   void* pool;
   HmTask task;
-  int64_t id;            // set by hm_submit_hostfn; hm_sync_hostfn waits for it (<= 0: use max_pending)
+  int64_t id;            // the last task submitted with it (<= 0 and no queued id: hm_sync_hostfn uses max_pending)
   int64_t max_pending;
   int32_t status;        // hm_sync_hostfn: 0 ok, 1 the task failed (message kept for hm_sync)
   int32_t pad_;
+  // Ids submitted and not yet waited for, oldest first (one producer, one consumer): a gated
+  // submit runs on the host thread, ahead of the stream, and the host thread can queue a call's
+  // next task (the next forward) before the stream has waited for the previous one.
+  int64_t head, tail;
+  int64_t ring[kHostCallRing];
 };
 
 int hm_abi_version() { return 8; }
+
+}  // extern "C"
+
+namespace {
+
+// Records a submitted id for the call's next wait. If kHostCallRing ids are already waiting (the
+// host thread ran that far ahead of the stream), waits for the stream to catch up.
+void push_id(HmHostCall* c, int64_t id) {
+  const int64_t tail = __atomic_load_n(&c->tail, __ATOMIC_RELAXED);
+  while (tail - __atomic_load_n(&c->head, __ATOMIC_ACQUIRE) >= kHostCallRing)
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  c->ring[tail % kHostCallRing] = id;
+  c->id = id;
+  __atomic_store_n(&c->tail, tail + 1, __ATOMIC_RELEASE);
+}
+
+// The id the call's next wait is for: the oldest queued one, else c->id.
+int64_t pop_id(HmHostCall* c) {
+  const int64_t head = __atomic_load_n(&c->head, __ATOMIC_RELAXED);
+  if (head == __atomic_load_n(&c->tail, __ATOMIC_ACQUIRE)) return c->id;
+  const int64_t id = c->ring[head % kHostCallRing];
+  __atomic_store_n(&c->head, head + 1, __ATOMIC_RELEASE);
+  return id;
+}
+
+}  // namespace
+
+extern "C" {
 
 void* hm_pool_create(int n, const int* cpus, int nsub, char* err, int errlen) {
   char why[256];
@@ -295,33 +330,35 @@ void hm_submit_hostfn(void* userdata) {
   HmHostCall* c = static_cast<HmHostCall*>(userdata);
   apply_hostfn_pinning(*static_cast<Pool*>(c->pool));
   c->status = 0;
-  c->id = hm_submit(c->pool, &c->task);
+  push_id(c, hm_submit(c->pool, &c->task));
 }
 
 void hm_sync_hostfn(void* userdata) {
   HmHostCall* c = static_cast<HmHostCall*>(userdata);
   Pool* pool = static_cast<Pool*>(c->pool);
-  pool->ev(3, c->id);
+  const int64_t id = pop_id(c);
+  pool->ev(3, id);
   const int64_t spin = g_hostfn_spin_ns.load(std::memory_order_relaxed);
-  if (c->id > 0)
-    pool->tp.wait_task(c->id, spin);
+  if (id > 0)
+    pool->tp.wait_task(id, spin);
   else
     pool->tp.wait_pending(c->max_pending, spin);
-  pool->ev(4, c->id);
+  pool->ev(4, id);
   std::lock_guard<std::mutex> lk(pool->em);
   c->status = 0;
   for (auto& e : pool->errors)
-    if (e.first == c->id) c->status = 1;
+    if (e.first == id) c->status = 1;
 }
 
 // Gated submits: the task is queued now, from the host thread, and starts once the GPU has written
 // a nonzero int32 to `go` (pinned host memory) with a stream copy queued after the input copies.
 // The stream then needs no host function to start the CPU side (each one is a trip through the
-// driver's callback thread, and blocks the stream until it has run). c->id is set for
-// hm_sync_hostfn. go == nullptr: not gated (a deferred task queued right after a gated one).
+// driver's callback thread, and blocks the stream until it has run). The id is queued for the
+// call's next hm_sync_hostfn. go == nullptr: not gated (a deferred task queued right after a
+// gated one).
 void hm_submit_gated(HmHostCall* c, int32_t* go) {
   c->status = 0;
-  c->id = submit_task(static_cast<Pool*>(c->pool), c->task, go);
+  push_id(c, submit_task(static_cast<Pool*>(c->pool), c->task, go));
 }
 
 // The gated submits of one captured decode step, in capture order: queued before each replay.
