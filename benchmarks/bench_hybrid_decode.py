@@ -11,6 +11,9 @@ the best of the run's probes (one at the start, one after every batch-1 row), th
 Every row also carries the CPU engine's trace summary (hybridmoe/cpu/trace.py: the pool's idle
 time before each task, split into waiting for the submit and start latency, and how long after a
 task ends the stream's wait returns and the next task is submitted); batch-1 rows print it.
+The host's read bandwidth drifts (probes of one run range from ~90 to ~165 GB/s on the H200 host),
+so batch-1 rows also give the ratio to the bound from the two probes around the row, and
+`--repeat N` runs the grid N times interleaved and prints each setting's median.
 
     python benchmarks/bench_hybrid_decode.py --out results.json
 """
@@ -96,8 +99,6 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole grid this many times, interleaved (the host's bandwidth drifts); the "
                         "summary gives each setting's median")
-    p.add_argument("--pin-hostfn", default="off",
-                   help="off,on: host functions run on the CPUs outside the pool (hm_set_pin_hostfn)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tests), not a measurement")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -147,15 +148,13 @@ def main() -> None:
                 if mode == "on" and graphs is None:
                     continue
                 runner.graphs = graphs if mode == "on" else None
-                for b, blocking, spin, pin in itertools.product(a.batch, a.blocking_sync.split(","), a.hostfn_spin_us,
-                                                                a.pin_hostfn.split(",")):
+                for b, blocking, spin in itertools.product(a.batch, a.blocking_sync.split(","), a.hostfn_spin_us):
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
                     # the step's result read sleeping (the engine's default) or spinning
                     llm.engine.sampler.wait_event = torch.cuda.Event(blocking=True) if blocking == "on" and cuda else None
                     native.lib().hm_set_hostfn_spin_us(spin)
-                    native.lib().hm_set_pin_hostfn(int(pin == "on"))
                     row = {"rep": rep, "submit": submit, "deferred": deferred, "graphs": mode, "batch": b,
-                           "steps": steps, "blocking_sync": blocking, "hostfn_spin_us": spin, "pin_hostfn": pin,
+                           "steps": steps, "blocking_sync": blocking, "hostfn_spin_us": spin,
                            **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     if b == 1:
                         before = probes[-1]
@@ -174,7 +173,6 @@ def main() -> None:
                     bl = f" {submit:6s}" if "," in a.submit else ""
                     bl += "" if a.blocking_sync == "on" else f" blocking-sync {blocking:3s}"
                     bl += "" if a.hostfn_spin_us == [0] else f" hostfn-spin {spin:5d} us"
-                    bl += "" if a.pin_hostfn == "off" else f" pin-hostfn {pin:3s}"
                     print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
@@ -189,19 +187,18 @@ def main() -> None:
     for row in results["runs"]:
         if row["batch"] == 1:
             row["ratio_to_best_probe_bound"] = row["tokens_per_s"] * bpt / (best * 1e9)
-        key = tuple(row[k] for k in ("submit", "deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us",
-                                     "pin_hostfn"))
+        key = tuple(row[k] for k in ("submit", "deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us"))
         groups.setdefault(key, []).append(row)
     print(f"best probe of the run {best:.1f} GB/s -> bound {best * 1e9 / bpt:.1f} tok/s; probes "
           f"{', '.join(f'{v:.0f}' for v in probes)}")
     results["summary"] = []
     for key, rows in groups.items():
         med = statistics.median(r["tokens_per_s"] for r in rows)
-        entry = dict(zip(("submit", "deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "pin_hostfn"),
+        entry = dict(zip(("submit", "deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us"),
                          key), runs=len(rows), median_tokens_per_s=med,
                      tokens_per_s=[r["tokens_per_s"] for r in rows])
         line = (f"submit {key[0]:6s} deferred {key[1]} graphs {key[2]:3s} batch {key[3]:3d} blocking-sync {key[4]:3s} "
-                f"hostfn-spin {key[5]} pin-hostfn {key[6]:3s}: median {med:.1f} tok/s of {len(rows)} "
+                f"hostfn-spin {key[5]}: median {med:.1f} tok/s of {len(rows)} "
                 f"({', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])})")
         if key[3] == 1:
             entry["median_ratio_to_best_probe_bound"] = med * bpt / (best * 1e9)

@@ -15,7 +15,7 @@ def test_bench_hybrid_decode_smoke(tmp_path):
            "--layers", "2", "--experts", "8", "--topk", "2", "--hidden", "64", "--inter", "64", "--heads", "4",
            "--kv-heads", "2", "--head-dim", "16", "--vocab", "128", "--gpu-experts", "2", "--deferred", "0", "1",
            "--batch", "1", "--graphs", "off", "--off-steps", "3", "--prompt-len", "8", "--blocking-sync", "on",
-           "--hostfn-spin-us=-1", "--pin-hostfn", "off", "--submit", "gated,hostfn", "--repeat", "2",
+           "--hostfn-spin-us=-1", "--submit", "gated,hostfn", "--repeat", "2",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

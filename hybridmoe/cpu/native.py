@@ -138,8 +138,6 @@ def _declare(lib) -> None:
         "hm_get_item_bytes": (i64, []),
         "hm_set_guided": (None, [i32]),
         "hm_get_guided": (i32, []),
-        "hm_set_pin_hostfn": (None, [i32]),
-        "hm_get_pin_hostfn": (i32, []),
         "hm_set_hostfn_spin_us": (None, [i64]),
         "hm_get_hostfn_spin_us": (i64, []),
         "hm_trace_start": (None, [vp, i64]),

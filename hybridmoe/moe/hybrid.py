@@ -11,8 +11,9 @@ MoE layer's output, so the CPU works through the next attention. The last MoE la
 nothing and collects what the one before it deferred.
 
 Two ways to drive the CPU side: from Python (submit/sync; the CPU device, and CUDA with
-HYBRIDMOE_STREAM_HOST_FUNCTIONS=0), or from the CUDA stream by host functions (moe/cuda_bridge.py;
-capturable in a CUDA graph; the default on CUDA, validated on the H200).
+HYBRIDMOE_STREAM_HOST_FUNCTIONS=0), or from the CUDA stream (moe/cuda_bridge.py: tasks gated on a
+word the stream sets, waits as host functions; capturable in a CUDA graph; the default on CUDA,
+validated on the H200).
 
 Layerwise prefill (--kt-gpu-prefill-token-threshold N): the model runner wraps a forward of T >= N
 tokens in `HybridPlan.layerwise_forward`, which sets `layerwise_active`; every layer then computes

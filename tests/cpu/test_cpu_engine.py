@@ -363,43 +363,6 @@ def test_host_function_wait_that_sleeps(layer, pool, spin_us):
     assert lb.hm_get_hostfn_spin_us() == before
 
 
-def test_host_functions_can_move_their_thread_off_the_pool_cpus(weights):
-    """hm_set_pin_hostfn(1): the thread that runs a host function (the CUDA driver's) moves to the
-    CPUs that the pool's threads are not pinned to, and back to its old CPUs after (0)."""
-    import os
-    import threading
-
-    allowed = os.sched_getaffinity(0)
-    pool = CPUThreadPool(threads=1)
-    if len(allowed) < 2 or not set(pool.cpus) & allowed:
-        pytest.skip("needs a pinned pool and a CPU outside it")
-    layer = CPUMoELayer(pack_layer(*weights, "AMXINT8"), pool=pool)
-    lb = native.lib()
-    x, ids, w = inputs(2)
-    out = torch.zeros(2, H)
-    task, keep = layer.make_task(x, ids, w, out)
-    seen = []
-
-    def driver():  # stands in for the driver's host-function thread
-        for on in (1, 0):
-            lb.hm_set_pin_hostfn(on)
-            call = native.HostCall(pool.handle, task, 0, 0, -1, 0)
-            lb.hm_submit_hostfn(C.addressof(call))
-            lb.hm_sync_hostfn(C.addressof(call))
-            seen.append((call.status, os.sched_getaffinity(0)))
-
-    before = lb.hm_get_pin_hostfn()
-    try:
-        th = threading.Thread(target=driver)
-        th.start()
-        th.join()
-    finally:
-        lb.hm_set_pin_hostfn(before)
-    assert seen[0] == (0, allowed - set(pool.cpus)) and seen[1] == (0, allowed)
-    assert torch.allclose(out, layer.forward(x, ids, w), atol=1e-6)
-    pool.close()
-
-
 def test_gated_submit_waits_for_its_go_word(layer, pool):
     """hm_submit_gated: the task is queued at once but starts only when its go word is set (by the
     stream's copy on CUDA; here by hand), clears the word, and gives the ungated result; a task

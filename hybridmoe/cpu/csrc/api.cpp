@@ -82,34 +82,6 @@ std::atomic<int64_t> g_hostfn_spin_ns{[] {
   return v ? int64_t(std::atoll(v)) * 1000 : int64_t(0);
 }()};
 
-// Whether host functions move the thread that runs them (the CUDA driver's) onto the CPUs the
-// pool's threads are not pinned to, so that it never takes a core from them. Toggled at any time
-// (HYBRIDMOE_CPU_PIN_HOSTFN=1 / hm_set_pin_hostfn); each thread applies a change at its next call.
-std::atomic<int> g_pin_hostfn{[] {
-  const char* v = std::getenv("HYBRIDMOE_CPU_PIN_HOSTFN");
-  return v && std::atoi(v) != 0 ? 1 : 0;
-}()};
-
-void apply_hostfn_pinning(const Pool& pool) {
-  thread_local int applied = 0;
-  thread_local bool saved = false;
-  thread_local cpu_set_t original;
-  const int want = g_pin_hostfn.load(std::memory_order_relaxed);
-  if (want == applied) return;
-  applied = want;
-  if (!saved) {
-    if (sched_getaffinity(0, sizeof(original), &original) != 0) return;
-    saved = true;
-  }
-  cpu_set_t set = original;
-  if (want) {
-    for (int cpu : pool.tp.cpus())
-      if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_CLR(cpu, &set);
-    if (CPU_COUNT(&set) == 0) return;  // the pool holds every allowed CPU: nowhere else to go
-  }
-  sched_setaffinity(0, sizeof(set), &set);  // best effort
-}
-
 void put(char* buf, int len, const std::string& s) {
   if (buf && len > 0) std::snprintf(buf, size_t(len), "%s", s.c_str());
 }
@@ -309,10 +281,6 @@ int hm_get_prefetch() { return hm::g_prefetch_bytes; }
 void hm_set_item_bytes(int64_t bytes) { hm::g_item_bytes = bytes > 0 ? bytes : 0; }
 int64_t hm_get_item_bytes() { return hm::g_item_bytes; }
 
-// Host functions move their thread off the pool's CPUs (1) or back to where it was allowed (0).
-void hm_set_pin_hostfn(int on) { g_pin_hostfn.store(on ? 1 : 0); }
-int hm_get_pin_hostfn() { return g_pin_hostfn.load(); }
-
 // Host-function waits: spin this long (us) before sleeping; < 0: the pool's idle spin. Any time.
 void hm_set_hostfn_spin_us(int64_t us) { g_hostfn_spin_ns.store(us < 0 ? -1 : us * 1000); }
 int64_t hm_get_hostfn_spin_us() {
@@ -328,7 +296,6 @@ int hm_get_guided() { return hm::g_guided_div; }
 // CUDA host-function forms (void fn(void*)), for cuLaunchHostFunc: no Python, no exceptions out.
 void hm_submit_hostfn(void* userdata) {
   HmHostCall* c = static_cast<HmHostCall*>(userdata);
-  apply_hostfn_pinning(*static_cast<Pool*>(c->pool));
   c->status = 0;
   push_id(c, hm_submit(c->pool, &c->task));
 }
