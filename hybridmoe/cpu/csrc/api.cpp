@@ -3,7 +3,6 @@
 // reach AVX2 code first checks the CPU (dispatch.cpp), so a missing ISA is an error, never SIGILL.
 // Errors inside a task are caught, recorded with the task id, and returned by hm_sync.
 #include <immintrin.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
