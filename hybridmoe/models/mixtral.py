@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from hybridmoe.models.base import ArchSpec
-from hybridmoe.models.registry import register_arch
 
 
-@register_arch("MixtralForCausalLM")
 def mixtral_spec(cfg) -> ArchSpec:
     return ArchSpec(
         name="mixtral",

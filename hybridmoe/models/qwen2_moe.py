@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from hybridmoe.models.base import ArchSpec
 from hybridmoe.models.qwen3_moe import sparse_layers
-from hybridmoe.models.registry import register_arch
 
 
-@register_arch("Qwen2MoeForCausalLM")
 def qwen2_moe_spec(cfg) -> ArchSpec:
     return ArchSpec(
         name="qwen2_moe",

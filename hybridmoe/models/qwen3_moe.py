@@ -4,7 +4,6 @@ decoder_sparse_step, optional top-k renormalization (norm_topk_prob)."""
 from __future__ import annotations
 
 from hybridmoe.models.base import ArchSpec
-from hybridmoe.models.registry import register_arch
 
 
 def sparse_layers(cfg) -> tuple[int, ...]:
@@ -15,7 +14,6 @@ def sparse_layers(cfg) -> tuple[int, ...]:
                  if i not in only_dense and cfg.num_experts > 0 and (i + 1) % step == 0)
 
 
-@register_arch("Qwen3MoeForCausalLM")
 def qwen3_moe_spec(cfg) -> ArchSpec:
     return ArchSpec(
         name="qwen3_moe",

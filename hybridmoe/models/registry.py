@@ -1,37 +1,36 @@
-"""Architecture registry: `config.architectures[0]` -> the ArchSpec builder of its family."""
+"""Architecture registry: `config.architectures[0]` -> the ArchSpec builder of its family.
+
+The built-in families are registered in models/__init__.py and imported on first use.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from hybridmoe.models.base import ArchSpec
+from hybridmoe.registry import Registry
 
-_ARCHS: dict[str, Callable[[object], ArchSpec]] = {}
+if TYPE_CHECKING:
+    from hybridmoe.models.base import ArchSpec
+
+SpecBuilder = Callable[[object], "ArchSpec"]
+ARCHITECTURES: Registry[SpecBuilder] = Registry("architecture")
 
 
-def register_arch(name: str) -> Callable:
-    def wrap(fn: Callable[[object], ArchSpec]) -> Callable[[object], ArchSpec]:
-        _ARCHS[name] = fn
-        return fn
-
-    return wrap
+def register_arch(name: str) -> Callable[[SpecBuilder], SpecBuilder]:
+    """Decorator registering an ArchSpec builder for `config.architectures` entry `name`."""
+    return ARCHITECTURES.decorator(name)
 
 
 def supported_architectures() -> list[str]:
-    _import_builtin()
-    return sorted(_ARCHS)
+    return ARCHITECTURES.names()
 
 
 def arch_spec(config: object, source: str = "config.json") -> ArchSpec:
     """The ArchSpec for a transformers config; an unsupported one is an error listing ours."""
-    _import_builtin()
     archs = getattr(config, "architectures", None) or []
     for a in archs:
-        if a in _ARCHS:
-            return _ARCHS[a](config)
+        if a in ARCHITECTURES:
+            return ARCHITECTURES.get(a)(config)
     raise ValueError(f"{source}: architecture {archs or '(none given)'} is not supported; "
-                     f"supported architectures: {', '.join(sorted(_ARCHS))}")
-
-
-def _import_builtin() -> None:
-    from hybridmoe.models import mixtral, qwen2_moe, qwen3_moe  # noqa: F401
+                     f"supported architectures: {', '.join(ARCHITECTURES.names())}")

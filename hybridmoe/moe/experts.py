@@ -1,4 +1,5 @@
-"""The routed-expert interface every MoE compute backend implements, and its registry.
+"""The routed-expert interface every MoE compute backend implements, and its registry (the
+built-in backends are registered in moe/__init__.py).
 
 Legend: T tokens, H hidden size, I expert intermediate size, E experts of the layer, K top-k.
 
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from hybridmoe.registry import Registry
 
 
 @dataclass
@@ -56,33 +59,22 @@ class MoEExperts(ABC):
 
 # factory(weights, layer_idx, options) -> backend; options are engine-level settings.
 ExpertsFactory = Callable[[ExpertWeights, int, dict], MoEExperts]
-_BACKENDS: dict[str, ExpertsFactory] = {}
+# name -> factory; the built-in backends are registered by the package (moe/__init__.py) and
+# imported on first use, so this interface imports none of them.
+EXPERTS_BACKENDS: Registry[ExpertsFactory] = Registry("MoE experts backend")
+_BACKENDS = EXPERTS_BACKENDS  # the former private name, still read by tests
 
 
 def register_experts_backend(name: str) -> Callable[[ExpertsFactory], ExpertsFactory]:
-    def wrap(factory: ExpertsFactory) -> ExpertsFactory:
-        _BACKENDS[name] = factory
-        return factory
-
-    return wrap
+    """Decorator registering an experts factory under `name` (for backends defined outside the package)."""
+    return EXPERTS_BACKENDS.decorator(name)
 
 
 def available_experts_backends() -> list[str]:
-    _import_builtin()
-    return sorted(_BACKENDS)
+    """The registered backends that import here (this imports each; Triton may be missing)."""
+    return EXPERTS_BACKENDS.available()
 
 
 def create_experts(name: str, weights: ExpertWeights, layer_idx: int, options: dict | None = None) -> MoEExperts:
-    _import_builtin()
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown MoE experts backend {name!r}; available: {sorted(_BACKENDS)}")
-    return _BACKENDS[name](weights, layer_idx, options or {})
-
-
-def _import_builtin() -> None:
-    from hybridmoe.moe import cpu_experts, hybrid, torch_experts  # noqa: F401
-
-    try:  # Triton is optional (absent on some CPU-only installs)
-        from hybridmoe.moe import triton_experts  # noqa: F401
-    except ImportError:
-        pass
+    """A new experts backend `name` for one layer (UnknownNameError / FactoryLoadError otherwise)."""
+    return EXPERTS_BACKENDS.get(name)(weights, layer_idx, options or {})

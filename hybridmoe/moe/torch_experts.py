@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.moe.experts import ExpertWeights, MoEExperts, register_experts_backend
+from hybridmoe.moe.experts import ExpertWeights, MoEExperts
 
 _MAX_GATHER_ELEMS = 1 << 26  # bound on gathered weight elements per chunk (memory, not speed)
 
@@ -51,6 +51,5 @@ class TorchExperts(MoEExperts):
         return out.to(x.dtype)
 
 
-@register_experts_backend("torch")
-def _make_torch(weights: ExpertWeights, layer_idx: int, options: dict) -> MoEExperts:
+def make_torch_experts(weights: ExpertWeights, layer_idx: int, options: dict) -> MoEExperts:
     return TorchExperts(weights)

@@ -1,4 +1,4 @@
-"""Fused Triton MoE experts backend, registered as "triton".
+"""Fused Triton MoE experts backend, registered as "triton" (in moe/__init__.py).
 
 Legend: T tokens, H hidden size, I expert intermediate size, E experts of the layer, K top-k.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.moe.experts import ExpertWeights, MoEExperts, register_experts_backend
+from hybridmoe.moe.experts import ExpertWeights, MoEExperts
 from hybridmoe.moe.triton_moe_kernels import MoEKernelConfig, choose_config, fused_moe
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,8 +59,7 @@ class TritonExperts(MoEExperts):
         return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights, cfg)
 
 
-@register_experts_backend("triton")
-def _make_triton_experts(weights: ExpertWeights, layer_idx: int, options: dict) -> MoEExperts:
+def make_triton_experts(weights: ExpertWeights, layer_idx: int, options: dict) -> MoEExperts:
     return TritonExperts(weights, layer_idx, options)
 
 

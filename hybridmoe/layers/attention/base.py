@@ -1,4 +1,5 @@
-"""Attention backend interface over the paged KV cache, and the backend registry.
+"""Attention backend interface over the paged KV cache, and the backend registry (its entries are
+registered by the package, `layers/attention/__init__.py`, and imported on first use).
 
 Legend: T new tokens in the batch, B sequences, Hq query heads, Hkv key/value heads, D head dim,
 N pages in the pool, S page size (tokens per page), P pages per sequence in the block table.
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from hybridmoe.registry import Registry
 
 
 @dataclass
@@ -81,23 +84,16 @@ class AttentionBackend(ABC):
         return True
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+# name -> a zero-argument factory (the backend class); see hybridmoe.registry
+ATTENTION_BACKENDS: Registry[Callable[[], AttentionBackend]] = Registry("attention backend")
+_BACKENDS = ATTENTION_BACKENDS  # the former private name, still read by tests
 
 
-def register_attention_backend(name: str) -> Callable:
-    def wrap(factory: Callable[[], AttentionBackend]) -> Callable[[], AttentionBackend]:
-        _BACKENDS[name] = factory
-        return factory
-
-    return wrap
+def register_attention_backend(name: str) -> Callable[[Callable[[], AttentionBackend]], Callable[[], AttentionBackend]]:
+    """Decorator registering an attention backend factory (for backends defined outside this package)."""
+    return ATTENTION_BACKENDS.decorator(name)
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    # Importing the modules registers the built-in backends.
-    from hybridmoe.layers.attention import torch_backend  # noqa: F401
-
-    if name == "triton":
-        from hybridmoe.layers.attention import triton_backend  # noqa: F401
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()
+    """A new backend of the registered `name` (UnknownNameError / FactoryLoadError otherwise)."""
+    return ATTENTION_BACKENDS.get(name)()

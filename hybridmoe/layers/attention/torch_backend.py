@@ -10,15 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.layers.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    register_attention_backend,
-    store_kv,
-)
+from hybridmoe.layers.attention.base import AttentionBackend, AttentionMetadata, store_kv
 
 
-@register_attention_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 

@@ -1,4 +1,4 @@
-"""The `triton` attention backend: paged decode (flash-decoding) and paged prefill/extend kernels.
+"""The `triton` attention backend (registered in __init__.py): paged decode (flash-decoding) and paged prefill/extend kernels.
 
 Legend: T new tokens in the batch, B sequences, Hq query heads, Hkv key/value heads, D head dim,
 N pages in the pool, S page size.
@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.layers.attention.base import AttentionBackend, AttentionMetadata, register_attention_backend, store_kv
+from hybridmoe.layers.attention.base import AttentionBackend, AttentionMetadata, store_kv
 from hybridmoe.layers.attention.triton_kernels import paged_decode_attention, paged_prefill_attention
 
 
-@register_attention_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
     """Triton kernels over the paged KV cache.
 
