@@ -1,8 +1,12 @@
-"""Engine configuration: one set of dataclasses for the offline API and the server flags.
+"""Engine configuration: user options in, typed frozen configs out.
 
-`EngineArgs` holds every `serve` option in snake_case (the CLI flag `--kt-num-gpu-experts` is the
+`EngineArgs` holds every engine option in snake_case (the CLI flag `--kt-num-gpu-experts` is the
 field `kt_num_gpu_experts`); `EngineArgs.from_kwargs` is the only path from user options to a
-validated configuration, used by both `LLM(**options)` and `hybridmoe serve`.
+validated configuration, used by both `LLM(**options)` and `hybridmoe serve`, and `validate` is
+the one place where every flag and cross-flag rule is checked. The parts of the engine receive
+the typed views built from it: `CacheConfig`, `SchedulerConfig`, `HybridConfig` (every `--kt-*`
+flag and the CPU engine settings) and `ModelConfig` (what the engine reads of the model's HF
+config, built once by `models.registry.model_config`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hybridmoe.cpu.settings import CPUEngineSettings
+
+if TYPE_CHECKING:
+    from hybridmoe.models.base import ArchSpec
 
 DEMO_MODEL_PATH = str(Path(__file__).parent / "demo_model")
 
@@ -68,7 +78,9 @@ class EngineArgs:
     kt_gpu_prefill_token_threshold: int | None = None
     kt_enable_dynamic_expert_update: bool = False
     record_expert_distribution: str | None = None
-    extra: dict = field(default_factory=dict)
+    # CPU engine and hybrid driving settings (measured defaults; benchmarks compare others)
+    cpu_engine: CPUEngineSettings = field(default_factory=CPUEngineSettings)
+    hybrid_blocking_sync: bool = True  # hybrid on CUDA: wait for a step's result sleeping, not spinning
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -127,9 +139,124 @@ class EngineArgs:
         need(self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,
              "kt-gpu-prefill-token-threshold", "a positive integer")
         need(self.port is None or 0 <= self.port < 65536, "port", "a TCP port number")
+        need(isinstance(self.cpu_engine, CPUEngineSettings), "cpu-engine", "a CPUEngineSettings")
+        # cross-flag rules
+        split = self.kt_num_gpu_experts is not None or self.kt_gpu_experts_ratio is not None
+        if not split:
+            for flag, value in (("--kt-max-deferred-experts-per-token", self.kt_max_deferred_experts_per_token),
+                                ("--kt-gpu-prefill-token-threshold", self.kt_gpu_prefill_token_threshold),
+                                ("--kt-enable-dynamic-expert-update", self.kt_enable_dynamic_expert_update)):
+                if value:
+                    raise ConfigError(f"{flag} needs a GPU/CPU expert split: set --kt-num-gpu-experts (or "
+                                      "--kt-gpu-experts-ratio)")
+        if self.kt_enable_dynamic_expert_update and self.kt_gpu_prefill_token_threshold is None:
+            raise ConfigError("--kt-enable-dynamic-expert-update needs --kt-gpu-prefill-token-threshold "
+                              "(the update follows a layerwise prefill)")
+
+    # ---- typed views (what each part of the engine receives) ----
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(page_size=self.page_size, max_total_tokens=self.max_total_tokens,
+                           mem_fraction_static=self.mem_fraction_static, context_length=self.context_length,
+                           enable_prefix_cache=not self.disable_radix_cache)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_running_requests=self.max_running_requests,
+                               chunked_prefill_size=self.chunked_prefill_size,
+                               max_prefill_tokens=self.max_prefill_tokens)
+
+    def hybrid_config(self) -> HybridConfig:
+        nodes = None
+        if self.kt_numa_nodes is not None:
+            from hybridmoe.cpu.topology import parse_node_list
+
+            nodes = tuple(parse_node_list(str(self.kt_numa_nodes)))
+        return HybridConfig(
+            weight_path=self.kt_weight_path, method=self.kt_method, cpuinfer=self.kt_cpuinfer,
+            threadpool_count=self.kt_threadpool_count, numa_nodes=nodes, num_gpu_experts=self.kt_num_gpu_experts,
+            gpu_experts_ratio=self.kt_gpu_experts_ratio, placement_strategy=self.kt_expert_placement_strategy,
+            init_expert_location=self.init_expert_location,
+            max_deferred_experts_per_token=self.kt_max_deferred_experts_per_token,
+            gpu_prefill_token_threshold=self.kt_gpu_prefill_token_threshold,
+            dynamic_expert_update=self.kt_enable_dynamic_expert_update,
+            record_expert_distribution=self.record_expert_distribution, seed=self.random_seed,
+            cpu=self.cpu_engine, blocking_sync=self.hybrid_blocking_sync)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: page size, size (tokens, or a GPU memory fraction), prefix caching."""
+
+    page_size: int = 16
+    max_total_tokens: int | None = None  # None: from the memory left (GPU) or a default (CPU)
+    mem_fraction_static: float | None = None  # None: 0.85
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Admission and batching limits."""
+
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192  # -1: no chunking
+    max_prefill_tokens: int = 16384
 
     @property
-    def hybrid_requested(self) -> bool:
-        """True when any option asks for CPU-resident experts."""
-        return self.kt_num_gpu_experts is not None or self.kt_gpu_experts_ratio is not None \
-            or self.kt_weight_path is not None or self.moe_backend == "cpu"
+    def step_tokens(self) -> int:
+        """Prompt tokens per step: the chunk size, never more than max_prefill_tokens."""
+        chunk = self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
+        return min(chunk, self.max_prefill_tokens)
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Every `--kt-*` option (KTransformers' names without the prefix) and the CPU engine settings."""
+
+    weight_path: str | None = None  # --kt-weight-path: CPU experts converted by `hybridmoe convert`
+    method: str = "AMXINT8"
+    cpuinfer: int | None = None  # CPU expert threads (None: physical cores - 1)
+    threadpool_count: int = 1  # sub-pools (one per NUMA node)
+    numa_nodes: tuple[int, ...] | None = None
+    num_gpu_experts: int | None = None  # per MoE layer; None (and no ratio): no GPU/CPU split
+    gpu_experts_ratio: float | None = None
+    placement_strategy: str = "uniform"
+    init_expert_location: str | None = None  # statistics file of the `frequency` strategy
+    max_deferred_experts_per_token: int = 0
+    gpu_prefill_token_threshold: int | None = None  # layerwise GPU prefill from this many tokens
+    dynamic_expert_update: bool = False
+    record_expert_distribution: str | None = None
+    seed: int = 0  # of the `random` placement
+    cpu: CPUEngineSettings = field(default_factory=CPUEngineSettings)
+    blocking_sync: bool = True  # CUDA: read each step's result sleeping (a spinning thread takes a core)
+    group_size: int = 128  # INT4 quantization group
+    int4_symmetric: bool = True
+
+    @property
+    def split_requested(self) -> bool:
+        """A GPU/CPU split of the routed experts was asked for (--kt-num-gpu-experts or ratio)."""
+        return self.num_gpu_experts is not None or self.gpu_experts_ratio is not None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine reads of a model's Hugging Face config, resolved once
+    (`hybridmoe.models.registry.model_config`)."""
+
+    hf: Any  # the transformers PretrainedConfig (models read their own fields from it)
+    spec: ArchSpec  # the architecture family's description: experts, top-k, MoE layers, names
+    source: str  # where the config came from (error messages)
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int  # max_position_embeddings (4096 when absent)
+
+    @property
+    def num_experts(self) -> int:
+        return self.spec.num_experts
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.spec.moe_layers

@@ -29,7 +29,7 @@ def test_graph_inputs_match_prepare():
     llm = LLM(device="cpu", progress=False)  # the demo model: only its runner's shapes matter here
     runner = llm.engine.runner
     s = runner.page_size
-    graphs = DecodeGraphs(runner, 8)
+    graphs = runner.new_graphs(8)
     for bs in graphs.sizes:
         graphs.graphs[bs] = _Recorder(graphs, bs)
         graphs.outputs[bs] = torch.arange(bs * 3, dtype=torch.float32).view(bs, 3)

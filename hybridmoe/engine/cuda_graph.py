@@ -7,15 +7,18 @@ Padding rows read and write only the scratch page 0 with a sequence length of 1.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from hybridmoe.engine.hooks import MoEHooks, NoHooks
 from hybridmoe.layers.attention.base import AttentionMetadata
 
 if TYPE_CHECKING:
-    from hybridmoe.engine.model_runner import ModelRunner
     from hybridmoe.engine.request import Req
+    from hybridmoe.layers.attention.layer import ForwardContext
+    from hybridmoe.models.base import MoECausalLM
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +36,21 @@ class DecodeGraphs:
     The graphs read their inputs from two device buffers (int64: ids, positions, slots; int32: seq
     lens, block table) filled each step from pinned host mirrors by two asynchronous copies, so a
     decode step costs two H2D copies and a replay instead of a dozen small tensors and copies
-    (decode at batch 1 is bound by what the host does between replays)."""
+    (decode at batch 1 is bound by what the host does between replays).
 
-    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
-        self.runner = runner
+    model: the model to capture; ctx_builder: attention metadata -> the forward context (KV cache,
+    backend); hooks: the MoE runtime's capture and before-replay hooks; max_pages: block table width
+    per sequence; context_len: the longest sequence."""
+
+    def __init__(self, model: MoECausalLM, device: torch.device, max_bs: int, max_pages: int, context_len: int,
+                 ctx_builder: Callable[[AttentionMetadata], ForwardContext], hooks: MoEHooks | None = None) -> None:
+        self.model, self.device, self.context_len = model, device, context_len
+        self.ctx_builder = ctx_builder
+        self.hooks = hooks or NoHooks()
         self.sizes = capture_sizes(max_bs)
         self.max_bs = b = self.sizes[-1]
-        dev = runner.device
-        self.pages = p = runner.max_pages_per_seq
+        dev = device
+        self.pages = p = max_pages
         pin = dev.type == "cuda"
         self.host64 = torch.zeros(3, b, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
         self.host32 = torch.zeros(b + b * p, dtype=torch.int32, pin_memory=pin)  # seq lens | block table [B, P]
@@ -54,7 +64,7 @@ class DecodeGraphs:
         self.qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.programs: dict = {}  # bs -> cuda_bridge.SubmitProgram: the CPU tasks a replay needs queued
+        self.before_replay: dict[int, Callable[[], None]] = {}  # bs -> what the hooks need run before a replay
         self.pool = None
         self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
 
@@ -65,27 +75,25 @@ class DecodeGraphs:
         return AttentionMetadata(
             is_decode=True, query_start_loc=self.qsl[: bs + 1], seq_lens=self.seq_lens[:bs],
             block_table=self.block_table[:bs], slot_mapping=self.slots[:bs], query_lens_cpu=[1] * bs,
-            seq_lens_cpu=[1] * bs, max_seq_len=self.runner.context_len,
+            seq_lens_cpu=[1] * bs, max_seq_len=self.context_len,
         )
 
     @torch.inference_mode()
     def capture(self) -> None:
-        from hybridmoe.moe.cuda_bridge import SubmitProgram, record_submits
-
-        model = self.runner.model
+        model = self.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):
-                ctx = self.runner._ctx(self._meta(bs))
+                ctx = self.ctx_builder(self._meta(bs))
                 for _ in range(2):  # warm up: autotuning, lazy init outside the graph
                     model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], ctx))
                 graph = torch.cuda.CUDAGraph()
-                # hybrid MoE layers' gated CPU tasks: recorded here, queued before each replay
-                with record_submits() as submits, torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                # e.g. hybrid MoE layers' gated CPU tasks: recorded here, queued before each replay
+                with self.hooks.capture() as record, torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     out = model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], ctx))
-                if submits:
-                    self.programs[bs] = SubmitProgram(submits)
+                if record.before_replay is not None:
+                    self.before_replay[bs] = record.before_replay
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, out
@@ -117,8 +125,8 @@ class DecodeGraphs:
         self.dev32[: self.max_bs + bs * p].copy_(self.host32[: self.max_bs + bs * p], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        program = self.programs.get(bs)
-        if program is not None:  # the graph's CPU tasks, each started by the graph when its inputs land
-            program.submit()
+        before = self.before_replay.get(bs)
+        if before is not None:  # e.g. the graph's CPU tasks, each started by the graph when its inputs land
+            before()
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -7,7 +7,6 @@ Thread-safety: `submit`/`abort` may be called from any thread (they go through a
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
 from collections.abc import Iterable
@@ -29,6 +28,7 @@ from hybridmoe.engine.request import (
 )
 from hybridmoe.engine.sampler import Sampler
 from hybridmoe.engine.scheduler import ScheduledBatch, Scheduler
+from hybridmoe.models.config import model_config
 from hybridmoe.weights.loader import load_hf_config
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,6 @@ log = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request that cannot be served as given (the server answers 400)."""
-
-
-def blocking_sync_wanted() -> bool:
-    """Whether a hybrid engine waits for a step's result sleeping (HYBRIDMOE_BLOCKING_SYNC, default
-    on) rather than spinning on a core that the CPU experts' threads need."""
-    return os.environ.get("HYBRIDMOE_BLOCKING_SYNC", "1") not in ("0", "off", "false")
 
 
 def _load_tokenizer(args: EngineArgs):
@@ -83,16 +77,15 @@ class Engine:
     def __init__(self, args: EngineArgs, progress: bool = True) -> None:
         self.args = args
         self.hf_config = load_hf_config(args.model_path, args.trust_remote_code)
+        self.model_config = model_config(self.hf_config, f"{args.model_path}/config.json")
         self.tokenizer = _load_tokenizer(args)
-        self.runner = ModelRunner(args, self.hf_config, progress=progress)
-        self.kv = KVCacheManager(self.runner.num_pages, args.page_size, enable_prefix_cache=not args.disable_radix_cache)
-        # Tokens per step: the chunk size, and never more than --max-prefill-tokens.
-        chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
-        self.scheduler = Scheduler(self.kv, args.max_running_requests, min(chunk, args.max_prefill_tokens),
-                                   self.runner.context_len)
+        self.runner = ModelRunner(args, self.model_config, progress=progress)
+        cache, sched = args.cache_config(), args.scheduler_config()
+        self.kv = KVCacheManager(self.runner.num_pages, cache.page_size, enable_prefix_cache=cache.enable_prefix_cache)
+        self.scheduler = Scheduler(self.kv, sched.max_running_requests, sched.step_tokens, self.runner.context_len)
         self.eos_ids = _eos_ids(args.model_path, self.hf_config, self.tokenizer)
-        self.sampler = Sampler(self.hf_config.vocab_size, self.eos_ids)
-        if self.runner.hybrid is not None and self.runner.device.type == "cuda" and blocking_sync_wanted():
+        self.sampler = Sampler(self.model_config.vocab_size, self.eos_ids)
+        if self.runner.blocking_sync_wanted:  # hybrid on CUDA: a spinning wait takes a CPU experts' core
             self.sampler.wait_event = torch.cuda.Event(blocking=True)
         self.reqs: dict[str, Req] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

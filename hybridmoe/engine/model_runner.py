@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from hybridmoe.config import ConfigError, EngineArgs
+from hybridmoe.config import EngineArgs, ModelConfig
 from hybridmoe.engine.cuda_graph import DecodeGraphs
+from hybridmoe.engine.hooks import MoEHooks, NoHooks
 from hybridmoe.engine.scheduler import ScheduledBatch
 from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend
 from hybridmoe.layers.attention.layer import ForwardContext
-from hybridmoe.models.registry import arch_spec
-from hybridmoe.moe import hybrid as hybrid_mod
-from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts
-from hybridmoe.moe.hybrid import HybridPlan
-from hybridmoe.moe.memory_plan import MemoryPlan, check_fits, host_available_bytes, plan_memory
-from hybridmoe.moe.placement import ExpertDistributionRecorder
+from hybridmoe.moe.experts_setup import ExpertsSetup
 from hybridmoe.weights.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -54,120 +49,77 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 class ModelRunner:
     """Runs forward passes for scheduled batches."""
 
-    def __init__(self, args: EngineArgs, hf_config, progress: bool = True) -> None:
+    def __init__(self, args: EngineArgs, model_cfg: ModelConfig, progress: bool = True) -> None:
         self.args = args
-        self.config = hf_config
+        self.model_cfg = model_cfg
+        self.config = hf_config = model_cfg.hf
+        self.cache_cfg = args.cache_config()
         self.device = resolve_device(args.device)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # torch's OpenMP workers busy-wait: leave a core to the server loop and the OS, or one
             # other busy process slows every step tenfold.
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
-        self.page_size = args.page_size
-        self.moe_options: dict = {}
-        self.hybrid = HybridPlan.from_args(args, hf_config, self.device)  # None: no GPU/CPU split
-        if self.hybrid is not None:
-            self.moe_backend, self.moe_options = "hybrid", {"hybrid": self.hybrid}
-        else:
-            self.moe_backend = self._choose_moe_backend(args)
+        self.page_size = self.cache_cfg.page_size
+        self.context_len = self.cache_cfg.context_length or model_cfg.max_position
+        # the MoE layers: which backend, the hybrid placement and runtime, the memory plan
+        self.moe = ExpertsSetup(args, model_cfg, self.device, self.dtype, self.context_len)
+        self.hooks: MoEHooks = self.moe.runtime or NoHooks()
         attn = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(attn)
-        model_max = getattr(hf_config, "max_position_embeddings", 4096)
-        self.context_len = args.context_length or model_max
-        self.memory_plan: MemoryPlan | None = None
-        if self.hybrid is not None:
-            self._check_memory_plan()  # before any weight is read
         self.model = load_model(
-            args.model_path, hf_config, self.dtype, self.device, self._make_experts,
-            max_position=max(self.context_len, model_max), progress=progress, load_format=args.load_format,
+            args.model_path, hf_config, self.dtype, self.device, self.moe.make,
+            max_position=max(self.context_len, model_cfg.max_position), progress=progress,
+            load_format=args.load_format, spec=model_cfg.spec,
             # CPU experts are assembled (and quantized) in host memory, never on the GPU
-            expert_device=(lambda _layer: torch.device("cpu")) if self.moe_backend in ("cpu", "hybrid") else None,
+            expert_device=(lambda _layer: torch.device("cpu")) if self.moe.on_host else None,
             # pre-converted CPU experts with no GPU share: nothing to read from the checkpoint
-            read_experts=not (args.kt_weight_path is not None and self.hybrid is None),
+            read_experts=self.moe.reads_checkpoint_experts,
         )
+        self.moe.finish()
         self._alloc_kv_cache()
-        if self.memory_plan is not None:  # the KV cache as allocated (the plan had its minimum)
-            kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
-            self.memory_plan.gpu.pop("KV cache (minimum)", None)
-            self.memory_plan.gpu["KV cache"] = kv
-            log.info(self.memory_plan.lines()[0].replace("GPU memory plan", "GPU memory plan, KV cache as allocated"))
-        self.vocab_size = hf_config.vocab_size
-        self.recorder: ExpertDistributionRecorder | None = None
-        if args.record_expert_distribution:
-            self.recorder = ExpertDistributionRecorder(args.record_expert_distribution, self.model.spec.num_experts)
-            for block in self.model.moe_blocks():
-                block.recorder = self.recorder
+        self.moe.note_kv_cache(sum(k.nbytes + v.nbytes for k, v in self.kv_caches))
+        self.vocab_size = model_cfg.vocab_size
         self.graphs: DecodeGraphs | None = None
         use_graphs = not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph()
-        if self.hybrid is not None and self.device.type == "cuda" and use_graphs and not hybrid_mod.USE_STREAM_HOST_FUNCTIONS:
-            log.warning("CUDA graphs are off: hybrid CPU experts are not yet enqueued as stream host functions")
-            use_graphs = False
-        if self.moe_backend == "cpu" and self.device.type == "cuda" and use_graphs:
+        if self.moe.backend == "cpu" and self.device.type == "cuda" and use_graphs:
             log.warning("CUDA graphs are off: every expert on the CPU without a GPU/CPU split; pass "
                         "--kt-num-gpu-experts 0 (or more) to drive the CPU from the CUDA stream with graphs")
             use_graphs = False
         if self.device.type == "cuda" and use_graphs:
-            self.graphs = DecodeGraphs(self, min(args.cuda_graph_max_bs, args.max_running_requests))
-            self.graphs.capture()
+            self.capture_graphs()
 
-    # ---- setup ----
-    def _choose_moe_backend(self, args: EngineArgs) -> str:
-        """The experts backend when there is no GPU/CPU split (HybridPlan.from_args gave None)."""
-        if args.kt_weight_path is not None:
-            return "cpu"  # experts pre-converted for the CPU engine (`hybridmoe convert`): all of them there
-        if args.kt_num_gpu_experts is not None or args.kt_gpu_experts_ratio is not None:
-            return "cpu"  # the split came to 0 GPU experts: every routed expert on the CPU engine
-        return args.moe_backend or ("triton" if self.device.type == "cuda" else "torch")
+    @property
+    def recorder(self):
+        """The --record-expert-distribution recorder (None when off)."""
+        return self.moe.recorder
 
-    def _make_experts(self, weights: ExpertWeights, layer_idx: int) -> MoEExperts:
-        options = {k: v for k, v in vars(self.args).items() if k.startswith("kt_")}
-        options["device"] = self.device
-        if self.args.load_format == "dummy" and self.device.type == "cuda":
-            options["pack_device"] = self.device  # random benchmark weights: quantize on the GPU (fast)
-        options.update(self.moe_options)  # backend-specific (the hybrid plan)
-        if self.args.kt_weight_path is not None:  # packed by `hybridmoe convert`: read and verified, not quantized
-            from hybridmoe.weights.cpu_format import open_cpu_weights
+    @property
+    def hybrid(self):
+        """The hybrid MoE layers' runtime (None without a GPU/CPU split)."""
+        return self.moe.runtime
 
-            if getattr(self, "_kt_weights", None) is None:  # checked against --model and --kt-method once
-                self._kt_weights = open_cpu_weights(self.args.kt_weight_path, self.config, self.args.model_path,
-                                                    self.args.kt_method)
-            cpu_ids = None if self.hybrid is None or self.hybrid.dynamic_update else (
-                ~self.hybrid.masks[layer_idx]).nonzero().flatten()
-            # only the CPU-resident ones (all of them with dynamic expert update)
-            options["packed"] = self._kt_weights.load_layer(layer_idx, experts=cpu_ids)
-        return create_experts(self.moe_backend, weights, layer_idx, options)
+    def new_graphs(self, max_bs: int) -> DecodeGraphs:
+        """Decode graphs for this runner's model and KV cache, not captured yet."""
+        return DecodeGraphs(self.model, self.device, max_bs, self.max_pages_per_seq, self.context_len, self._ctx,
+                            self.hooks)
 
-    def _check_memory_plan(self) -> None:
-        """Print where the memory goes before loading; refuse a plan that cannot fit."""
-        assert self.hybrid is not None
-        spec = arch_spec(self.config)
-        elt = torch.finfo(self.dtype).bits // 8
-        plan = plan_memory(self.config, spec, self.hybrid.masks, elt, self.args.kt_method, self.context_len,
-                           self.args.max_running_requests, prefill_threshold=self.hybrid.prefill_threshold,
-                           dynamic_update=self.hybrid.dynamic_update)
-        for line in plan.lines():
-            log.info(line)
-        self.memory_plan = plan
-        gpu_budget = None
-        if self.device.type == "cuda":
-            gpu_budget = int(torch.cuda.get_device_properties(self.device).total_memory
-                             * (self.args.mem_fraction_static or 0.85))
-        n_gpu = max(int(m.sum()) for m in self.hybrid.masks.values())
-        reason = check_fits(plan, gpu_budget, host_available_bytes(), 3 * self.config.hidden_size
-                            * spec.moe_intermediate * elt, len(spec.moe_layers), n_gpu)
-        if reason:
-            raise ConfigError(reason)
+    def capture_graphs(self) -> None:
+        """(Re)capture the decode CUDA graphs (after a runtime setting changed: benchmarks)."""
+        self.graphs = None
+        graphs = self.new_graphs(min(self.args.cuda_graph_max_bs, self.args.max_running_requests))
+        graphs.capture()
+        self.graphs = graphs
 
     def _alloc_kv_cache(self) -> None:
-        cfg = self.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        hkv, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
+        m = self.model_cfg
+        head_dim, hkv, layers = m.head_dim, m.num_kv_heads, m.num_layers
         bytes_per_token = 2 * layers * hkv * head_dim * torch.finfo(self.dtype).bits // 8
-        if self.args.max_total_tokens is not None:
-            tokens = self.args.max_total_tokens
+        if self.cache_cfg.max_total_tokens is not None:
+            tokens = self.cache_cfg.max_total_tokens
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            frac = self.args.mem_fraction_static or 0.85
+            frac = self.cache_cfg.mem_fraction_static or 0.85
             # Leave (1 - frac) of the card for activations, graphs and other processes.
             budget = free - (1 - frac) * total
             tokens = int(max(budget, 0) // bytes_per_token)
@@ -242,28 +194,27 @@ class ModelRunner:
                 rows = [i for i, (_, smp) in enumerate(live) if smp]
                 return logits[torch.tensor(rows, device=logits.device)]
         input_ids, positions, meta, rows = self.prepare(batch)
-        with self._layerwise(input_ids.shape[0]):
+        with self.hooks.forward_scope(input_ids.shape[0]):  # e.g. a layerwise GPU prefill
             hidden = self.model(input_ids, positions, self._ctx(meta))
         return self.model.compute_logits(hidden[rows])
 
     def check_step_errors(self) -> None:
         """After a step's results were read on the host: raise what failed out of sight in it (CPU
         expert tasks driven from the CUDA stream)."""
-        if self.hybrid is not None:
-            self.hybrid.check_cpu_errors()
+        self.hooks.check_errors()
+
+    @property
+    def blocking_sync_wanted(self) -> bool:
+        """Whether a step's result should be waited for sleeping (hybrid on CUDA)."""
+        return self.hooks.blocking_sync
 
     def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.attn_backend)
-
-    def _layerwise(self, num_tokens: int) -> AbstractContextManager:
-        """Around an eager model forward: a layerwise GPU prefill when the batch reaches
-        --kt-gpu-prefill-token-threshold (decode graphs never are)."""
-        return self.hybrid.layerwise_forward(num_tokens) if self.hybrid is not None else nullcontext()
 
     @torch.inference_mode()
     def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [T, V] of every new token of the batch (scoring, tests); no graphs."""
         input_ids, positions, meta, _ = self.prepare(batch)
-        with self._layerwise(input_ids.shape[0]):
+        with self.hooks.forward_scope(input_ids.shape[0]):
             hidden = self.model(input_ids, positions, self._ctx(meta))
         return self.model.compute_logits(hidden)

@@ -9,4 +9,4 @@ from hybridmoe.moe.experts import EXPERTS_BACKENDS
 EXPERTS_BACKENDS.register("torch", "hybridmoe.moe.torch_experts:make_torch_experts")
 EXPERTS_BACKENDS.register("triton", "hybridmoe.moe.triton_experts:make_triton_experts")
 EXPERTS_BACKENDS.register("cpu", "hybridmoe.moe.cpu_experts:make_cpu_experts")
-EXPERTS_BACKENDS.register("hybrid", "hybridmoe.moe.hybrid:_make_hybrid")
+EXPERTS_BACKENDS.register("hybrid", "hybridmoe.moe.hybrid:make_hybrid_experts")

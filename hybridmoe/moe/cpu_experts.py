@@ -2,52 +2,56 @@
 
 Legend: T tokens, H hidden, E experts, K top-k.
 
-Options (engine-level, KTransformers names): kt_method (AMXINT8 | AMXINT4 | BF16, default AMXINT8),
-kt_cpuinfer (threads; None = physical cores - 1), kt_threadpool_count (sub-pools, one per NUMA node),
-kt_numa_nodes ("0,1": only those nodes' cores, one sub-pool per node at least),
-group_size (int4, default 128), int4_symmetric (default True), cpu_isa (avx2 | avx512 | amx; default
-$HYBRIDMOE_CPU_ISA or the best present), packed (a PackedLayer loaded from --kt-weight-path instead
-of quantizing the given weights), pack_device (where quantization runs; the runner picks the GPU
-for `--load-format dummy` benchmarks), page_align (give every packed tensor pages of its own, so it
-can be page-locked in place: the hybrid layer's layerwise GPU prefill).
+Settings come typed (ExpertsOptions): hybrid.method (AMXINT8 | AMXINT4 | BF16), hybrid.cpuinfer
+(threads; None = physical cores - 1), hybrid.threadpool_count (sub-pools, one per NUMA node),
+hybrid.numa_nodes (only those nodes' cores), hybrid.group_size / int4_symmetric (INT4), hybrid.cpu
+(CPUEngineSettings of the pool), pool (an existing pool; default: the process-wide one), packed (a
+PackedLayer loaded from --kt-weight-path instead of quantizing the given weights), pack_device
+(where quantization runs), page_align (every packed tensor on pages of its own, so it can be
+page-locked in place: the hybrid layer's layerwise GPU prefill), cpu_isa (force a kernel ISA).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybridmoe.cpu.engine import CPUMoELayer, default_pool
+from hybridmoe.config import HybridConfig
+from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool, default_pool
 from hybridmoe.cpu.quant import PackedLayer, pack_layer, page_aligned_layer
-from hybridmoe.cpu.topology import parse_node_list
-from hybridmoe.moe.experts import ExpertWeights, MoEExperts, register_experts_backend
+from hybridmoe.moe.experts import ExpertWeights, MoEExperts
+from hybridmoe.moe.options import ExpertsOptions
+
+
+def cpu_pool_for(cfg: HybridConfig) -> CPUThreadPool:
+    """The process-wide CPU engine pool for these --kt-* settings (created on first use)."""
+    return default_pool(cfg.cpuinfer, cfg.threadpool_count, list(cfg.numa_nodes) if cfg.numa_nodes else None,
+                        settings=cfg.cpu)
 
 
 class CPUExperts(MoEExperts):
     name = "cpu"
 
-    def __init__(self, weights: ExpertWeights | None, layer_idx: int, options: dict):
+    def __init__(self, weights: ExpertWeights | None, layer_idx: int, options: ExpertsOptions) -> None:
         self.layer_idx = layer_idx
-        method = (options.get("kt_method") or "AMXINT8").upper()
-        packed: PackedLayer | None = options.get("packed")
+        cfg = options.hybrid
+        packed: PackedLayer | None = options.packed
         if packed is None:
             if weights is None:
                 raise ValueError("CPUExperts needs weights or a packed layer")
             packed = pack_layer(
                 weights.gate_up,
                 weights.down,
-                method,
-                group_size=int(options.get("group_size") or 128),
-                symmetric=bool(options.get("int4_symmetric", True)),
+                cfg.method.upper(),
+                group_size=cfg.group_size,
+                symmetric=cfg.int4_symmetric,
                 activation=weights.activation,
-                device=options.get("pack_device"),
-                page_align=bool(options.get("page_align")),
+                device=options.pack_device,
+                page_align=options.page_align,
             )
-        if options.get("page_align"):  # to be page-locked in place for the layerwise GPU prefill
+        if options.page_align:  # to be page-locked in place for the layerwise GPU prefill
             packed = page_aligned_layer(packed)  # copies only tensors that do not own their pages yet
-        nodes = options.get("kt_numa_nodes")
-        pool = default_pool(options.get("kt_cpuinfer"), int(options.get("kt_threadpool_count") or 1),
-                            parse_node_list(nodes) if nodes else None)
-        self.layer = CPUMoELayer(packed, isa=options.get("cpu_isa"), pool=pool)
+        pool = options.pool or cpu_pool_for(cfg)
+        self.layer = CPUMoELayer(packed, isa=options.cpu_isa, pool=pool)
         self.method = packed.method
 
     def forward(
@@ -67,6 +71,5 @@ class CPUExperts(MoEExperts):
         self.layer.sync(task_id, max_pending)
 
 
-@register_experts_backend("cpu")
-def make_cpu_experts(weights: ExpertWeights, layer_idx: int, options: dict) -> MoEExperts:
+def make_cpu_experts(weights: ExpertWeights, layer_idx: int, options: ExpertsOptions) -> MoEExperts:
     return CPUExperts(weights, layer_idx, options)

@@ -11,7 +11,6 @@ from torch import nn
 
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.moe.experts import MoEExperts
-from hybridmoe.moe.placement import ExpertDistributionRecorder
 from hybridmoe.moe.router import topk_softmax
 
 
@@ -38,14 +37,11 @@ class SparseMoEBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.has_shared = shared_intermediate > 0
         self.experts: MoEExperts | None = None  # set by the loader once the weights are read
-        self.recorder: ExpertDistributionRecorder | None = None  # --record-expert-distribution
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         assert self.experts is not None, "expert weights were not loaded"
         logits = getattr(self, self.gate_name)(x)  # [T, E]
         weights, ids = topk_softmax(logits, self.top_k, self.renormalize)  # [T, K]
-        if self.recorder is not None:
-            self.recorder.record(self.layer_idx, ids)
         out = self.experts.forward(x, ids, weights)
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -1,5 +1,6 @@
-"""Which routed experts live on the GPU (`--kt-expert-placement-strategy`), and the activation
-statistics that the `frequency` strategy reads (`--record-expert-distribution` writes them).
+"""Which routed experts live on the GPU (`--kt-expert-placement-strategy`), decided once at
+startup (`HybridPlacement`, frozen), and the activation statistics that the `frequency` strategy
+reads (`--record-expert-distribution` writes them: moe/recorder.py).
 
 Legend: L MoE layers (by model layer index), E experts per layer, N GPU experts per layer.
 
@@ -10,12 +11,78 @@ Statistics file (JSON): {"format": "hybridmoe-expert-distribution", "version": 1
 from __future__ import annotations
 
 import json
+import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from hybridmoe.config import ConfigError, HybridConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
 STATS_FORMAT = "hybridmoe-expert-distribution"
+
+
+@dataclass(frozen=True)
+class HybridPlacement:
+    """The GPU/CPU split of every MoE layer as decided at startup; never changed afterwards (the
+    dynamic expert update changes the layers' own copies of their masks)."""
+
+    masks: dict[int, torch.Tensor]  # layer -> [E] bool, True = on the GPU (read-only)
+    moe_layers: tuple[int, ...]
+    num_deferred: int  # --kt-max-deferred-experts-per-token (the last MoE layer defers nothing)
+    gpu_backend: str  # the experts backend of the GPU side ("torch" | "triton")
+    prefill_threshold: int | None = None  # layerwise GPU prefill from this many tokens on (None: never)
+    dynamic_update: bool = False  # GPU/CPU expert swaps after each layerwise prefill
+
+    def defer_of(self, layer: int, num_deferred: int | None = None) -> int:
+        """Deferred experts per token of a MoE layer: none for the last one."""
+        d = self.num_deferred if num_deferred is None else num_deferred
+        return 0 if layer == self.moe_layers[-1] else d
+
+    def gpu_experts(self, layer: int) -> int:
+        return int(self.masks[layer].sum())
+
+
+def build_placement(cfg: HybridConfig, model: ModelConfig, device: torch.device,
+                    moe_backend: str | None = None) -> HybridPlacement | None:
+    """The split asked for by the flags; None when there is none (all experts on the GPU, or all
+    on the CPU engine without deferral or layerwise prefill off CUDA). `moe_backend` forces the GPU
+    side's backend (torch | triton)."""
+    if not cfg.split_requested:
+        return None
+    spec = model.spec
+    asked = cfg.num_gpu_experts
+    n_gpu = gpu_experts_per_layer(spec.num_experts, cfg.num_gpu_experts, cfg.gpu_experts_ratio)
+    if asked is not None and asked > spec.num_experts:
+        log.warning("--kt-num-gpu-experts %d is more than the %d routed experts per MoE layer of %s: using %d "
+                    "(every routed expert on the GPU side, none on the CPU engine)", asked, spec.num_experts,
+                    model.source, n_gpu)
+    threshold = cfg.gpu_prefill_token_threshold
+    # every expert on the CPU: the plain "cpu" backend, except on CUDA, where the hybrid layer
+    # (empty GPU side) drives the CPU from the CUDA stream and CUDA graphs stay on
+    if n_gpu == 0 and not cfg.max_deferred_experts_per_token and threshold is None and device.type != "cuda":
+        return None
+    try:
+        masks = place_experts(cfg.placement_strategy, list(spec.moe_layers), spec.num_experts, n_gpu,
+                              cfg.init_expert_location, cfg.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    gpu_backend = moe_backend if moe_backend in ("torch", "triton") else (
+        "triton" if device.type == "cuda" else "torch")
+    on_gpu = sum(int(m.sum()) for m in masks.values())
+    total = spec.num_experts * len(masks)
+    log.info("hybrid experts: %d of %d routed experts on the GPU side (%s placement, %s backend on %s), %d on the "
+             "CPU engine (%s); %d deferred per token", on_gpu, total, cfg.placement_strategy, gpu_backend,
+             device.type, total - on_gpu, cfg.method, cfg.max_deferred_experts_per_token)
+    if threshold is not None:
+        log.info("layerwise prefill: forwards of %d tokens or more compute every expert on the %s%s", threshold,
+                 device.type, "; dynamic expert update on (the CPU holds every expert)"
+                 if cfg.dynamic_expert_update else "")
+    return HybridPlacement(masks, tuple(spec.moe_layers), cfg.max_deferred_experts_per_token, gpu_backend,
+                           prefill_threshold=threshold, dynamic_update=cfg.dynamic_expert_update)
 
 
 def gpu_experts_per_layer(num_experts: int, num_gpu_experts: int | None, ratio: float | None) -> int:
@@ -80,26 +147,3 @@ def load_expert_counts(path: str, moe_layers: list[int], num_experts: int) -> di
     if missing:
         raise ValueError(f"--init-expert-location {p}: no counts for MoE layer(s) {missing}")
     return counts
-
-
-class ExpertDistributionRecorder:
-    """Accumulates per-layer expert activation counts on the device (no host sync per step) and
-    writes the statistics file."""
-
-    def __init__(self, path: str, num_experts: int) -> None:
-        self.path = path
-        self.num_experts = num_experts
-        self.counts: dict[int, torch.Tensor] = {}
-
-    def record(self, layer: int, topk_ids: torch.Tensor) -> None:  # topk_ids [T, K]
-        c = self.counts.get(layer)
-        if c is None:
-            c = self.counts[layer] = torch.zeros(self.num_experts, dtype=torch.int64, device=topk_ids.device)
-        c += torch.bincount(topk_ids.reshape(-1).long(), minlength=self.num_experts)
-
-    def dump(self) -> None:
-        data = {"format": STATS_FORMAT, "version": 1, "num_experts": self.num_experts,
-                "counts": {str(k): v.tolist() for k, v in sorted(self.counts.items())}}
-        tmp = Path(self.path).with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(self.path)

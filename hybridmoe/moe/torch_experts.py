@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts
+from hybridmoe.moe.options import ExpertsOptions
 
 _MAX_GATHER_ELEMS = 1 << 26  # bound on gathered weight elements per chunk (memory, not speed)
 
@@ -51,5 +52,5 @@ class TorchExperts(MoEExperts):
         return out.to(x.dtype)
 
 
-def make_torch_experts(weights: ExpertWeights, layer_idx: int, options: dict) -> MoEExperts:
+def make_torch_experts(weights: ExpertWeights, layer_idx: int, options: ExpertsOptions) -> MoEExperts:
     return TorchExperts(weights)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts
+from hybridmoe.moe.options import ExpertsOptions
 from hybridmoe.moe.triton_moe_kernels import MoEKernelConfig, choose_config, fused_moe
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -25,7 +26,7 @@ class TritonExperts(MoEExperts):
 
     name = "triton"
 
-    def __init__(self, weights: ExpertWeights, layer_idx: int, options: dict | None = None) -> None:
+    def __init__(self, weights: ExpertWeights, layer_idx: int, options: ExpertsOptions | None = None) -> None:
         if weights.activation != "silu":
             raise NotImplementedError(f"triton experts: activation {weights.activation!r} not supported")
         if weights.gate_up.dtype not in _SUPPORTED_DTYPES or weights.down.dtype != weights.gate_up.dtype:
@@ -34,8 +35,7 @@ class TritonExperts(MoEExperts):
         self.layer_idx = layer_idx
         self.gate_up = weights.gate_up.contiguous()  # [E, 2I, H]
         self.down = weights.down.contiguous()  # [E, H, I]
-        opts = options or {}
-        self.config: MoEKernelConfig | None = opts.get("config")
+        self.config: MoEKernelConfig | None = options.triton_config if options is not None else None
 
     def config_for(self, num_tokens: int, top_k: int) -> MoEKernelConfig:
         """Tile sizes used at this T (the forced one, a tuned one for this shape, or the heuristic)."""
@@ -59,7 +59,7 @@ class TritonExperts(MoEExperts):
         return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights, cfg)
 
 
-def make_triton_experts(weights: ExpertWeights, layer_idx: int, options: dict) -> MoEExperts:
+def make_triton_experts(weights: ExpertWeights, layer_idx: int, options: ExpertsOptions) -> MoEExperts:
     return TritonExperts(weights, layer_idx, options)
 
 

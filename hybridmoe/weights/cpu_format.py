@@ -363,8 +363,9 @@ class CPUWeightDir:
         return problems
 
 
-def open_cpu_weights(path: str, config, model_path: str, kt_method: str | None) -> CPUWeightDir:
-    """Open `--kt-weight-path` and check it against `--model` and `--kt-method`."""
+def open_cpu_weights(path: str, config, model_path: str, kt_method: str | None, spec=None) -> CPUWeightDir:
+    """Open `--kt-weight-path` and check it against `--model` (its ArchSpec `spec` when known) and
+    `--kt-method`."""
     d = CPUWeightDir(path)
-    d.check_model(config, model_path, kt_method)
+    d.check_model(config, model_path, kt_method, spec=spec)
     return d

@@ -127,15 +127,17 @@ def load_model(
     progress: bool = True,
     load_format: str = "auto",
     read_experts: bool = True,
+    spec: ArchSpec | None = None,
 ) -> MoECausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint.
 
     make_experts(weights, layer_idx) creates each MoE layer's experts backend; expert_device(layer)
     says where that layer's stacked expert tensors are assembled (default: `device`). With
     read_experts=False the routed experts are not read (the backend has them from elsewhere, e.g.
-    `--kt-weight-path`) and make_experts gets None.
+    `--kt-weight-path`) and make_experts gets None. `spec`: the architecture (ModelConfig.spec),
+    resolved from `config` when not given.
     """
-    spec = arch_spec(config, f"{model_path}/config.json")
+    spec = spec or arch_spec(config, f"{model_path}/config.json")
     index = DummyWeights() if load_format == "dummy" else SafetensorsIndex(model_path)
     max_position = max_position or getattr(config, "max_position_embeddings", 4096)
     with torch.device("meta"):

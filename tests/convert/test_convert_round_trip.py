@@ -47,7 +47,7 @@ def test_round_trip_equals_load_time_quantization(bf16_checkpoint, tmp_path, kin
     assert not (tmp_path / "cpu" / "progress.json").exists()
     at_load = _llm(src, method)
     converted = _llm(src, method, kt_weight_path=str(tmp_path / "cpu"))
-    assert converted.engine.runner._kt_weights is not None  # read from the directory, not quantized
+    assert converted.engine.runner.moe.kt_weights is not None  # read from the directory, not quantized
     for a, b in zip(_packed(at_load), _packed(converted), strict=True):  # the same bits ...
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(converted.prompt_logits(PROMPT), at_load.prompt_logits(PROMPT))  # ... the same logits

@@ -107,9 +107,12 @@ def test_set_num_deferred_switches_a_loaded_model(model, reference):
 def test_deferral_semantics_exact():
     """Two MoE layers: layer A's `d` lowest-weight CPU experts per token are left out of A's output
     and added to layer B's, exactly."""
-    from hybridmoe.config import EngineArgs
+    from hybridmoe.config import HybridConfig
     from hybridmoe.moe.experts import ExpertWeights
-    from hybridmoe.moe.hybrid import HybridExperts, HybridPlan
+    from hybridmoe.moe.hybrid import HybridExperts
+    from hybridmoe.moe.options import ExpertsOptions
+    from hybridmoe.moe.placement import HybridPlacement
+    from hybridmoe.moe.runtime import HybridRuntime
     from hybridmoe.moe.torch_experts import TorchExperts
 
     g = torch.Generator().manual_seed(0)
@@ -118,8 +121,8 @@ def test_deferral_semantics_exact():
                         (torch.randn(e, h, i, generator=g) * 0.2).bfloat16().float()) for _ in range(2)]
     mask = torch.zeros(e, dtype=torch.bool)
     mask[[1, 5, 7]] = True
-    plan = HybridPlan({0: mask, 3: mask}, [0, 3], d, "torch", torch.device("cpu"))
-    opts = dict(vars(EngineArgs(kt_method="BF16")), hybrid=plan)
+    rt = HybridRuntime(HybridPlacement({0: mask, 3: mask}, (0, 3), d, "torch"), torch.device("cpu"), None)
+    opts = ExpertsOptions(hybrid=HybridConfig(method="BF16"), runtime=rt)
     layers = [HybridExperts(w, layer, opts) for w, layer in zip(ws, (0, 3))]
     xs = [torch.randn(t, h, generator=g) for _ in range(2)]
     ids = [torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) for _ in range(2)]
@@ -134,7 +137,7 @@ def test_deferral_semantics_exact():
     ref_a = ref[0].forward(xs[0], ids[0], torch.where(later, 0.0, wts[0]))
     ref_b = ref[1].forward(xs[1], ids[1], wts[1]) + ref[0].forward(xs[0], ids[0], torch.where(later, wts[0], 0.0))
     assert later.any() and _rel(out_a, ref_a) < 1e-5 and _rel(out_b, ref_b) < 1e-5
-    assert plan.pending is None
+    assert rt.pending is None
 
 
 def test_bad_hybrid_options(model, tmp_path):
@@ -185,12 +188,11 @@ def _emulate_stream(monkeypatch) -> None:
     monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
 
 
-@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("deferred", [0, 1, 2])
-def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, gated):
+def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
     """The CUDA stream path's data flow (pinned buffers shared by alternating layers, the deferred
-    task reading the immediate task's x and w, both queued together, by a gated submit or one host
-    function, one host function waiting for a layer's task and the previous layer's deferred one)
+    task reading the immediate task's x and w, both queued together by gated submits, one host
+    function waiting for a layer's task and the previous layer's deferred one)
     on the CPU: host functions run inline, as the stream would run them in order, and go words are
     set by a plain copy. Same logits (fp32) and tokens as the Python-driven path."""
     from hybridmoe.cpu.engine import default_pool
@@ -205,7 +207,6 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, gated):
     ref_tokens = [o["output_ids"] for o in ref.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
     ref.shutdown()
     _emulate_stream(monkeypatch)
-    monkeypatch.setattr(cuda_bridge, "GATED_SUBMIT", gated)
     calls = {"pair_submit": 0, "pair_sync": 0}
     for name in ("enqueue_submit_with", "enqueue_result_with"):
         orig = getattr(cuda_bridge.StreamCPUTask, name)
@@ -295,38 +296,31 @@ def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("deferred", [0, 1])
-@pytest.mark.parametrize("graphs", [False, True])
-def test_stream_path_on_cuda(model, monkeypatch, graphs, deferred, gated):
-    """The CPU side driven from the CUDA stream (gated submits or submit host functions, wait host
-    functions), eager and captured in decode graphs, gives what the Python-driven path gives: same
-    greedy tokens, logits within 1e-3 (bf16 model on the GPU)."""
-    from hybridmoe.moe import cuda_bridge, hybrid
-
-    monkeypatch.setattr(cuda_bridge, "GATED_SUBMIT", gated)
-
+def test_stream_path_on_cuda(model, deferred):
+    """The CPU side driven from the CUDA stream (gated submits, wait host functions) captured in
+    decode graphs gives what the eager stream path gives: the same greedy tokens, single and
+    batched (the pinned buffers shared by the layers), and a replay queues its graph's CPU tasks
+    first. (The eager stream path against the Python-driven one: test_stream_path_logic_on_cpu; a
+    split against all experts on the GPU: test_split_on_cuda_matches_all_on_gpu.)"""
     prompt = torch.randint(0, 211, (50,), generator=torch.Generator().manual_seed(4)).tolist()
     opts = dict(device="cuda", dtype="bfloat16", progress=False, kt_method="BF16", kt_num_gpu_experts=4,
                 kt_max_deferred_experts_per_token=deferred, max_total_tokens=4096, cuda_graph_max_bs=4)
-    monkeypatch.setattr(hybrid, "USE_STREAM_HOST_FUNCTIONS", False)  # the Python-driven path
-    ref = LLM(str(model), disable_cuda_graph=True, **opts)
-    ref_logits = ref.prompt_logits(prompt)
-    ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
-    del ref
-    monkeypatch.setattr(hybrid, "USE_STREAM_HOST_FUNCTIONS", True)
-    llm = LLM(str(model), disable_cuda_graph=not graphs, **opts)
-    assert (llm.engine.runner.graphs is not None) == graphs
-    assert llm.engine.sampler.wait_event is not None  # the step's result is read sleeping
-    assert _rel(llm.prompt_logits(prompt), ref_logits) < 1e-3
-    assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
-    # a batch of 3 through the captured graphs (the pinned buffers shared by the layers)
     batch = [prompt[: 10 + 7 * i] for i in range(3)]
-    outs = [o["output_ids"] for o in llm.generate(input_ids=batch, sampling_params=GREEDY)]
-    single = [llm.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch]
-    assert outs == single
-    if graphs:  # a replay queues its graph's CPU tasks (gated), or its host functions do
-        assert bool(llm.engine.runner.graphs.programs) == gated
+    results = []
+    for graphs in (False, True):
+        llm = LLM(str(model), disable_cuda_graph=not graphs, **opts)
+        assert (llm.engine.runner.graphs is not None) == graphs
+        assert llm.engine.sampler.wait_event is not None  # the step's result is read sleeping
+        tokens = llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+        outs = [o["output_ids"] for o in llm.generate(input_ids=batch, sampling_params=GREEDY)]
+        single = [llm.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch]
+        assert outs == single
+        if graphs:
+            assert llm.engine.runner.graphs.before_replay  # the graphs' gated CPU tasks
+        results.append((tokens, outs))
+        llm.shutdown()
+    assert results[0] == results[1]
 
 
 @pytest.mark.gpu

@@ -15,12 +15,16 @@ import logging
 import pytest
 import torch
 
-from hybridmoe import LLM
-from hybridmoe.config import ConfigError, EngineArgs
+from hybridmoe import LLM, cuda_driver
+from hybridmoe.config import ConfigError, HybridConfig
+from hybridmoe.cpu import dequant
 from hybridmoe.cpu.quant import pack_layer
 from hybridmoe.moe import layerwise
 from hybridmoe.moe.experts import ExpertWeights
-from hybridmoe.moe.hybrid import HybridExperts, HybridPlan
+from hybridmoe.moe.hybrid import HybridExperts
+from hybridmoe.moe.options import ExpertsOptions
+from hybridmoe.moe.placement import HybridPlacement
+from hybridmoe.moe.runtime import HybridRuntime
 from hybridmoe.moe.torch_experts import TorchExperts
 
 from tiny_models import hf_model, make_tiny_model
@@ -50,9 +54,8 @@ def reference(model, tmp_path_factory):
     prompt = _prompt(50)
     logits = llm.prompt_logits(prompt)
     counts = {k: v.clone() for k, v in llm.engine.runner.recorder.counts.items()}
-    llm.engine.runner.recorder = None
-    for b in llm.engine.runner.model.moe_blocks():
-        b.recorder = None
+    for b in llm.engine.runner.model.moe_blocks():  # stop recording: unwrap the recording backend
+        b.experts = b.experts.inner
     tokens = llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
     short = _prompt(10, seed=7)
     short_tokens = llm.generate(input_ids=short, sampling_params=GREEDY)["output_ids"]
@@ -64,8 +67,13 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def _plan(llm: LLM) -> HybridPlan:
+def _plan(llm: LLM) -> HybridRuntime:
     return llm.engine.runner.hybrid
+
+
+def _masks(llm: LLM) -> dict[int, torch.Tensor]:
+    """Each hybrid layer's current GPU mask (the dynamic update changes them)."""
+    return {b.layer_idx: b.experts.mask for b in llm.engine.runner.model.moe_blocks()}
 
 
 # ---- (a) device-agnostic dequantization == quant.py's reference -----------------------------------
@@ -80,11 +88,11 @@ def test_dequantize_matches_reference(method, group, sym, hidden, inter, monkeyp
     p = pack_layer(torch.randn(5, 2 * inter, hidden, generator=g), torch.randn(5, hidden, inter, generator=g),
                    method, group_size=group, symmetric=sym)
     ref_gu, ref_dn = p.dequantized()  # fp32
-    for chunk in (layerwise.DEQUANT_CHUNK_ELEMS, 2 * p.inter_pad * p.hidden_pad * 2):  # one pass; 2 experts a pass
-        monkeypatch.setattr(layerwise, "DEQUANT_CHUNK_ELEMS", chunk)
-        gu, dn = layerwise.dequantize_layer(p, "cpu", torch.float32)
+    for chunk in (dequant.DEQUANT_CHUNK_ELEMS, 2 * p.inter_pad * p.hidden_pad * 2):  # one pass; 2 experts a pass
+        monkeypatch.setattr(dequant, "DEQUANT_CHUNK_ELEMS", chunk)
+        gu, dn = dequant.dequantize_layer(p, "cpu", torch.float32)
         assert torch.equal(gu, ref_gu) and torch.equal(dn, ref_dn)  # bit for bit
-        gu, dn = layerwise.dequantize_layer(p, "cpu", torch.bfloat16)
+        gu, dn = dequant.dequantize_layer(p, "cpu", torch.bfloat16)
         assert torch.equal(gu, ref_gu.bfloat16()) and torch.equal(dn, ref_dn.bfloat16())  # one rounding
 
 
@@ -101,9 +109,10 @@ def _layer_setup(method: str, n_gpu_ids: list[int]):
                       (torch.randn(e, h, i, generator=g) * 0.2).bfloat16().float())
     mask = torch.zeros(e, dtype=torch.bool)
     mask[n_gpu_ids] = True
-    plan = HybridPlan({0: mask}, [0], 0, "torch", torch.device("cpu"), prefill_threshold=1)
-    opts = dict(vars(EngineArgs(kt_method=method)), hybrid=plan, group_size=32, int4_symmetric=False)
+    plan = HybridRuntime(HybridPlacement({0: mask}, (0,), 0, "torch", prefill_threshold=1), torch.device("cpu"), None)
+    opts = ExpertsOptions(hybrid=HybridConfig(method=method, group_size=32, int4_symmetric=False), runtime=plan)
     layer = HybridExperts(w, 0, opts)
+    plan.attach({0: layer})
     return plan, layer, w, mask
 
 
@@ -120,7 +129,7 @@ def test_layerwise_layer_uses_the_dequantized_weights(method):
     dq_gu, dq_dn = layer.cpu.layer.packed.dequantized()  # [Ec, ...] fp32, CPU-resident experts in order
     mixed = ExpertWeights(w.gate_up.clone(), w.down.clone())
     mixed.gate_up[~mask], mixed.down[~mask] = dq_gu, dq_dn
-    with plan.layerwise_forward(t):
+    with plan.forward_scope(t):
         out = layer.forward(x, ids, wts)
     assert _rel(out, TorchExperts(mixed).forward(x, ids, wts)) < 1e-6
     assert plan.layerwise.num_forwards == 1
@@ -143,9 +152,9 @@ def test_page_lock_registers_each_page_once(monkeypatch):
             return 0
 
     drv = FakeDriver()
-    monkeypatch.setattr(layerwise, "_cuda_driver", lambda: drv)
-    monkeypatch.setattr(layerwise, "_locked", [])
-    page = layerwise.mmap.PAGESIZE
+    monkeypatch.setattr(cuda_driver, "libcuda", lambda: drv)
+    monkeypatch.setattr(cuda_driver, "_locked", [])
+    page = cuda_driver.mmap.PAGESIZE
     buf = torch.empty(8 * page, dtype=torch.uint8)
     base = -(-buf.data_ptr() // page) * page - buf.data_ptr()  # offset of the first page boundary
 
@@ -154,17 +163,17 @@ def test_page_lock_registers_each_page_once(monkeypatch):
 
     a, b = Owner(), Owner()
     t1, t2 = buf[base:base + page + 10], buf[base + page + 20:base + 3 * page]  # share page 1
-    assert layerwise.page_lock(a, [t1, t2], torch.device("cpu"))
+    assert cuda_driver.page_lock(a, [t1, t2], torch.device("cpu"))
     p0 = buf.data_ptr() + base
     assert calls == [("reg", p0, 3 * page)]
     t3 = buf[base + 2 * page + 5:base + 5 * page]  # overlaps page 2 (already registered)
-    assert layerwise.page_lock(b, [t3], torch.device("cpu"))
+    assert cuda_driver.page_lock(b, [t3], torch.device("cpu"))
     assert calls[1:] == [("reg", p0 + 3 * page, 2 * page)]
-    assert layerwise.page_lock(b, [t1], torch.device("cpu")) and len(calls) == 2  # nothing new
+    assert cuda_driver.page_lock(b, [t1], torch.device("cpu")) and len(calls) == 2  # nothing new
     del a
-    assert calls[2] == ("unreg", p0, 0) and layerwise._locked == [(p0 + 3 * page, p0 + 5 * page)]
+    assert calls[2] == ("unreg", p0, 0) and cuda_driver._locked == [(p0 + 3 * page, p0 + 5 * page)]
     drv.fail = 1
-    assert not layerwise.page_lock(Owner(), [buf[base + 6 * page:base + 7 * page]], torch.device("cpu"))
+    assert not cuda_driver.page_lock(Owner(), [buf[base + 6 * page:base + 7 * page]], torch.device("cpu"))
 
 
 # ---- (b) threshold below the prompt length ------------------------------------------------------
@@ -240,15 +249,17 @@ def test_layerwise_collects_work_deferred_by_an_interrupted_forward():
                         (torch.randn(e, h, i, generator=g) * 0.2).bfloat16().float()) for _ in range(2)]
     mask = torch.zeros(e, dtype=torch.bool)
     mask[[1, 5, 7]] = True
-    plan = HybridPlan({0: mask, 3: mask.clone()}, [0, 3], 2, "torch", torch.device("cpu"), prefill_threshold=8)
-    opts = dict(vars(EngineArgs(kt_method="BF16")), hybrid=plan)
+    plan = HybridRuntime(HybridPlacement({0: mask, 3: mask.clone()}, (0, 3), 2, "torch", prefill_threshold=8),
+                         torch.device("cpu"), None)
+    opts = ExpertsOptions(hybrid=HybridConfig(method="BF16"), runtime=plan)
     layers = [HybridExperts(w, layer, opts) for w, layer in zip(ws, (0, 3))]
+    plan.attach(dict(zip((0, 3), layers)))
     x = torch.randn(t, h, generator=g)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     wts = torch.rand(t, k, generator=g)
     layers[0].forward(x, ids, wts)  # a forward that stops after the first layer: deferred work pending
     assert plan.pending is not None
-    with plan.layerwise_forward(t) as on:
+    with plan.forward_scope(t) as on:
         assert on and plan.pending is None  # collected (and dropped) first
         outs = [lay.forward(x, ids, wts) for lay in layers]
     for out, w in zip(outs, ws):
@@ -263,7 +274,7 @@ def test_dynamic_update(model, reference, caplog):
     plan = _plan(llm)
     blocks = {b.layer_idx: b.experts for b in llm.engine.runner.model.moe_blocks()}
     assert all(lay.cpu.layer.packed.num_experts == 10 for lay in blocks.values())  # the CPU holds every expert
-    before = {k: m.clone() for k, m in plan.masks.items()}
+    before = {k: m.clone() for k, m in _masks(llm).items()}
     with caplog.at_level(logging.INFO):
         out = llm.generate(input_ids=reference["prompt"], sampling_params=GREEDY)["output_ids"]
     assert out == reference["tokens"]  # the prefill moved experts; decode math is the same
@@ -275,7 +286,7 @@ def test_dynamic_update(model, reference, caplog):
         for e_in, e_out, c_in, c_out in moved:
             assert not before[layer][e_in] and before[layer][e_out]
             assert c_in == counts[e_in] and c_out == counts[e_out] and c_in > c_out
-    for layer, m in plan.masks.items():
+    for layer, m in _masks(llm).items():
         lay, counts = blocks[layer], reference["counts"][layer]
         assert int(m.sum()) == 3 and lay.gpu_w.gate_up.shape[0] == 3  # as many GPU experts as before
         assert counts[m].min() >= counts[~m].max()  # the GPU now holds the prompt's most-used experts
@@ -284,12 +295,12 @@ def test_dynamic_update(model, reference, caplog):
         assert lay.cpu_local.tolist() == [-1 if on else e for e, on in enumerate(m.tolist())]
         assert lay.stream_local[~m].tolist() == list(range(7)) and (lay.stream_local[m] == -1).all()
         assert lay.runs == layerwise.stream_runs(m, full_layer=True)
-    assert any(not torch.equal(before[k], plan.masks[k]) for k in before)
+    assert any(not torch.equal(before[k], _masks(llm)[k]) for k in before)
     # the moved experts' weights: each GPU slot holds its expert's checkpoint weights
     ref_blocks = {b.layer_idx: b.experts for b in LLM(model, device="cpu", progress=False).engine.runner.model
                   .moe_blocks()}
     for layer, lay in blocks.items():
-        on = plan.masks[layer].nonzero().flatten()
+        on = _masks(llm)[layer].nonzero().flatten()
         assert torch.equal(lay.gpu_w.gate_up[lay.gpu_local[on].long()], ref_blocks[layer].w.gate_up[on])
         assert torch.equal(lay.gpu_w.down[lay.gpu_local[on].long()], ref_blocks[layer].w.down[on])
     # later work, short (CPU engine path with evicted experts) and long, still gives the reference
@@ -355,7 +366,7 @@ def test_layerwise_on_cuda(model, method, n_gpu):
     llm = LLM(model, kt_method=method, kt_num_gpu_experts=n_gpu, kt_gpu_prefill_token_threshold=16, **opts)
     for b in llm.engine.runner.model.moe_blocks():
         if b.experts.cpu is not None:
-            assert b.experts.pinned and all(layerwise.is_page_locked(t) for t in b.experts.packed_parts.values())
+            assert b.experts.pinned and all(cuda_driver.is_page_locked(t) for t in b.experts.packed_parts.values())
     assert _rel(llm.prompt_logits(prompt), ref_logits) < tol
     out = llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
     if method == "BF16":
@@ -397,14 +408,14 @@ def test_dynamic_update_on_cuda(model, graphs):
               kt_enable_dynamic_expert_update=True, disable_cuda_graph=not graphs, **opts)
     assert (llm.engine.runner.graphs is not None) == graphs
     plan = _plan(llm)
-    before = {k: m.clone() for k, m in plan.masks.items()}
+    before = {k: m.clone() for k, m in _masks(llm).items()}
     counts = _router_counts(llm, prompt)
     assert plan.layerwise.last_swaps
     for layer, moved in plan.layerwise.last_swaps.items():
         for e_in, e_out, c_in, c_out in moved:
             assert not before[layer][e_in] and before[layer][e_out]
             assert c_in == counts[layer][e_in] and c_out == counts[layer][e_out] and c_in > c_out
-    for layer, m in plan.masks.items():
+    for layer, m in _masks(llm).items():
         assert int(m.sum()) == 3 and counts[layer][m].min() >= counts[layer][~m].max()
     assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
     assert llm.generate(input_ids=short, sampling_params=GREEDY)["output_ids"] == ref_short

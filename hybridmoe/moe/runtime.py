@@ -1,0 +1,152 @@
+"""The per-forward state that the hybrid MoE layers of one model share, and the runner's view of it.
+
+Legend: T tokens, K top-k, H hidden.
+
+`HybridRuntime` is created by the model runner from the frozen `HybridPlacement` and handed to
+every hybrid MoE layer at construction (ExpertsOptions.runtime); the runner attaches the built
+layers once the model is loaded. It holds:
+- the deferral chain: the CPU work a MoE layer deferred, collected by the next MoE layer;
+- the pinned host buffers the CUDA stream path copies through (shared by alternating layers);
+- the layerwise-prefill driver (moe/layerwise.py) and whether a layerwise forward is running;
+- the gated-submit recorder used while a decode CUDA graph is captured;
+- the CPU error check after a step.
+The runner talks to it only through the `MoEHooks` interface (engine/hooks.py): capture,
+before-replay, forward scope, blocking sync wanted, check errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridmoe.engine.hooks import CaptureRecord, MoEHooks
+from hybridmoe.moe.cuda_bridge import GatedSubmitter, PinnedIO, SubmitProgram
+from hybridmoe.moe.layerwise import LayerwisePrefill
+from hybridmoe.moe.placement import HybridPlacement
+
+if TYPE_CHECKING:
+    from hybridmoe.cpu.engine import CPUThreadPool
+    from hybridmoe.moe.cpu_experts import CPUExperts
+    from hybridmoe.moe.cuda_bridge import StreamCPUTask
+    from hybridmoe.moe.hybrid import HybridExperts
+
+
+@dataclass
+class HostDeferred:
+    """Deferred CPU work driven from Python (the CPU device): a task writing a host buffer."""
+
+    experts: CPUExperts
+    task: int
+    out: torch.Tensor  # [T, H] float32 host
+
+    def collect(self, device: torch.device) -> torch.Tensor:  # [T, H] float32
+        self.experts.sync(self.task)
+        return self.out.to(device)
+
+    def drop(self, device: torch.device) -> None:
+        self.experts.sync(self.task)
+
+
+@dataclass
+class StreamDeferred:
+    """Deferred CPU work driven from the CUDA stream: its wait is a stream host function."""
+
+    task: StreamCPUTask
+    t: int  # tokens
+
+    def collect(self, device: torch.device) -> torch.Tensor:  # [T, H] float32, stream-ordered
+        return self.task.enqueue_result(self.t, device)
+
+    def drop(self, device: torch.device) -> None:
+        self.task.enqueue_result(self.t, device)  # stream-ordered wait; the output is not used
+
+
+class HybridRuntime(MoEHooks):
+    """Shared, mutable, per-forward state of a model's hybrid MoE layers (see the module docstring)."""
+
+    def __init__(self, placement: HybridPlacement, device: torch.device, pool: CPUThreadPool | None,
+                 blocking_sync: bool = True) -> None:
+        self.placement = placement
+        self.device = device
+        self.moe_layers = placement.moe_layers
+        self.pool = pool
+        self.num_deferred = placement.num_deferred
+        self.blocking_sync = blocking_sync and device.type == "cuda"
+        self.pending: HostDeferred | StreamDeferred | None = None  # the previous MoE layer's deferred work
+        self.layerwise_active = False  # set by forward_scope for the duration of one layerwise forward
+        self.layers: dict[int, HybridExperts] = {}  # attached by the runner after loading
+        self._pinned: dict[tuple[int, int, int], PinnedIO] = {}  # (parity, slot, cap) -> buffers
+        self.submitter = GatedSubmitter()  # the layers' stream tasks queue (or, during a capture, record) through it
+        self.layerwise = LayerwisePrefill(self) if placement.prefill_threshold is not None else None
+
+    def attach(self, layers: Mapping[int, HybridExperts]) -> None:
+        """The model's hybrid MoE layers by layer index (layerwise prefill and deferral changes need them)."""
+        self.layers = dict(layers)
+
+    # ---- deferral chain ----
+    def collect_pending(self) -> None:
+        """Waits for deferred CPU work left by an interrupted forward and drops its output."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.drop(self.device)
+
+    def set_num_deferred(self, num_deferred: int) -> None:
+        """Change every layer's deferral on a loaded model (benchmarks compare settings without
+        reloading); decode CUDA graphs captured before must be captured again."""
+        self.collect_pending()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.num_deferred = num_deferred
+        for idx, layer in self.layers.items():
+            layer.set_defer(self.placement.defer_of(idx, num_deferred))
+
+    # ---- buffers of the CUDA stream path ----
+    def pinned_io(self, layer_idx: int, slot: int, cap: int, k: int, hidden: int, dtype: torch.dtype) -> PinnedIO:
+        """Pinned buffers for a layer's CPU task (slot 0: now, 1: deferred), shared by every other
+        MoE layer: layer L's deferred task still reads its buffers while layer L+1 runs, and is
+        collected before layer L+2 writes them (stream order)."""
+        key = (self.moe_layers.index(layer_idx) % 2, slot, cap)
+        io = self._pinned.get(key)
+        if io is None:
+            io = self._pinned[key] = PinnedIO(cap, k, hidden, dtype)
+        return io
+
+    # ---- MoEHooks: what the model runner calls ----
+    @contextmanager
+    def capture(self) -> Iterator[CaptureRecord]:
+        """Around one CUDA graph capture: the gated submits of the captured forward are recorded;
+        `record.before_replay` queues them, in order, with one native call."""
+        record = CaptureRecord()
+        with self.submitter.recording() as submits:
+            yield record
+        if submits:
+            record.before_replay = SubmitProgram(submits).submit
+
+    @contextmanager
+    def forward_scope(self, num_tokens: int) -> Iterator[bool]:
+        """Around one eager forward of `num_tokens` tokens: layerwise (yields True) when the threshold
+        is set and reached; never used around CUDA graph capture or replay."""
+        threshold = self.placement.prefill_threshold
+        if self.layerwise is None or threshold is None or num_tokens < threshold:
+            yield False
+            return
+        self.collect_pending()
+        self.layerwise.begin()
+        self.layerwise_active = True
+        try:
+            yield True
+        finally:
+            self.layerwise_active = False
+            self.layerwise.end()
+
+    def check_errors(self) -> None:
+        """Raise (CPUMoEError) the first error of the CPU expert tasks finished since the last check.
+        Tasks run from the CUDA stream (host functions, graph replays) cannot raise where they run:
+        the engine calls this after each step's sampled ids are read, so a failed step fails its
+        requests instead of returning tokens computed from stale CPU outputs."""
+        if self.pool is not None:  # does not wait for running tasks
+            self.pool.sync(max_pending=1 << 62)
