@@ -15,10 +15,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridmoe.registry import Registry
+
+if TYPE_CHECKING:
+    from hybridmoe.moe.options import ExpertsOptions
 
 
 @dataclass
@@ -57,8 +61,9 @@ class MoEExperts(ABC):
         """Weighted sum over each token's selected experts."""
 
 
-# factory(weights, layer_idx, options) -> backend; options are engine-level settings.
-ExpertsFactory = Callable[[ExpertWeights, int, dict], MoEExperts]
+# factory(weights, layer_idx, options) -> backend; options: the typed engine-level settings
+# (moe/options.py ExpertsOptions).
+ExpertsFactory = Callable[[ExpertWeights, int, "ExpertsOptions"], MoEExperts]
 # name -> factory; the built-in backends are registered by the package (moe/__init__.py) and
 # imported on first use, so this interface imports none of them.
 EXPERTS_BACKENDS: Registry[ExpertsFactory] = Registry("MoE experts backend")
@@ -75,6 +80,11 @@ def available_experts_backends() -> list[str]:
     return EXPERTS_BACKENDS.available()
 
 
-def create_experts(name: str, weights: ExpertWeights, layer_idx: int, options: dict | None = None) -> MoEExperts:
+def create_experts(name: str, weights: ExpertWeights, layer_idx: int,
+                   options: ExpertsOptions | None = None) -> MoEExperts:
     """A new experts backend `name` for one layer (UnknownNameError / FactoryLoadError otherwise)."""
-    return EXPERTS_BACKENDS.get(name)(weights, layer_idx, options or {})
+    if options is None:
+        from hybridmoe.moe.options import ExpertsOptions
+
+        options = ExpertsOptions()
+    return EXPERTS_BACKENDS.get(name)(weights, layer_idx, options)
