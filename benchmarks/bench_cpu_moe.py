@@ -7,12 +7,15 @@ same process with the library's own thread pool. Writes JSON with --out.
 
   python benchmarks/bench_cpu_moe.py --method AMXINT8 --out results.json
   (default layer: Qwen3-30B-A3B, E=128 k=8 H=2048 I=768)
+
+--prefetch 0,512,2048 compares software prefetch distances (CPUEngineSettings.prefetch_bytes): a
+pool is created for each (the setting is fixed for a pool's life).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import json
 import os
 import platform
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridmoe.cpu import native  # noqa: E402
 from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool  # noqa: E402
 from hybridmoe.cpu.quant import PackedLayer, PackedMatrix, pack_layer  # noqa: E402
+from hybridmoe.cpu.settings import CPUEngineSettings  # noqa: E402
 
 DEFAULT_T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 
@@ -58,37 +62,13 @@ def expert_bytes(p: PackedLayer) -> float:
     return sum(t.numel() * t.element_size() for t in p.tensors().values()) / p.num_experts
 
 
-def run(args) -> dict:
-    torch.manual_seed(0)
+def run_pool(args, pool: CPUThreadPool, layers: list[CPUMoELayer], stream: float, probes: list[float],
+             ebytes: float) -> list[dict]:
+    """The rows of every T on one pool (its settings fixed); appends its stream probes to `probes`."""
     e, k, h, i = args.E, args.k, args.H, args.I
-    pool = CPUThreadPool(args.threads, args.threadpool_count)
-    t0 = time.time()
-    gu = torch.randn(e, 2 * i, h) / h**0.5
-    dn = torch.randn(e, h, i) / i**0.5
-    base = pack_layer(gu, dn, args.method, group_size=args.group_size, symmetric=not args.asym)
-    del gu, dn
-    packs = [base] + [clone_layer(base) for _ in range(args.layers - 1)]
-    layers = [CPUMoELayer(p, isa=args.isa, pool=pool) for p in packs]
-    prep_s = time.time() - t0
-    torch.set_num_threads(1)  # torch's idle OpenMP workers must not spin on the pool's cores
-    ebytes = expert_bytes(base)
-    stream = pool.stream_read_gbps(args.stream_bytes, 10)
-    print(
-        f"# method={args.method} isa={layers[0].isa} threads={pool.threads} subpools={pool.subpools} "
-        f"E={e} k={k} H={h} I={i} layers={args.layers} expert={ebytes / 1e6:.2f} MB prep={prep_s:.1f}s"
-    )
-    print(f"# stream-read bandwidth (library pool, {args.stream_bytes >> 20} MiB): {stream:.1f} GB/s")
-    print(f"{'T':>6} {'us/layer':>10} {'GB/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'experts':>8} {'stream':>7} {'pf':>6} "
-          f"{'itemKB':>6} {'guided':>6}")
+    pf = pool.settings.prefetch_bytes
     rows = []
-    probes = [stream]
-    prefetch = args.prefetch if args.prefetch is not None else [native.lib().hm_get_prefetch()]
-    items = args.item_kb if args.item_kb is not None else [native.lib().hm_get_item_bytes() // 1024]
-    guided = args.guided if args.guided is not None else [native.lib().hm_get_guided()]
-    for pf, ikb, gd, t in itertools.product(prefetch, items, guided, args.T):
-        native.lib().hm_set_prefetch(pf)
-        native.lib().hm_set_item_bytes(ikb * 1024)
-        native.lib().hm_set_guided(gd)
+    for t in args.T:
         # the probe read 94-147 GB/s minutes apart on one machine: each row gets its own, taken
         # right before it, and the ratio is to the median of the first and that one
         probe = pool.stream_read_gbps(args.stream_bytes, 5)
@@ -132,8 +112,6 @@ def run(args) -> dict:
             {
                 "T": t,
                 "prefetch": pf,
-                "item_kb": ikb,
-                "guided": gd,
                 "phase_us": phases,
                 "us_per_layer": med * 1e6,
                 "eff_bw_gbps": bw,
@@ -147,8 +125,43 @@ def run(args) -> dict:
         ph = " ".join(f"{k}={v:.0f}" for k, v in phases.items()) if args.profile else ""
         print(
             f"{t:>6} {med * 1e6:>10.1f} {bw:>8.1f} {bw / ref_bw:>6.2f} {tflops:>8.2f} {experts:>8.1f} "
-            f"{ref_bw:>7.1f} {pf:>6} {ikb:>6} {gd:>6}  {ph}", flush=True
+            f"{ref_bw:>7.1f} {pf:>6}  {ph}", flush=True
         )
+    return rows
+
+
+def run(args) -> dict:
+    torch.manual_seed(0)
+    e, k, h, i = args.E, args.k, args.H, args.I
+    prefetch = args.prefetch if args.prefetch is not None else [CPUEngineSettings().prefetch_bytes]
+    settings = [dataclasses.replace(CPUEngineSettings(), prefetch_bytes=pf) for pf in prefetch]  # validated here
+    pool = CPUThreadPool(args.threads, args.threadpool_count, settings=settings[0])
+    t0 = time.time()
+    gu = torch.randn(e, 2 * i, h) / h**0.5
+    dn = torch.randn(e, h, i) / i**0.5
+    base = pack_layer(gu, dn, args.method, group_size=args.group_size, symmetric=not args.asym)
+    del gu, dn
+    packs = [base] + [clone_layer(base) for _ in range(args.layers - 1)]
+    layers = [CPUMoELayer(p, isa=args.isa, pool=pool) for p in packs]
+    prep_s = time.time() - t0
+    torch.set_num_threads(1)  # torch's idle OpenMP workers must not spin on the pool's cores
+    ebytes = expert_bytes(base)
+    stream = pool.stream_read_gbps(args.stream_bytes, 10)
+    print(
+        f"# method={args.method} isa={layers[0].isa} threads={pool.threads} subpools={pool.subpools} "
+        f"E={e} k={k} H={h} I={i} layers={args.layers} expert={ebytes / 1e6:.2f} MB prep={prep_s:.1f}s"
+    )
+    print(f"# stream-read bandwidth (library pool, {args.stream_bytes >> 20} MiB): {stream:.1f} GB/s")
+    print(f"{'T':>6} {'us/layer':>10} {'GB/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'experts':>8} {'stream':>7} {'pf':>6}")
+    rows = []
+    probes = [stream]
+    for st in settings:
+        if st is not settings[0]:  # another prefetch distance: a pool (and layers on it) of its own
+            del layers
+            pool.close()
+            pool = CPUThreadPool(args.threads, args.threadpool_count, settings=st)
+            layers = [CPUMoELayer(p, isa=args.isa, pool=pool) for p in packs]
+        rows += run_pool(args, pool, layers, stream, probes, ebytes)
     # The machine's read bandwidth moved between probes of one run (82-150 GB/s seen on the H200
     # host): the conservative ceiling is the best any probe of the run saw.
     best = max(probes)
@@ -172,6 +185,7 @@ def run(args) -> dict:
             "group_size": args.group_size,
             "asym": args.asym,
             "layers": args.layers,
+            "settings": [dataclasses.asdict(st) for st in settings],  # one pool each
             "expert_bytes": ebytes,
             "host": platform.node(),
             "cpu_count": os.cpu_count(),
@@ -202,12 +216,8 @@ def main(argv=None):
     ap.add_argument("--max-iters", type=int, default=200)
     ap.add_argument("--stream-bytes", type=int, default=1 << 30)
     ap.add_argument("--profile", action="store_true", help="print mean us per phase")
-    ap.add_argument("--item-kb", type=lambda s: [int(v) for v in s.split(",")], default=None,
-                    help="few-row GEMM item sizes to compare, KiB (0: the fixed widths; default: the library's)")
-    ap.add_argument("--guided", type=lambda s: [int(v) for v in s.split(",")], default=None,
-                    help="GEMM item claiming to compare: 0 one item per claim, d>0 guided (default: the library's)")
     ap.add_argument("--prefetch", type=lambda s: [int(v) for v in s.split(",")], default=None,
-                    help="software prefetch distances (bytes) to compare, e.g. 0,512,2048 (default: the library's)")
+                    help="software prefetch distances (bytes) to compare, e.g. 0,512,2048 (default: CPUEngineSettings')")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     res = run(args)

@@ -35,6 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import add_shape_args, start_decode, write_config  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hybridmoe.cpu.settings import CPUEngineSettings  # noqa: E402
+
 
 def cpu_expert_bytes_per_token(model, topk: int) -> tuple[float, int]:
     """(expected CPU expert bytes per token, packed bytes of one CPU expert)."""
@@ -91,11 +94,9 @@ def main() -> None:
     p.add_argument("--batched-steps", type=int, default=32, help="decode steps with graphs on at batch > 1")
     p.add_argument("--blocking-sync", default="on",
                    help="on,off: read each step's result sleeping (the engine's default) and/or spinning")
-    p.add_argument("--hostfn-spin-us", type=lambda v: [int(x) for x in v.split(",")], default=[0],
-                   help="host-function waits spin this long before sleeping, e.g. 1000,0 (-1: the pool's spin)")
-    p.add_argument("--submit", default="gated",
-                   help="gated,hostfn: CPU tasks started by a go word the stream sets (the default) and/or by a "
-                        "host function (graphs are captured again for each)")
+    p.add_argument("--hostfn-spin-us", type=int, default=CPUEngineSettings().hostfn_spin_us,
+                   help="CPUEngineSettings.hostfn_spin_us: host-function waits spin this long before sleeping "
+                        "(-1: the pool's spin); fixed for the run (the CPU pool's setting)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole grid this many times, interleaved (the host's bandwidth drifts); the "
                         "summary gives each setting's median")
@@ -104,11 +105,9 @@ def main() -> None:
     a = p.parse_args()
 
     from hybridmoe import LLM
-    from hybridmoe.cpu import native
     from hybridmoe.cpu.engine import default_pool
     from hybridmoe.cpu.trace import format_summary
     from hybridmoe.engine.cuda_graph import DecodeGraphs
-    from hybridmoe.moe import cuda_bridge
 
     results = {"shape": vars(a), "runs": []}
     with tempfile.TemporaryDirectory() as d:
@@ -119,6 +118,7 @@ def main() -> None:
         llm = LLM(d, device=a.device, dtype="bfloat16" if cuda else "float32", load_format="dummy", progress=False,
                   skip_tokenizer_init=True, kt_method=a.method, kt_num_gpu_experts=a.gpu_experts,
                   kt_cpuinfer=a.cpuinfer, kt_max_deferred_experts_per_token=a.deferred[0],
+                  cpu_engine=CPUEngineSettings(hostfn_spin_us=a.hostfn_spin_us),
                   disable_cuda_graph="on" not in a.graphs, cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
                   max_total_tokens=max_bs * (a.prompt_len + a.steps + 64), context_length=4096)
         print(f"model ready in {time.perf_counter() - t:.1f} s", flush=True)
@@ -129,15 +129,14 @@ def main() -> None:
         bound = bw / bpt
         print(f"CPU stream read {bw / 1e9:.1f} GB/s; CPU expert bytes/token {bpt / 1e9:.3f} GB "
               f"({per_expert / 1e6:.2f} MB per expert) -> bound {bound:.1f} tok/s", flush=True)
-        current = (cuda_bridge.GATED_SUBMIT, runner.hybrid.num_deferred)
-        for rep, submit, deferred in itertools.product(range(a.repeat), a.submit.split(","), a.deferred):
-            want = (submit == "gated", deferred)
+        current = runner.hybrid.num_deferred
+        for rep, deferred in itertools.product(range(a.repeat), a.deferred):
+            want = deferred
             if want != current:  # same model, other setting: tasks rebuilt, graphs captured again
                 runner.graphs = None
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
-                cuda_bridge.GATED_SUBMIT = want[0]
                 runner.hybrid.set_num_deferred(deferred)
                 if "on" in a.graphs:
                     runner.graphs = DecodeGraphs(runner, max_bs)
@@ -148,12 +147,12 @@ def main() -> None:
                 if mode == "on" and graphs is None:
                     continue
                 runner.graphs = graphs if mode == "on" else None
-                for b, blocking, spin in itertools.product(a.batch, a.blocking_sync.split(","), a.hostfn_spin_us):
+                spin = default_pool().native_settings().hostfn_spin_us  # what the pool got from the config
+                for b, blocking in itertools.product(a.batch, a.blocking_sync.split(",")):
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
                     # the step's result read sleeping (the engine's default) or spinning
                     llm.engine.sampler.wait_event = torch.cuda.Event(blocking=True) if blocking == "on" and cuda else None
-                    native.lib().hm_set_hostfn_spin_us(spin)
-                    row = {"rep": rep, "submit": submit, "deferred": deferred, "graphs": mode, "batch": b,
+                    row = {"rep": rep, "deferred": deferred, "graphs": mode, "batch": b,
                            "steps": steps, "blocking_sync": blocking, "hostfn_spin_us": spin,
                            **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     if b == 1:
@@ -170,9 +169,7 @@ def main() -> None:
                         Path(a.out).write_text(json.dumps(results, indent=2))
                     extra = (f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f} (adjacent probes "
                              f"{row['ratio_to_adjacent_bound']:.2f})") if b == 1 else ""
-                    bl = f" {submit:6s}" if "," in a.submit else ""
-                    bl += "" if a.blocking_sync == "on" else f" blocking-sync {blocking:3s}"
-                    bl += "" if a.hostfn_spin_us == [0] else f" hostfn-spin {spin:5d} us"
+                    bl = "" if a.blocking_sync == "on" else f" blocking-sync {blocking:3s}"
                     print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
@@ -187,20 +184,20 @@ def main() -> None:
     for row in results["runs"]:
         if row["batch"] == 1:
             row["ratio_to_best_probe_bound"] = row["tokens_per_s"] * bpt / (best * 1e9)
-        key = tuple(row[k] for k in ("submit", "deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us"))
+        key = tuple(row[k] for k in ("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us"))
         groups.setdefault(key, []).append(row)
     print(f"best probe of the run {best:.1f} GB/s -> bound {best * 1e9 / bpt:.1f} tok/s; probes "
           f"{', '.join(f'{v:.0f}' for v in probes)}")
     results["summary"] = []
     for key, rows in groups.items():
         med = statistics.median(r["tokens_per_s"] for r in rows)
-        entry = dict(zip(("submit", "deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us"),
+        entry = dict(zip(("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us"),
                          key), runs=len(rows), median_tokens_per_s=med,
                      tokens_per_s=[r["tokens_per_s"] for r in rows])
-        line = (f"submit {key[0]:6s} deferred {key[1]} graphs {key[2]:3s} batch {key[3]:3d} blocking-sync {key[4]:3s} "
-                f"hostfn-spin {key[5]}: median {med:.1f} tok/s of {len(rows)} "
+        line = (f"deferred {key[0]} graphs {key[1]:3s} batch {key[2]:3d} blocking-sync {key[3]:3s} "
+                f"hostfn-spin {key[4]}: median {med:.1f} tok/s of {len(rows)} "
                 f"({', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])})")
-        if key[3] == 1:
+        if key[2] == 1:
             entry["median_ratio_to_best_probe_bound"] = med * bpt / (best * 1e9)
             entry["median_ratio_to_adjacent_bound"] = statistics.median(r["ratio_to_adjacent_bound"] for r in rows)
             line += (f"; ratio {entry['median_ratio_to_best_probe_bound']:.2f} of the best-probe bound, "

@@ -100,9 +100,11 @@ def native_info() -> dict[str, Any]:
 
 def _native_library_path(native: Any) -> Path | None:
     """Where the library would be loaded from, without compiling it (None when absent)."""
-    env = os.environ.get("HYBRIDMOE_CPU_LIB")
-    if env:
-        return Path(env)
+    from hybridmoe import envs
+
+    env = envs.cpu_lib()
+    if env is not None:
+        return env
     packaged = native._packaged_path()
     if packaged is not None and not native._stale(packaged):
         return packaged

@@ -15,15 +15,15 @@ def test_bench_hybrid_decode_smoke(tmp_path):
            "--layers", "2", "--experts", "8", "--topk", "2", "--hidden", "64", "--inter", "64", "--heads", "4",
            "--kv-heads", "2", "--head-dim", "16", "--vocab", "128", "--gpu-experts", "2", "--deferred", "0", "1",
            "--batch", "1", "--graphs", "off", "--off-steps", "3", "--prompt-len", "8", "--blocking-sync", "on",
-           "--hostfn-spin-us=-1", "--submit", "gated,hostfn", "--repeat", "2",
+           "--hostfn-spin-us=-1", "--repeat", "2",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = res["runs"]
-    # the grid twice, interleaved: (repeat, submit, deferral)
-    assert [(r["rep"], r["submit"], r["deferred"]) for r in rows] == [
-        (rep, sub, d) for rep in (0, 1) for sub in ("gated", "hostfn") for d in (0, 1)]
+    # the grid twice, interleaved: (repeat, deferral)
+    assert [(r["rep"], r["deferred"]) for r in rows] == [(rep, d) for rep in (0, 1) for d in (0, 1)]
+    assert all(r["hostfn_spin_us"] == -1 for r in rows)
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["cpu_tasks_per_step"] > 0
         # every layer's task traced: 2 MoE layers (+1 deferred) per step, 3 steps and more
@@ -33,9 +33,9 @@ def test_bench_hybrid_decode_smoke(tmp_path):
         assert r["ratio_to_bound"] * r["stream_read_gbps"] / hi * 0.9999 <= r["ratio_to_adjacent_bound"]
         assert r["ratio_to_adjacent_bound"] <= r["ratio_to_bound"] * r["stream_read_gbps"] / lo * 1.0001
     assert "CPU trace:" in proc.stdout
-    summary = {(e["submit"], e["deferred"]): e for e in res["summary"]}
-    assert sorted(summary) == [("gated", 0), ("gated", 1), ("hostfn", 0), ("hostfn", 1)]
-    for (sub, d), e in summary.items():
-        vals = sorted(r["tokens_per_s"] for r in rows if (r["submit"], r["deferred"]) == (sub, d))
+    summary = {e["deferred"]: e for e in res["summary"]}
+    assert sorted(summary) == [0, 1]
+    for d, e in summary.items():
+        vals = sorted(r["tokens_per_s"] for r in rows if r["deferred"] == d)
         assert e["runs"] == 2 and e["median_tokens_per_s"] == (vals[0] + vals[1]) / 2
     assert "median" in proc.stdout

@@ -4,11 +4,14 @@ Each ISA's kernels live in their own translation unit compiled with that ISA's -
 is compiled for baseline x86-64 and picks a unit at run time (dispatch.cpp). A unit the compiler
 cannot build (an old gcc without -mamx-*) is left out: its table is a weak symbol, and asking for
 that ISA gives a clear error. Used by setup.py (pip install) and by `build_library` as a fallback
-for a source checkout that was never installed. No torch import here.
+for a source checkout that was never installed. No torch import here, and no import of the
+package: setup.py loads this file by path before hybridmoe is importable, so the one
+development variable read here ($HYBRIDMOE_CXXFLAGS) comes from hybridmoe/envs.py loaded by path too.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -18,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+ENVS_FILE = Path(__file__).resolve().parents[1] / "envs.py"
 LIB_BASENAME = "_hybridmoe_cpu"
 
 BASE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-Wall", "-Wno-unused-function", "-fno-strict-aliasing"]
@@ -36,6 +40,8 @@ AMX = AVX512 + ["-mamx-tile", "-mamx-int8", "-mamx-bf16"]
 # (source, extra flags, required): an optional unit that fails to compile is skipped.
 UNITS: list[tuple[str, list[str], bool]] = [
     ("api.cpp", [], True),
+    ("hostcall.cpp", [], True),
+    ("trace.cpp", [], True),
     ("dispatch.cpp", [], True),
     ("threadpool.cpp", [], True),
     ("numa.cpp", [], True),
@@ -46,6 +52,14 @@ UNITS: list[tuple[str, list[str], bool]] = [
     ("moe_amx.cpp", AMX, False),
 ]
 LINK_FLAGS = ["-shared", "-pthread"]
+
+
+def _envs():
+    """hybridmoe/envs.py, loaded by file path (see the module docstring)."""
+    spec = importlib.util.spec_from_file_location("_hybridmoe_envs_for_build", ENVS_FILE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def lib_filename() -> str:
@@ -63,7 +77,7 @@ def compile_units(out_dir: Path, cxx: str | None = None, log=print) -> list[Path
     objs = []
     if sys.platform != "linux" or os.uname().machine not in ("x86_64", "AMD64"):
         raise RuntimeError("the hybridmoe CPU engine is built for x86-64 Linux only")
-    extra = os.environ.get("HYBRIDMOE_CXXFLAGS", "").split()
+    extra = _envs().cxxflags()
     for src, flags, required in UNITS:
         obj = out_dir / (src.rsplit(".", 1)[0] + ".o")
         cmd = [cxx, *BASE_FLAGS, *flags, *extra, "-c", str(CSRC / src), "-o", str(obj)]

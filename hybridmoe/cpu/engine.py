@@ -2,7 +2,7 @@
 
 Legend: T tokens, K top-k, E experts, H hidden.
 
-    pool = CPUThreadPool(threads=15)                      # or default_pool()
+    pool = CPUThreadPool(threads=15, settings=CPUEngineSettings())   # or default_pool()
     layer = CPUMoELayer(pack_layer(gate_up, down, "AMXINT8"), pool=pool)
     task = layer.submit(x, ids, w, out=buf, accumulate=True, skip_mask=on_gpu)   # returns at once
     ...                                                    # GPU work
@@ -23,6 +23,7 @@ import torch
 
 from hybridmoe.cpu import native
 from hybridmoe.cpu.quant import ACTIVATIONS, PackedLayer, PackedMatrix, method_code
+from hybridmoe.cpu.settings import CPUEngineSettings
 from hybridmoe.cpu.topology import node_of, plan_threads
 
 
@@ -31,14 +32,24 @@ class CPUMoEError(RuntimeError):
 
 
 class CPUThreadPool:
-    def __init__(self, threads: int | None = None, threadpool_count: int = 1, numa_nodes: list[int] | None = None):
+    """The native thread pool: `threads` pinned threads (None: physical cores - 1) in
+    `threadpool_count` sub-pools (one per NUMA node), optionally only on `numa_nodes`' cores, tuned
+    by `settings` (fixed for the pool's life)."""
+
+    def __init__(self, threads: int | None = None, threadpool_count: int = 1, numa_nodes: list[int] | None = None,
+                 settings: CPUEngineSettings | None = None):
+        settings = CPUEngineSettings() if settings is None else settings
+        if not isinstance(settings, CPUEngineSettings):
+            raise TypeError(f"settings must be a CPUEngineSettings, got {type(settings).__name__}")
         cpus, nsub = plan_threads(threads, threadpool_count, numa_nodes)
         arr = (C.c_int * len(cpus))(*cpus)
         err = C.create_string_buffer(512)
-        handle = native.lib().hm_pool_create(len(cpus), arr, nsub, err, len(err))
+        native_settings = native.PoolSettings.of(settings)
+        handle = native.lib().hm_pool_create(len(cpus), arr, nsub, C.byref(native_settings), err, len(err))
         if not handle:
             raise native.CpuIsaError(err.value.decode())
         self._h = handle
+        self.settings = settings
         self.cpus = cpus
         self.threads = len(cpus)
         self.subpools = native.lib().hm_pool_num_sub(handle)
@@ -88,6 +99,12 @@ class CPUThreadPool:
         n, s = self.threads, self.subpools
         return [node_of(self.cpus[(i * n + s - 1) // s]) for i in range(s)]
 
+    def native_settings(self) -> CPUEngineSettings:
+        """The settings the native pool was created with (read back from it)."""
+        out = native.PoolSettings()
+        native.lib().hm_pool_settings(self._h, C.byref(out))
+        return out.to_settings()
+
     def pending(self) -> int:
         return native.lib().hm_pending(self._h)
 
@@ -114,13 +131,14 @@ _default_pool: CPUThreadPool | None = None
 _pool_lock = threading.Lock()
 
 
-def default_pool(threads: int | None = None, threadpool_count: int = 1,
-                 numa_nodes: list[int] | None = None) -> CPUThreadPool:
-    """The process-wide pool (created on first use with the given settings)."""
+def default_pool(threads: int | None = None, threadpool_count: int = 1, numa_nodes: list[int] | None = None,
+                 settings: CPUEngineSettings | None = None) -> CPUThreadPool:
+    """The process-wide pool, created on first use with these arguments (later calls get that pool
+    whatever they pass)."""
     global _default_pool
     with _pool_lock:
         if _default_pool is None:
-            _default_pool = CPUThreadPool(threads, threadpool_count, numa_nodes)
+            _default_pool = CPUThreadPool(threads, threadpool_count, numa_nodes, settings)
             atexit.register(_close_default_pool)  # join the native threads before interpreter teardown
         return _default_pool
 

@@ -1,8 +1,8 @@
 """Loads the CPU engine's native library (ctypes) and describes its C ABI.
 
-Where the library comes from, first found wins: $HYBRIDMOE_CPU_LIB; the file `pip install` built
-next to this module (if not older than the sources); a build of the sources into
-~/.cache/hybridmoe (a source checkout that was never installed).
+Where the library comes from, first found wins: $HYBRIDMOE_CPU_LIB (hybridmoe/envs.py); the file
+`pip install` built next to this module (if not older than the sources); a build of the sources
+into ~/.cache/hybridmoe (a source checkout that was never installed).
 ISA names: "avx2" < "avx512" < "amx"; $HYBRIDMOE_CPU_ISA forces one (an absent one is an error).
 """
 
@@ -13,8 +13,11 @@ import os
 import threading
 from pathlib import Path
 
+from hybridmoe import envs
 from hybridmoe.cpu import build as _build
+from hybridmoe.cpu.settings import CPUEngineSettings
 
+ABI_VERSION = 9  # csrc/api.cpp hm_abi_version
 ISAS = {"avx2": 0, "avx512": 1, "amx": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DT_F32, DT_BF16 = 0, 1
@@ -57,8 +60,26 @@ class Task(C.Structure):
     ] + [(n, C.c_int32) for n in ("K", "x_dtype", "ids_dtype", "out_dtype", "accumulate", "pad_")]
 
 
+class PoolSettings(C.Structure):
+    """HmPoolSettings (csrc/pool.h): a CPUEngineSettings as hm_pool_create takes it."""
+
+    _fields_ = [
+        ("prefetch_bytes", C.c_int64),
+        ("spin_us", C.c_int64),
+        ("hostfn_spin_us", C.c_int64),
+        ("gate_timeout_s", C.c_double),
+    ]
+
+    @classmethod
+    def of(cls, s: CPUEngineSettings) -> PoolSettings:
+        return cls(s.prefetch_bytes, s.spin_us, s.hostfn_spin_us, float(s.gate_timeout_s))
+
+    def to_settings(self) -> CPUEngineSettings:
+        return CPUEngineSettings(self.prefetch_bytes, self.spin_us, self.hostfn_spin_us, self.gate_timeout_s)
+
+
 class HostCall(C.Structure):
-    """userdata of hm_submit_hostfn / hm_sync_hostfn (for cuLaunchHostFunc)."""
+    """userdata of hm_submit_gated / hm_sync_hostfn (csrc/hostcall.cpp HmHostCall)."""
 
     _fields_ = [
         ("pool", C.c_void_p),
@@ -92,9 +113,9 @@ def _stale(lib: Path) -> bool:
 
 
 def _locate() -> Path:
-    env = os.environ.get("HYBRIDMOE_CPU_LIB")
-    if env:
-        return Path(env)
+    env = envs.cpu_lib()
+    if env is not None:
+        return env
     pkg = _packaged_path()
     if pkg is not None and not _stale(pkg):
         return pkg
@@ -112,10 +133,11 @@ def _declare(lib) -> None:
         "hm_cpu_features": (C.c_uint, []),
         "hm_isa_check": (i32, [i32, cp, i32]),
         "hm_isa_best": (i32, []),
-        "hm_pool_create": (vp, [i32, C.POINTER(C.c_int), i32, cp, i32]),
+        "hm_pool_create": (vp, [i32, C.POINTER(C.c_int), i32, C.POINTER(PoolSettings), cp, i32]),
         "hm_pool_destroy": (None, [vp]),
         "hm_pool_size": (i32, [vp]),
         "hm_pool_num_sub": (i32, [vp]),
+        "hm_pool_settings": (None, [vp, C.POINTER(PoolSettings)]),
         "hm_layer_create": (vp, [C.POINTER(LayerDesc), i32, cp, i32]),
         "hm_layer_destroy": (None, [vp]),
         "hm_layer_kernel_name": (cp, [vp]),
@@ -125,21 +147,11 @@ def _declare(lib) -> None:
         "hm_pending": (i64, [vp]),
         "hm_completed": (i64, [vp]),
         "hm_profile": (None, [C.POINTER(C.c_double), i32]),
-        "hm_submit_hostfn": (None, [vp]),
         "hm_sync_hostfn": (None, [vp]),
-        "hm_submit2_hostfn": (None, [vp]),
         "hm_sync2_hostfn": (None, [vp]),
         "hm_submit_gated": (None, [C.POINTER(HostCall), vp]),
         "hm_submit_gated_many": (None, [C.POINTER(C.POINTER(HostCall)), C.POINTER(vp), i32]),
         "hm_stream_read": (C.c_double, [vp, i64, i32]),
-        "hm_set_prefetch": (None, [i32]),
-        "hm_get_prefetch": (i32, []),
-        "hm_set_item_bytes": (None, [i64]),
-        "hm_get_item_bytes": (i64, []),
-        "hm_set_guided": (None, [i32]),
-        "hm_get_guided": (i32, []),
-        "hm_set_hostfn_spin_us": (None, [i64]),
-        "hm_get_hostfn_spin_us": (i64, []),
         "hm_trace_start": (None, [vp, i64]),
         "hm_trace_stop": (i64, [vp, C.POINTER(C.c_int64), i64]),
     }
@@ -156,8 +168,9 @@ def lib():
             path = _locate()
             handle = C.CDLL(str(path))
             _declare(handle)
-            if handle.hm_abi_version() != 8:
-                raise RuntimeError(f"{path}: unexpected ABI version; rebuild with pip install -e .")
+            if handle.hm_abi_version() != ABI_VERSION:
+                raise RuntimeError(f"{path}: unexpected ABI version {handle.hm_abi_version()} (want {ABI_VERSION}); "
+                                   "rebuild with pip install -e .")
             _lib = handle
         return _lib
 
@@ -184,7 +197,7 @@ def best_isa() -> str:
 
 def resolve_isa(isa: str | None = None) -> str:
     """isa, else $HYBRIDMOE_CPU_ISA, else the best available; raises CpuIsaError if it cannot run."""
-    isa = isa or os.environ.get("HYBRIDMOE_CPU_ISA") or None
+    isa = isa or envs.cpu_isa()
     if isa is None:
         return best_isa()
     isa = isa.lower()
@@ -220,20 +233,15 @@ def report() -> dict:
     }
 
 
-def host_functions() -> tuple[int, int]:
-    """Addresses of hm_submit_hostfn and hm_sync_hostfn (CUhostFn: void fn(void* userdata))."""
-    lb = lib()
-    return (C.cast(lb.hm_submit_hostfn, C.c_void_p).value, C.cast(lb.hm_sync_hostfn, C.c_void_p).value)
-
-
 class HostCallPair(C.Structure):
-    """userdata of hm_submit2_hostfn / hm_sync2_hostfn: two HostCalls handled by one host function
-    (a first, then b). The HostCalls must outlive the pair."""
+    """userdata of hm_sync2_hostfn: two HostCalls waited for by one host function (a first, then
+    b). The HostCalls must outlive the pair."""
 
     _fields_ = [("a", C.POINTER(HostCall)), ("b", C.POINTER(HostCall))]
 
 
-def pair_host_functions() -> tuple[int, int]:
-    """Addresses of hm_submit2_hostfn and hm_sync2_hostfn (userdata: a HostCallPair)."""
+def wait_host_functions() -> tuple[int, int]:
+    """Addresses of hm_sync_hostfn (userdata: a HostCall) and hm_sync2_hostfn (userdata: a
+    HostCallPair), CUhostFn entry points (void fn(void* userdata)) for cuLaunchHostFunc."""
     lb = lib()
-    return (C.cast(lb.hm_submit2_hostfn, C.c_void_p).value, C.cast(lb.hm_sync2_hostfn, C.c_void_p).value)
+    return (C.cast(lb.hm_sync_hostfn, C.c_void_p).value, C.cast(lb.hm_sync2_hostfn, C.c_void_p).value)

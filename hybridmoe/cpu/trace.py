@@ -2,11 +2,12 @@
 (CPUThreadPool.trace_start / trace_stop).
 
 The pool's side, per pair of consecutive tasks: `run` (start -> end) and `idle_before` (the
-previous task's end -> this start), split into `wait_submit` (nothing was queued: the task had not
-been submitted, i.e. the GPU side had not reached its submit host function) and `start_latency`
-(submitted, or the previous task done, whichever was later -> started: queue hand-over and thread
-wake-up). A layer's immediate and deferred tasks are submitted together, so their pair shows no
-idle time; the totals say how much of the traced wall time the pool sat idle.
+previous task's end -> this start), split into `wait_submit` (the task had not been submitted yet;
+a gated task counts as submitted when the GPU released it, i.e. the stream had not reached its go
+word) and `start_latency` (submitted, or the previous task done, whichever was later -> started:
+queue hand-over and thread wake-up). A layer's deferred task is queued right behind its immediate
+one, so their pair shows no idle time; the totals say how much of the traced wall time the pool
+sat idle.
 
 The stream's side, per host function that waited for a task: `blocked` (the wait began -> it
 returned: the stream stalled on the CPU), `wake` (the task ended, or the wait began if later ->

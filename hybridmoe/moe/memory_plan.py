@@ -68,7 +68,7 @@ def plan_memory(
     else:
         plan.host["CPU experts"] = int(n_cpu * per_expert * cpu_bytes)
     if prefill_threshold is not None:
-        from hybridmoe.moe.layerwise import DEQUANT_CHUNK_ELEMS
+        from hybridmoe.cpu.dequant import DEQUANT_CHUNK_ELEMS
 
         ec_max = max((int((~m).sum()) for m in masks.values()), default=0)
         temps = min(ec_max * 2 * h * inter, DEQUANT_CHUNK_ELEMS) * (dtype_bytes + 4) if ec_max else 0

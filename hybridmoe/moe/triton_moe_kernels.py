@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from hybridmoe import envs
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,12 @@ def default_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, i
                            gu_warps=8, dn_warps=8, gu_stages=3, dn_stages=3)
 
 
-CONFIG_DIR_ENV = "HYBRIDMOE_MOE_CONFIG_DIR"
+CONFIG_DIR_ENV = envs.MOE_CONFIG_DIR  # (a development variable: hybridmoe/envs.py)
 
 
 def config_file(num_experts: int, hidden: int, inter: int, top_k: int) -> Path:
     """Where tuned configs for one layer shape live (benchmarks/sweep_moe_decode.py writes them)."""
-    root = Path(os.environ.get(CONFIG_DIR_ENV) or Path(__file__).with_name("configs"))
+    root = envs.moe_config_dir() or Path(__file__).with_name("configs")
     return root / f"E{num_experts}_H{hidden}_I{inter}_K{top_k}.json"
 
 

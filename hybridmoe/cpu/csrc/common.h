@@ -48,6 +48,9 @@ struct ActView {
   const float* scale;   // [rows] (int methods)
   const int32_t* gsum;  // [rows][Kd/G] (int4)
   int gstride;          // Kd/G
+  // Software prefetch distance of the few-row (decode) kernels, bytes ahead of the weight stream
+  // (0: none): the pool's setting (CPUEngineSettings.prefetch_bytes), passed with every GEMM call.
+  int prefetch;
 };
 
 // The per-ISA kernel table. A method a table cannot run has gemm == nullptr.
@@ -66,21 +69,6 @@ struct Kernels {
 };
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
-
-// Software prefetch distance (bytes ahead of the weight stream) of the few-row (decode) kernels;
-// 0 = none. Set from HYBRIDMOE_CPU_PREFETCH at load, or hm_set_prefetch (benchmarks sweep it).
-extern int g_prefetch_bytes;
-
-// Weight bytes per GEMM work item for few-row (decode) tasks; 0 = the fixed widths (2 N-blocks of
-// w13, 4 of w2). Each item is a separate stream a thread starts cold, so fewer, larger items may
-// read faster. Set from HYBRIDMOE_CPU_ITEM_KB at load, or hm_set_item_bytes (benchmarks sweep it).
-extern int64_t g_item_bytes;
-
-// GEMM item claiming: 0 = one item per claim (dynamic); d > 0 = guided, a thread claims
-// max(1, items left / (d * threads)) consecutive items at once (consecutive items of a few-row
-// expert are contiguous weights, so the thread reads one long stream). HYBRIDMOE_CPU_GUIDED /
-// hm_set_guided.
-extern int g_guided_div;
 
 }  // namespace hm
 

@@ -5,29 +5,10 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <cstdlib>
-#include <algorithm>
 #include <cstring>
 #include <string>
 
 #include "common.h"
-
-namespace hm {
-// 2048 bytes (32 lines) ahead: on the H200 host the few-row kernels then read 10-30% faster than
-// with the hardware prefetchers alone (benchmarks/results/README_cpu_moe.md, session 4).
-int g_prefetch_bytes = [] {
-  const char* v = std::getenv("HYBRIDMOE_CPU_PREFETCH");
-  return v ? std::max(0, std::atoi(v)) : 2048;
-}();
-int64_t g_item_bytes = [] {
-  const char* v = std::getenv("HYBRIDMOE_CPU_ITEM_KB");
-  return v ? int64_t(std::atoll(v)) * 1024 : int64_t(0);
-}();
-int g_guided_div = [] {
-  const char* v = std::getenv("HYBRIDMOE_CPU_GUIDED");
-  return v ? std::max(0, std::atoi(v)) : 0;
-}();
-}  // namespace hm
 
 namespace {
 

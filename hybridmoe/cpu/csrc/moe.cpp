@@ -140,6 +140,7 @@ struct Ctx {
   const Kernels* k;
   ThreadPool* pool;
   Workspace* ws;
+  int prefetch = 0;  // software prefetch distance of the few-row kernels (bytes)
   int nth = 1;  // threads sharing the current light phase (1: run inline by the leader)
   bool round_act_bf16 = false;  // BF16 on the fp32-activation kernel with bf16 x: round like the others
   int64_t S, ld1, ld2;
@@ -213,30 +214,15 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
   int sub = c.pool->sub_of(tid);
   int64_t beg = c.sub_beg[sub], n = c.sub_beg[sub + 1] - beg;
   float* C = STAGE1 ? c.ws->cbuf[size_t(tid)].get<float>(size_t(MC) * CW_BIG * 16) : nullptr;
-  const int div = g_guided_div * c.pool->sub_size(sub);
   std::atomic<int64_t>& next = c.next[sub].v;
-  int64_t i = 0, end = 0;
-  for (;; ++i) {
-    if (i >= end) {  // claim the next run of items
-      if (div <= 0) {
-        i = next.fetch_add(1, std::memory_order_relaxed);
-        end = i + 1;
-      } else {  // guided: a share of what is left, so a thread streams long runs of contiguous blocks
-        i = next.load(std::memory_order_relaxed);
-        int64_t cnt = 1;
-        do {
-          if (i >= n) break;
-          cnt = std::max<int64_t>(1, (n - i) / div);
-        } while (!next.compare_exchange_weak(i, i + cnt, std::memory_order_relaxed));
-        end = i + cnt;
-      }
-      if (i >= n) break;
-    }
+  for (;;) {  // one item per claim
+    const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= n) break;
     const Item& it = c.ws->items[size_t(beg + i)];
     int64_t r0 = c.ws->offs[size_t(it.e)] + it.m0;
     int M = it.m1 - it.m0;
     if (STAGE1) {
-      ActView A{c.A1 + r0 * c.ld1, c.ld1, c.sx1 + r0, c.g1 + r0 * c.gs1, c.gs1};
+      ActView A{c.A1 + r0 * c.ld1, c.ld1, c.sx1 + r0, c.g1 + r0 * c.gs1, c.gs1, c.prefetch};
       int64_t ldc = int64_t(it.nb1 - it.nb0) * 16;
       c.k->gemm(d.method, d.w13, it.e, A, M, it.nb0, it.nb1, C, ldc, d.group);
       for (int r = 0; r < M; ++r)
@@ -245,7 +231,7 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
           act16(d, g, g + 16, c.af + (r0 + r) * d.Ip + (it.nb0 / 2 + pr) * 16);
         }
     } else {
-      ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2};
+      ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2, c.prefetch};
       c.k->gemm(d.method, d.w2, it.e, A, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp, d.group);
     }
   }
@@ -302,18 +288,8 @@ void light(ThreadPool& pool, Ctx& c, ThreadPool::PhaseFn fn, bool inline_) {
   }
 }
 
-// Items for one GEMM stage: per active expert, row chunks x N-block chunks, grouped by sub-pool.
-// W's N-blocks per few-row item: `cw`, or as many as hold g_item_bytes (always even).
-int few_row_width(const PackedMat& W, int cw) {
-  if (g_item_bytes <= 0) return cw;
-  const int NB = W.N / 16;
-  const int64_t block_bytes = std::max<int64_t>(1, W.expert_stride / NB);
-  int w = int(std::min<int64_t>(NB, std::max<int64_t>(1, g_item_bytes / block_bytes)));
-  // even: w13 items hold whole gate/up pairs, and every kernel's gemm takes an even block count
-  // (the AMX one computes two N-blocks at a time); NB is a multiple of 4
-  return std::max(2, w / 2 * 2);
-}
-
+// Items for one GEMM stage: per active expert, row chunks x N-block chunks (`cw` N-blocks per item
+// for few rows), grouped by sub-pool.
 void build_items(Ctx& c, int NB, int cw) {
   Workspace& ws = *c.ws;
   int nsub = std::min(c.pool->num_sub(), MAXSUB);
@@ -390,7 +366,7 @@ struct Stopwatch {
 };
 }  // namespace
 
-std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
+std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int prefetch_bytes) {
   if (!t.layer) return "null layer";
   const HmLayer& L = *static_cast<const HmLayer*>(t.layer);
   const LayerDesc& d = L.d;
@@ -414,6 +390,7 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
   c.round_act_bf16 = L.k_fp32act && c.k == L.k_fp32act && t.x_dtype == DT_BF16;
   c.pool = &pool;
   c.ws = &ws;
+  c.prefetch = prefetch_bytes;
   c.xes = t.x_dtype == DT_F32 ? 4 : 2;
   Stopwatch sw;
   std::string err = route(c);
@@ -443,13 +420,13 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t) {
     if (c.bad.load()) return "input x holds NaN or Inf";
     light(pool, c, ph_gather, c.S <= kInlineRows1);
     sw.lap(1);
-    build_items(c, d.w13.N / 16, few_row_width(d.w13, CW1));
+    build_items(c, d.w13.N / 16, CW1);
     pool.parallel(ph_gemm<true>, &c);
     sw.lap(2);
     light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";
     sw.lap(3);
-    build_items(c, d.w2.N / 16, few_row_width(d.w2, CW2));
+    build_items(c, d.w2.N / 16, CW2);
     pool.parallel(ph_gemm<false>, &c);
     sw.lap(4);
   } else {

@@ -35,8 +35,9 @@ struct Workspace;  // scratch buffers, one per pool (tasks run one at a time)
 Workspace* workspace_create(int nthreads);
 void workspace_destroy(Workspace*);
 
-// Runs the task with the pool's threads (call on the leader thread). Returns "" or an error text.
-std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& task);
+// Runs the task with the pool's threads (call on the leader thread); prefetch_bytes: the few-row
+// kernels' software prefetch distance (0: none). Returns "" or an error text.
+std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& task, int prefetch_bytes);
 
 // Stream-read bandwidth of `bytes` with all pool threads (leader thread), GB/s.
 double stream_read(ThreadPool& pool, int64_t bytes, int iters);

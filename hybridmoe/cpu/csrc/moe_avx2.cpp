@@ -95,7 +95,7 @@ void blk_i8(const uint8_t* wb, int Kd, const ActView& A, int m0, const float* sw
   __m256i acc[MT][2];
   for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
-  const int pf = g_prefetch_bytes;
+  const int pf = A.prefetch;
   for (int s = 0; s < Kd / 4; ++s) {
     if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + s * 64 + pf), _MM_HINT_T0);  // never faults
     __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + s * 64));
@@ -120,7 +120,7 @@ void blk_i4(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const fl
   for (int t = 0; t < MT; ++t) facc[t][0] = facc[t][1] = _mm256_setzero_ps();
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int upg = G / 8;
-  const int pf = g_prefetch_bytes;
+  const int pf = A.prefetch;
   for (int g = 0; g < Kd / G; ++g) {
     __m256i iacc[MT][2];
     for (int t = 0; t < MT; ++t) iacc[t][0] = iacc[t][1] = _mm256_setzero_si256();
@@ -163,7 +163,7 @@ void blk_bf16(const uint8_t* wb, int Kd, const ActView& A, int m0, float* C, int
   __m256 acc[MT][2];
   for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   const __m256i himask = _mm256_set1_epi32(int(0xFFFF0000u));
-  const int pf = g_prefetch_bytes;
+  const int pf = A.prefetch;
   for (int s = 0; s < Kd / 2; ++s) {
     if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + s * 64 + pf), _MM_HINT_T0);
     __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + s * 64));

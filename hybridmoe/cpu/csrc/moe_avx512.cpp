@@ -42,7 +42,7 @@ void blk_i8(const uint8_t* wb, int Kd, const ActView& A, int m0, const float* sw
   for (int t = 0; t < R; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_si512();
   const uint8_t* x[R];
   for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
-  const int pf = g_prefetch_bytes;
+  const int pf = A.prefetch;
   for (int s = 0; s < Kd / 4; s += 2) {
     if (pf) {  // prefetches never fault: reading past the block only warms the next one
       _mm_prefetch(reinterpret_cast<const char*>(wb + s * 64 + pf), _MM_HINT_T0);
@@ -75,7 +75,7 @@ void blk_i4(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const fl
   const uint8_t* x[R];
   for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
   const int upg = G / 8;
-  const int pf = g_prefetch_bytes;
+  const int pf = A.prefetch;
   for (int g = 0; g < Kd / G; ++g) {
     __m512i ia[R], ib[R];
     for (int t = 0; t < R; ++t) ia[t] = ib[t] = _mm512_setzero_si512();
@@ -111,7 +111,7 @@ void blk_bf16(const uint8_t* wb, int Kd, const ActView& A, int m0, float* C, int
   for (int t = 0; t < R; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
   const uint8_t* x[R];
   for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
-  const int pf = g_prefetch_bytes;
+  const int pf = A.prefetch;
   for (int s = 0; s < Kd / 2; s += 2) {
     if (pf) {
       _mm_prefetch(reinterpret_cast<const char*>(wb + s * 64 + pf), _MM_HINT_T0);

@@ -5,7 +5,6 @@
 #include <sched.h>
 
 #include <chrono>
-#include <cstdlib>
 
 namespace hm {
 
@@ -25,10 +24,9 @@ void pin_to(int cpu) {
 }
 }  // namespace
 
-ThreadPool::ThreadPool(int n, const int* cpus, int nsub) : n_(n < 1 ? 1 : n), nsub_(nsub < 1 ? 1 : nsub) {
+ThreadPool::ThreadPool(int n, const int* cpus, int nsub, int64_t spin_ns)
+    : n_(n < 1 ? 1 : n), nsub_(nsub < 1 ? 1 : nsub), spin_ns_(spin_ns < 0 ? 0 : spin_ns) {
   if (nsub_ > n_) nsub_ = n_;
-  const char* s = std::getenv("HYBRIDMOE_CPU_SPIN_US");
-  spin_ns_ = (s ? std::atoll(s) : 1000) * 1000;
   cpus_.assign(n_, -1);
   if (cpus)
     for (int i = 0; i < n_; ++i) cpus_[i] = cpus[i];

@@ -1,7 +1,7 @@
 // The library's thread pool: `n` threads pinned to given CPUs, split into `nsub` sub-pools (one per
 // NUMA node). Thread 0 is the leader: it takes tasks from an in-order queue and runs them; inside a
 // task it calls parallel() to run a phase on all threads (itself included), with a barrier at the end.
-// Idle threads spin for a short while (HYBRIDMOE_CPU_SPIN_US, default 1000) and then sleep.
+// Idle threads spin for spin_ns (CPUEngineSettings.spin_us) and then sleep.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -18,7 +18,7 @@ class ThreadPool {
  public:
   using PhaseFn = void (*)(int tid, void* ctx);
 
-  ThreadPool(int n, const int* cpus, int nsub);
+  ThreadPool(int n, const int* cpus, int nsub, int64_t spin_ns);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -36,7 +36,7 @@ class ThreadPool {
   // Task queue (any thread). Tasks run in submission order; ids start at 1.
   int64_t submit(std::function<void()> task);
   // Until task `id` has finished / at most max_pending tasks are queued or running. The caller
-  // spins for spin_ns (< 0: the pool's idle spin, HYBRIDMOE_CPU_SPIN_US) and then sleeps.
+  // spins for spin_ns (< 0: the pool's idle spin) and then sleeps.
   void wait_task(int64_t id, int64_t spin_ns = -1);
   void wait_pending(int64_t max_pending, int64_t spin_ns = -1);
   int64_t submitted() const { return submitted_.load(); }

@@ -1,0 +1,55 @@
+"""The CPU expert engine's tuning settings: fixed when a pool is created, passed to the native pool.
+
+The defaults are the measured best on the H200 host (benchmarks/results/). Product code gets them
+from the hybrid configuration; benchmarks and tests build their own. No torch import here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+MAX_PREFETCH_BYTES = 1 << 20
+MAX_SPIN_US = 1_000_000
+MAX_GATE_TIMEOUT_S = 86_400.0
+
+
+@dataclass(frozen=True)
+class CPUEngineSettings:
+    """Settings of one CPU thread pool (hybridmoe.cpu.engine.CPUThreadPool). Out-of-range values
+    raise ValueError naming the field."""
+
+    prefetch_bytes: int = 2048
+    """Software prefetch distance of the decode-sized (few-row) kernels, bytes ahead of the weight
+    stream, in [0, 1 MiB]; 0: the hardware prefetchers alone. 2048 (32 lines) read 10-30% faster
+    than none on the H200 host (benchmarks/results/README_cpu_moe.md, session 4). Results do not
+    depend on it."""
+
+    spin_us: int = 1000
+    """How long idle pool threads (and Python's waits) spin before they sleep, microseconds, in
+    [0, 1 s]. Spinning threads start the next phase or task sooner; sleeping ones free the cores."""
+
+    hostfn_spin_us: int = 0
+    """How long a CUDA host function waiting for a CPU task spins before it sleeps, microseconds,
+    in [-1, 1 s]; -1: `spin_us`. The driver's callback thread is not one of the pool's pinned
+    threads: spinning, it competes with them for a core for as long as the task runs. 0 (sleep at
+    once) made a hybrid decode step 8-17% faster than a 1 ms spin on the H200 host (session 5)."""
+
+    gate_timeout_s: float = 60.0
+    """How long a gated CPU task (queued ahead, started by a word the GPU writes) waits for the GPU
+    before it is skipped with an error (a graph launch that failed), seconds, in (0, 1 day]."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "gate_timeout_s":
+                ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                ok = ok and 0 < v <= MAX_GATE_TIMEOUT_S
+                rng = f"(0, {MAX_GATE_TIMEOUT_S:g}] seconds"
+            else:
+                lo, hi = {"prefetch_bytes": (0, MAX_PREFETCH_BYTES), "spin_us": (0, MAX_SPIN_US),
+                          "hostfn_spin_us": (-1, MAX_SPIN_US)}[f.name]
+                ok = isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+                rng = f"an integer in [{lo}, {hi}]"
+            if not ok:
+                raise ValueError(f"CPUEngineSettings.{f.name}={v!r}: expected {rng}")

@@ -1,0 +1,71 @@
+"""Development-only environment variables, all read here (each read when asked, so a test can set one).
+
+Product behaviour is configured by flags and config objects (the CPU engine's tuning by
+`hybridmoe.cpu.settings.CPUEngineSettings`), never by the environment. These variables are for
+working on hybridmoe itself:
+
+| variable | default | effect |
+|---|---|---|
+| `HYBRIDMOE_CPU_LIB` | the built library | load the CPU engine's native library from this file |
+| `HYBRIDMOE_CPU_ISA` | best available | force the CPU kernels' ISA path: `avx2`, `avx512` or `amx` (a missing one is an error) |
+| `HYBRIDMOE_CXXFLAGS` | none | extra compiler flags for the native library's build (`-g`, `-fsanitize=address`, ...) |
+| `HYBRIDMOE_MOE_CONFIG_DIR` | `hybridmoe/moe/configs` | where the fused MoE kernel's tuned tiles are read (`sweep_moe_decode.py --write`) |
+| `HYBRIDMOE_TEST_THREADS` | 2 | threads of the CPU engine tests' shared pool (tests/cpu/conftest.py) |
+
+Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
+loads by file path before the package is importable, loads this file by path too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CPU_LIB = "HYBRIDMOE_CPU_LIB"
+CPU_ISA = "HYBRIDMOE_CPU_ISA"
+CXXFLAGS = "HYBRIDMOE_CXXFLAGS"
+MOE_CONFIG_DIR = "HYBRIDMOE_MOE_CONFIG_DIR"
+TEST_THREADS = "HYBRIDMOE_TEST_THREADS"
+
+
+def _get(name: str) -> str | None:
+    """The variable's value, None when unset or empty."""
+    return os.environ.get(name) or None
+
+
+def cpu_lib() -> Path | None:
+    """$HYBRIDMOE_CPU_LIB: the native CPU library to load instead of the built one."""
+    v = _get(CPU_LIB)
+    return Path(v) if v else None
+
+
+def cpu_isa() -> str | None:
+    """$HYBRIDMOE_CPU_ISA, lower-cased: the ISA path every CPU layer must use (checked by
+    hybridmoe.cpu.native.resolve_isa)."""
+    v = _get(CPU_ISA)
+    return v.strip().lower() if v else None
+
+
+def cxxflags() -> list[str]:
+    """$HYBRIDMOE_CXXFLAGS split on whitespace: appended to every compile of the native library."""
+    return (_get(CXXFLAGS) or "").split()
+
+
+def moe_config_dir() -> Path | None:
+    """$HYBRIDMOE_MOE_CONFIG_DIR: the directory of the fused MoE kernel's tuned tile tables."""
+    v = _get(MOE_CONFIG_DIR)
+    return Path(v) if v else None
+
+
+def threads_for_tests(default: int = 2) -> int:
+    """$HYBRIDMOE_TEST_THREADS: threads of the CPU tests' shared pool (a positive integer)."""
+    v = _get(TEST_THREADS)
+    if v is None:
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{TEST_THREADS}={v!r}: expected a positive integer")
+    return n
