@@ -92,8 +92,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--off-steps", type=int, default=16, help="decode steps with graphs off (slow)")
     p.add_argument("--batched-steps", type=int, default=32, help="decode steps with graphs on at batch > 1")
-    p.add_argument("--blocking-sync", default="on",
-                   help="on,off: read each step's result sleeping (the engine's default) and/or spinning")
+    p.add_argument("--blocking-sync", default="on", choices=["on", "off"],
+                   help="read each step's result sleeping (on: the engine's default) or spinning; fixed for the "
+                        "run (EngineArgs.hybrid_blocking_sync)")
     p.add_argument("--hostfn-spin-us", type=int, default=CPUEngineSettings().hostfn_spin_us,
                    help="CPUEngineSettings.hostfn_spin_us: host-function waits spin this long before sleeping "
                         "(-1: the pool's spin); fixed for the run (the CPU pool's setting)")
@@ -107,7 +108,6 @@ def main() -> None:
     from hybridmoe import LLM
     from hybridmoe.cpu.engine import default_pool
     from hybridmoe.cpu.trace import format_summary
-    from hybridmoe.engine.cuda_graph import DecodeGraphs
 
     results = {"shape": vars(a), "runs": []}
     with tempfile.TemporaryDirectory() as d:
@@ -119,6 +119,7 @@ def main() -> None:
                   skip_tokenizer_init=True, kt_method=a.method, kt_num_gpu_experts=a.gpu_experts,
                   kt_cpuinfer=a.cpuinfer, kt_max_deferred_experts_per_token=a.deferred[0],
                   cpu_engine=CPUEngineSettings(hostfn_spin_us=a.hostfn_spin_us),
+                  hybrid_blocking_sync=a.blocking_sync == "on",
                   disable_cuda_graph="on" not in a.graphs, cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
                   max_total_tokens=max_bs * (a.prompt_len + a.steps + 64), context_length=4096)
         print(f"model ready in {time.perf_counter() - t:.1f} s", flush=True)
@@ -139,8 +140,7 @@ def main() -> None:
                     torch.cuda.empty_cache()
                 runner.hybrid.set_num_deferred(deferred)
                 if "on" in a.graphs:
-                    runner.graphs = DecodeGraphs(runner, max_bs)
-                    runner.graphs.capture()
+                    runner.capture_graphs()
                 current = want
             graphs = runner.graphs
             for mode in a.graphs.split(","):
@@ -148,10 +148,9 @@ def main() -> None:
                     continue
                 runner.graphs = graphs if mode == "on" else None
                 spin = default_pool().native_settings().hostfn_spin_us  # what the pool got from the config
-                for b, blocking in itertools.product(a.batch, a.blocking_sync.split(",")):
+                blocking = "on" if llm.engine.sampler.wait_event is not None else "off"  # as the config set it
+                for b in a.batch:
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
-                    # the step's result read sleeping (the engine's default) or spinning
-                    llm.engine.sampler.wait_event = torch.cuda.Event(blocking=True) if blocking == "on" and cuda else None
                     row = {"rep": rep, "deferred": deferred, "graphs": mode, "batch": b,
                            "steps": steps, "blocking_sync": blocking, "hostfn_spin_us": spin,
                            **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
@@ -169,7 +168,7 @@ def main() -> None:
                         Path(a.out).write_text(json.dumps(results, indent=2))
                     extra = (f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f} (adjacent probes "
                              f"{row['ratio_to_adjacent_bound']:.2f})") if b == 1 else ""
-                    bl = "" if a.blocking_sync == "on" else f" blocking-sync {blocking:3s}"
+                    bl = "" if blocking == "on" else f" blocking-sync {blocking:3s}"
                     print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)

@@ -223,10 +223,10 @@ def test_triton_attention_interpreter(group: str) -> None:
 def test_registered() -> None:
     """The backend registers under the name `triton`."""
     pytest.importorskip("triton")
-    from hybridmoe.layers.attention.base import _BACKENDS
+    from hybridmoe.layers.attention.base import ATTENTION_BACKENDS
     from hybridmoe.layers.attention.triton_backend import TritonAttentionBackend
 
-    assert _BACKENDS["triton"] is TritonAttentionBackend
+    assert ATTENTION_BACKENDS.get("triton") is TritonAttentionBackend
     assert TritonAttentionBackend().name == "triton"
 
 

@@ -96,9 +96,9 @@ def _run_case(name: str) -> dict:
         cfg = MoEKernelConfig(block_m=16, gu_block_n=16, gu_block_k=32, dn_block_n=32, dn_block_k=16)
     if extra == "backend":
         import hybridmoe.moe.triton_experts  # noqa: F401  (registers "triton")
-        from hybridmoe.moe.experts import _BACKENDS
+        from hybridmoe.moe.experts import create_experts
 
-        out = _BACKENDS["triton"](ExpertWeights(gu, dn), 0, {}).forward(x, ids, w)
+        out = create_experts("triton", ExpertWeights(gu, dn), 0).forward(x, ids, w)
     else:
         out = fused_moe(x, gu, dn, ids, w, cfg)
     ref = reference_moe(x, gu, dn, ids, w)

@@ -83,7 +83,7 @@ class PinnedIO:
     """Pinned host buffers for up to `cap` tokens: x [cap, H], ids [cap, K], w [cap, K], out [cap, H].
 
     Their addresses never change, so a captured graph keeps using them. Layers share them (the
-    stream runs one layer after the other): see HybridPlan.pinned_io."""
+    stream runs one layer after the other): see HybridRuntime.pinned_io."""
 
     def __init__(self, cap: int, k: int, hidden: int, x_dtype: torch.dtype) -> None:
         self.cap = cap

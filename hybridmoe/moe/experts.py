@@ -67,7 +67,6 @@ ExpertsFactory = Callable[[ExpertWeights, int, "ExpertsOptions"], MoEExperts]
 # name -> factory; the built-in backends are registered by the package (moe/__init__.py) and
 # imported on first use, so this interface imports none of them.
 EXPERTS_BACKENDS: Registry[ExpertsFactory] = Registry("MoE experts backend")
-_BACKENDS = EXPERTS_BACKENDS  # the former private name, still read by tests
 
 
 def register_experts_backend(name: str) -> Callable[[ExpertsFactory], ExpertsFactory]:

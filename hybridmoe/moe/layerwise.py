@@ -37,7 +37,8 @@ from hybridmoe.cpu.dequant import dequantize_experts
 from hybridmoe.moe.experts import ExpertWeights
 
 if TYPE_CHECKING:
-    from hybridmoe.moe.hybrid import HybridExperts, HybridPlan
+    from hybridmoe.moe.hybrid import HybridExperts
+    from hybridmoe.moe.runtime import HybridRuntime
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,10 @@ def stream_runs(mask: torch.Tensor, full_layer: bool) -> list[tuple[int, int, in
 
 
 class LayerwisePrefill:
-    """Staging slots, the layer buffer, the copy stream and its events, shared by a plan's layers."""
+    """Staging slots, the layer buffer, the copy stream and its events, shared by a runtime's layers
+    (`plan` is the HybridRuntime: its device, moe_layers and attached layers are read)."""
 
-    def __init__(self, plan: HybridPlan) -> None:
+    def __init__(self, plan: HybridRuntime) -> None:
         self.plan = plan
         self.device = plan.device
         self.cuda = self.device.type == "cuda"

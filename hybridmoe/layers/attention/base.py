@@ -86,7 +86,6 @@ class AttentionBackend(ABC):
 
 # name -> a zero-argument factory (the backend class); see hybridmoe.registry
 ATTENTION_BACKENDS: Registry[Callable[[], AttentionBackend]] = Registry("attention backend")
-_BACKENDS = ATTENTION_BACKENDS  # the former private name, still read by tests
 
 
 def register_attention_backend(name: str) -> Callable[[Callable[[], AttentionBackend]], Callable[[], AttentionBackend]]:
