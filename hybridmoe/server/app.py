@@ -14,16 +14,22 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from hybridmoe.config import EngineArgs
 from hybridmoe.engine.engine import Engine, RequestError
 from hybridmoe.server import openai_api
 from hybridmoe.server.async_engine import AsyncEngine, EngineFailed, RequestStream, Unavailable
-from hybridmoe.server.errors import APIError, error_body, error_response, format_validation_errors
+from hybridmoe.server.errors import APIError, error_body, error_response, install_error_handlers
 from hybridmoe.server.metrics import CONTENT_TYPE, ServerMetrics
-from hybridmoe.server.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
+from hybridmoe.server.protocol import (
+    AbortRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    check_top_logprobs,
+    max_top_logprobs_num,
+)
 from hybridmoe.server.state import ServerState
 from hybridmoe.server.streaming import DONE, guarded, results, sse, visible_text
 
@@ -71,22 +77,7 @@ class JSONBodyMiddleware:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
-        message = format_validation_errors(list(e.errors()))
-        content_type = request.headers.get("content-type", "")
-        if content_type and "json" not in content_type:
-            message = f"send the body as JSON with 'Content-Type: application/json' (got {content_type!r}); {message}"
-        return error_response(400, message)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+    install_error_handlers(app)  # APIError, validation, 404/405 and unhandled errors: errors.py
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError) -> JSONResponse:
@@ -153,6 +144,7 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
         if body.lora_path is not None and any(p is not None for p in (
                 body.lora_path if isinstance(body.lora_path, list) else [body.lora_path])):
             raise APIError(400, "LoRA adapters (lora_path) are not yet available in this version", param="lora_path")
+        check_top_logprobs(body.top_logprobs_num, "top_logprobs_num", max_top_logprobs_num(state))
         n = _batch_size(body)
         if n is None:
             req = state.build_req(prompt=body.text, input_ids=body.input_ids, params=body.sampling_params,

@@ -12,23 +12,28 @@ from fastapi.responses import StreamingResponse
 from hybridmoe.engine.request import Req
 from hybridmoe.server.async_engine import EngineFailed, RequestStream
 from hybridmoe.server.errors import APIError, error_body
-from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from hybridmoe.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    check_top_logprobs,
+    max_top_logprobs_num,
+)
 from hybridmoe.server.state import ServerState
 from hybridmoe.server.streaming import DONE, guarded, results, sse, visible_text
 
 
 def _sampling(body: SamplingFields, max_new_tokens: int) -> dict[str, Any]:
-    """OpenAI fields -> SGLang sampling parameters (validated by the engine)."""
+    """OpenAI fields -> SGLang sampling parameters (the engine validates them again, against the
+    vocabulary); a field left out or null keeps SamplingParams' default."""
     params: dict[str, Any] = {
         "max_new_tokens": max_new_tokens, "min_new_tokens": body.min_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty, "frequency_penalty": body.frequency_penalty,
         "presence_penalty": body.presence_penalty, "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
-        "no_stop_trim": body.no_stop_trim, "n": body.n}
-    if body.seed is not None:
-        params["sampling_seed"] = body.seed
-    return params
+        "no_stop_trim": body.no_stop_trim, "n": body.n, "sampling_seed": body.seed}
+    return {k: v for k, v in params.items() if v is not None}
 
 
 def _finish(out: dict[str, Any]) -> tuple[str | None, Any]:
@@ -89,8 +94,8 @@ def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[in
     messages = []
     for m in body.messages:
         msg = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):  # content parts: keep the text ones
-            msg["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+        if m.content is not None:  # content parts (text only: others are refused) joined
+            msg["content"] = m.text
         messages.append(msg)
     try:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not body.continue_final_message,
@@ -114,8 +119,8 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         state.check_model(body.model)
-        if body.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.logprobs is not None:
+            check_top_logprobs(body.logprobs, "logprobs", max_top_logprobs_num(state))
         prompts: list[Any]
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
@@ -154,6 +159,8 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         state.check_model(body.model)
+        if body.top_logprobs is not None:
+            check_top_logprobs(body.top_logprobs, "top_logprobs", max_top_logprobs_num(state))
         ids = _chat_prompt_ids(state, body)
         explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling(body, explicit if explicit is not None else state.core.context_len)
