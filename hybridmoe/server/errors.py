@@ -53,11 +53,26 @@ def error_response(status: int, message: str, param: str | None = None,
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+def path_part(x: object) -> str:
+    """One step of a field path: a name or index as is; any other key (a client's) quoted, shortened."""
+    if isinstance(x, int) or (isinstance(x, str) and x.isidentifier()):
+        return str(x)
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _where(loc: tuple | list) -> str:
-    """A pydantic error location as a dotted path; the body itself and union branch tags (`<list>`,
-    `list[int]`, `function-after[...]`: never identifiers) are left out."""
-    parts = [str(x) for x in loc if x != "body" and (isinstance(x, int) or str(x).isidentifier())]
-    return ".".join(parts)
+    """A pydantic error location as a dotted path; the body itself and the union branch tags of
+    strict.py (`<one>`, `<list>`, ...) are left out."""
+    parts = [x for i, x in enumerate(loc) if not (i == 0 and x == "body")]
+    return ".".join(path_part(x) for x in parts if not (isinstance(x, str) and x.startswith("<") and x.endswith(">")))
+
+
+def _param(error: dict[str, Any]) -> str | None:
+    """The field an error is about (OpenAI's `param`)."""
+    name = (error.get("ctx") or {}).get("name")
+    parts = [p for p in (_where(error.get("loc", ())), name if isinstance(name, str) else None) if p]
+    return ".".join(parts) or None
 
 
 def format_validation_errors(errors: list[dict[str, Any]]) -> str:
@@ -101,11 +116,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
-        message = format_validation_errors(list(e.errors()))
+        errors = list(e.errors())
+        message = format_validation_errors(errors)
         content_type = request.headers.get("content-type", "")
         if content_type and "json" not in content_type:
             message = f"send the body as JSON with 'Content-Type: application/json' (got {content_type!r}); {message}"
-        return error_response(400, message)
+        return error_response(400, message, param=_param(errors[0]) if errors else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -13,6 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 from pydantic_core import PydanticCustomError
 
 from hybridmoe.engine.request import INT64_MAX, INT64_MIN, MAX_STOP_CHARS, MAX_STOP_STRINGS, is_unicode
+from hybridmoe.server.errors import path_part
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 NonNegInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -77,7 +78,7 @@ def is_noop(value: Any, noops: tuple[Any, ...]) -> bool:
 
 
 def _string_error(path: list[str | int], s: str) -> PydanticCustomError:
-    where = ".".join(str(p) for p in path) or "body"
+    where = ".".join(path_part(p) for p in path) or "body"
     pos = next(i for i, ch in enumerate(s) if 0xD800 <= ord(ch) <= 0xDFFF)
     return PydanticCustomError("invalid_unicode", "{where}: not valid Unicode (a lone surrogate at character "
                                "{pos}); send UTF-8 text", {"where": where, "pos": pos})
