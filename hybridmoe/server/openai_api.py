@@ -87,23 +87,15 @@ def _chat_logprobs(meta: dict[str, Any], start: int, names: _Tokens) -> dict[str
                         for (lp, t, _), top in zip(toks, tops)]}
 
 
-def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    tok = state.tokenizer()
-    if not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions")
+async def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     messages = []
     for m in body.messages:
         msg = m.model_dump(exclude_none=True)
         if m.content is not None:  # content parts (text only: others are refused) joined
             msg["content"] = m.text
         messages.append(msg)
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not body.continue_final_message,
-                                       continue_final_message=body.continue_final_message,
-                                       **(body.chat_template_kwargs or {}))
-    except Exception as e:  # jinja2 TemplateError and friends: the messages do not fit the template
-        raise APIError(400, f"the messages cannot be rendered with the chat template: {e}", param="messages") from e
-    return tok.encode(text, add_special_tokens=False)
+    # rendered sandboxed and time-limited in a worker (state.chat_prompt_ids), never on the event loop
+    return await state.chat_prompt_ids(messages, body.continue_final_message, body.chat_template_kwargs)
 
 
 def register_routes(app: FastAPI, state: ServerState) -> None:
@@ -134,7 +126,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         max_tokens = body.max_tokens if body.max_tokens is not None else state.core.context_len
         params = _sampling(body, max_tokens)
         k = body.logprobs
-        reqs = [state.build_req(prompt=x if isinstance(x, str) else None, input_ids=None if isinstance(x, str) else x,
+        reqs = [await state.build_req(prompt=x if isinstance(x, str) else None, input_ids=None if isinstance(x, str) else x,
                                 params=dict(params), rid=body.rid if len(prompts) == 1 else None,
                                 return_logprob=k is not None, top_logprobs_num=k or 0,
                                 check_max_tokens=body.max_tokens is not None) for x in prompts]
@@ -161,11 +153,11 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(body.model)
         if body.top_logprobs is not None:
             check_top_logprobs(body.top_logprobs, "top_logprobs", max_top_logprobs_num(state))
-        ids = _chat_prompt_ids(state, body)
+        ids = await _chat_prompt_ids(state, body)
         explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling(body, explicit if explicit is not None else state.core.context_len)
         top = body.top_logprobs or 0
-        req = state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
+        req = await state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
                               top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None)
         names = _Tokens(state.core.tokenizer)
         stream = state.submit([req])[0]
