@@ -232,3 +232,16 @@ def test_fastapi_own_errors_have_the_shape(http):
                   "JSON")
     _assert_error(http.post("/generate", content=b"\xff\xfe", headers={"content-type": "application/json"}), 400,
                   "body")
+
+
+def test_the_top_logprobs_cap_is_a_server_flag(start_server):
+    cap = random.randrange(21, 40)
+    srv = start_server("--max-top-logprobs-num", str(cap), "--served-model-name", "demo")
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        ok = _post(c, "/generate", dict(_gen(), return_logprob=True, top_logprobs_num=cap))
+        assert ok.status_code == 200, ok.text
+        assert all(len(top) == cap for top in ok.json()["meta_info"]["output_top_logprobs"])
+        _assert_error(_post(c, "/generate", dict(_gen(), return_logprob=True, top_logprobs_num=cap + 1)), 400,
+                      f"limit of {cap}")
+        _assert_error(_post(c, "/v1/completions", _cmpl(logprobs=cap + 1)), 400, "logprobs")
+        assert _post(c, "/v1/chat/completions", _chat(logprobs=True, top_logprobs=cap)).status_code == 200
