@@ -7,6 +7,7 @@ import logging
 import sys
 
 from hybridmoe.args import add_engine_args, engine_args_from
+from hybridmoe.server.limits import ServerLimits, add_server_limit_args
 
 # Hybrid CPU/GPU options whose feature is not in this version yet: accepted by the parser (so a
 # KTransformers command line parses) and refused at startup with exit code 2, never ignored.
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests waiting for their first token beyond this get 503")
     s.add_argument("--graceful-shutdown-timeout", type=float, default=DEFAULT_GRACE_S,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
+    add_server_limit_args(p.add_argument_group("server limits"))
     return p
 
 
@@ -76,12 +78,13 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     try:
         args = engine_args_from(ns)
-    except ConfigError as e:
+        limits = ServerLimits.from_namespace(ns)
+    except (ConfigError, ValueError) as e:
         print(f"hybridmoe serve: error: {e}", file=sys.stderr)
         return 2
     from hybridmoe.server.run import run_server
 
-    return run_server(args, graceful_shutdown_timeout=ns.graceful_shutdown_timeout)
+    return run_server(args, graceful_shutdown_timeout=ns.graceful_shutdown_timeout, limits=limits)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,11 @@
 
 Thread-safety: `submit`/`abort` may be called from any thread (they go through an inbox that
 `step` drains); `step` itself runs on one thread, the one that owns the model.
+
+Isolation: whatever raises for one request (its sampling, penalties, detokenization, stop
+matching, output building) ends that request alone with an abort finish_reason carrying the
+message; only a failure of the model forward fails the requests of its batch, and the engine then
+goes on with the next step.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import queue
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +28,7 @@ from hybridmoe.engine.request import (
     Req,
     SamplingParams,
     SamplingParamsError,
+    finish_abort,
     finish_length,
     finish_stop,
     new_rid,
@@ -92,6 +99,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.finished_count = 0
         self.generated_tokens = 0
+        self.failed_requests = 0  # ended alone by an error of their own
+        self.failed_batches = 0  # model forwards that raised
         torch.manual_seed(args.random_seed)
 
     @property
@@ -112,7 +121,7 @@ class Engine:
         try:
             params = SamplingParams.from_any(sampling_params)
             params.validate(self.hf_config.vocab_size)
-        except (SamplingParamsError, TypeError) as e:
+        except (SamplingParamsError, TypeError, ValueError, OverflowError) as e:
             raise RequestError(str(e)) from e
         if (prompt is None) == (input_ids is None):
             raise RequestError("give exactly one of `text` (prompt) and `input_ids`")
@@ -124,12 +133,15 @@ class Engine:
             input_ids = self.tokenizer.encode(prompt)
         assert input_ids is not None
         vocab = self.hf_config.vocab_size
-        if not isinstance(input_ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in input_ids):
+        if not isinstance(input_ids, list):
             raise RequestError(f"input_ids must be a list of token ids in [0, {vocab})")
         if not input_ids:
             raise RequestError("the prompt is empty")
+        # The length first: a huge list is refused without walking it.
         if len(input_ids) >= self.context_len:
             raise RequestError(f"the prompt has {len(input_ids)} tokens; the context length is {self.context_len}")
+        if not all(type(t) is int and 0 <= t < vocab for t in input_ids):
+            raise RequestError(f"input_ids must be a list of token ids in [0, {vocab})")
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise RequestError("top_logprobs_num must be an integer >= 0")
         # Leave room in the context for the generated tokens.
@@ -155,14 +167,17 @@ class Engine:
             if kind == "add":
                 req = item
                 self.reqs[req.rid] = req
-                self._detok[req.rid] = IncrementalDetokenizer(
-                    self.tokenizer, req.params.skip_special_tokens, req.params.spaces_between_special_tokens
-                ) if self.tokenizer is not None else None
-                if req.params.max_new_tokens == 0:
-                    req.finish(finish_length(0))
-                    ended.append(self._retire(req))
-                else:
-                    self.scheduler.add(req)
+                try:
+                    self._detok[req.rid] = IncrementalDetokenizer(
+                        self.tokenizer, req.params.skip_special_tokens, req.params.spaces_between_special_tokens
+                    ) if self.tokenizer is not None else None
+                    if req.params.max_new_tokens == 0:
+                        req.finish(finish_length(0))
+                        ended.append(self._retire(req))
+                    else:
+                        self.scheduler.add(req)
+                except Exception as e:  # this request alone
+                    ended.append(self._fail_request(req, e))
             else:
                 rid, message = item
                 req = self.scheduler.abort(rid, message)
@@ -182,26 +197,86 @@ class Engine:
         for req in batch.reqs:
             if req.finished:  # refused or aborted while scheduling
                 updated.append(self._retire(req))
+        if not any(n > 0 for n in batch.num_tokens):
+            return updated
         sampling = [r for r, n, s in zip(batch.reqs, batch.num_tokens, batch.sample) if n > 0 and s]
-        if any(n > 0 for n in batch.num_tokens):
+        try:
             logits = self.runner.forward(batch)
-            out = self.sampler(logits, sampling) if sampling else None
+        except Exception as e:
+            return updated + self._fail_batch(batch, e)
+        rows = self._sample(logits, sampling)
+        try:
             self.runner.check_step_errors()  # before any token of a failed step is kept
-            self.scheduler.on_step_done(batch)
-            now = time.time()
-            for i, req in enumerate(sampling):
-                assert out is not None
-                token = out.next_ids[i]
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                req.output_ids.append(token)
-                self.generated_tokens += 1
-                if req.return_logprob and out.logprobs is not None:
-                    top = out.top_logprobs[i] if out.top_logprobs else []
-                    req.output_logprobs.append((out.logprobs[i], token, top))
-                self._check_finish(req, token)
-                updated.append(req)
+        except Exception as e:
+            return updated + self._fail_batch(batch, e)
+        self.scheduler.on_step_done(batch)
+        now = time.time()
+        for req, row in zip(sampling, rows):
+            try:
+                if isinstance(row, Exception):
+                    raise row
+                self._take_token(req, row, now)
+            except Exception as e:  # sampling, detokenization, stop matching: this request alone
+                self._fail_request(req, e)
+            updated.append(req)
         return updated
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[tuple | Exception]:  # logits [B, V]
+        """Per request (token, logprob, top logprobs), or the exception its sampling raised.
+
+        The batch is sampled at once; if that raises, each request is sampled alone so the one
+        whose parameters break the sampler fails without the others.
+        """
+        if not reqs:
+            return []
+        try:
+            return self._rows(self.sampler(logits, reqs), len(reqs))
+        except Exception as e:
+            if len(reqs) == 1:
+                return [e]
+        rows: list[tuple | Exception] = []
+        for i, req in enumerate(reqs):
+            try:
+                rows.extend(self._rows(self.sampler(logits[i:i + 1], [req]), 1))
+            except Exception as e:
+                rows.append(e)
+        return rows
+
+    @staticmethod
+    def _rows(out: Any, n: int) -> list[tuple | Exception]:
+        return [(out.next_ids[i], out.logprobs[i] if out.logprobs is not None else None,
+                 out.top_logprobs[i] if out.top_logprobs else []) for i in range(n)]
+
+    def _take_token(self, req: Req, row: tuple, now: float) -> None:
+        token, logprob, top = row
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.output_ids.append(token)
+        self.generated_tokens += 1
+        if req.return_logprob and logprob is not None:
+            req.output_logprobs.append((logprob, token, top))
+        self._check_finish(req, token)
+
+    def _fail_request(self, req: Req, error: Exception) -> Req:
+        """End one request with an abort carrying the error; its pages go back to the pool."""
+        message = f"request failed: {type(error).__name__}: {error}"
+        log.warning("request %s failed alone: %s", req.rid, message, exc_info=log.isEnabledFor(logging.DEBUG))
+        self.failed_requests += 1
+        self.scheduler.finish(req, finish_abort(message))  # pages freed if it still held them
+        return self._retire(req) if req.rid in self.reqs else req
+
+    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[Req]:
+        """The model forward raised: end the requests of this batch (pages freed, nothing of
+        the step kept); the others, and the next steps, go on."""
+        live = [r for r, n in zip(batch.reqs, batch.num_tokens) if n > 0 and not r.finished]
+        log.error("the model forward failed; failing the %d request(s) of its batch: %s: %s", len(live),
+                  type(error).__name__, error, exc_info=True)
+        self.failed_batches += 1
+        message = f"engine failure: {type(error).__name__}: {error}"
+        for req in live:
+            self.scheduler.finish(req, dict(finish_abort(message), status_code=500))
+            self._retire(req)
+        return live
 
     def _check_finish(self, req: Req, token: int) -> None:
         p = req.params
@@ -257,6 +332,46 @@ class Engine:
             for r in self.step():
                 if r.finished:
                     pending.discard(r.rid)
+
+    # ---- state (engine thread) ----
+    def stats(self) -> dict[str, Any]:
+        """What the server reports: requests running and queued, KV usage, counters."""
+        kv = self.kv
+        used = kv.num_used()
+        total = kv.num_pages - 1  # page 0 is scratch
+        return {
+            "num_running_reqs": len(self.scheduler.running),
+            "num_queue_reqs": len(self.scheduler.waiting),
+            "kv_used_pages": used,
+            "kv_total_pages": total,
+            "page_size": kv.page_size,
+            "num_used_tokens": used * kv.page_size,
+            "max_total_num_tokens": kv.capacity_tokens,
+            "token_usage": used / total if total else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "finished_requests": self.finished_count,
+            "generated_tokens": self.generated_tokens,
+            "failed_requests": self.failed_requests,
+            "failed_batches": self.failed_batches,
+        }
+
+    def flush_cache(self) -> bool:
+        """Forget the prefix cache; False (nothing done) while requests are in flight."""
+        return not self.has_work() and self.kv.reset_prefix_cache()
+
+    def outputs(self, reqs: list[Req]) -> list[tuple[str, dict]]:
+        """(rid, output dict) per request; one whose output cannot be built ends with an abort."""
+        outs = []
+        for req in reqs:
+            try:
+                outs.append((req.rid, self.output_dict(req)))
+            except Exception as e:
+                self._fail_request(req, e)
+                meta = {"id": req.rid, "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids),
+                        "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
+                        "e2e_latency": 0.0}
+                outs.append((req.rid, {"text": "", "output_ids": [], "meta_info": meta}))
+        return outs
 
     def shutdown(self) -> None:
         """Write what must outlive the process (the expert distribution statistics)."""

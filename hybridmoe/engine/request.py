@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Documented ranges (SGLang's): temperature >= 0 (capped where sampling is uniform anyway),
+# repetition_penalty in (0, 2], frequency/presence penalties in [-2, 2].
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 2.0
+MAX_FREQUENCY_PENALTY = 2.0
+# Stop strings are matched at every step and held back from streams: bounded so that matching stays cheap.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 128
+MAX_STOP_TOKEN_IDS = 256
 
 
 class SamplingParamsError(ValueError):
@@ -63,39 +75,81 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise SamplingParamsError naming the first bad field."""
+    def validate(self, vocab_size: int | None = None, context_len: int | None = None) -> None:
+        """Raise SamplingParamsError naming the first bad field.
+
+        Strict: integers are ints (not bools or floats) within int64, numbers are finite, flags are
+        bools, strings are valid Unicode; the ranges are SGLang's documented ones. With vocab_size,
+        top_k and stop_token_ids must fit the vocabulary; with context_len, max_new_tokens must fit
+        the context. Nothing out of range may reach torch (a huge int overflows a tensor).
+        """
 
         def need(ok: bool, name: str, expected: str) -> None:
             if not ok:
-                raise SamplingParamsError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}")
+                shown = repr(getattr(self, name))
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise SamplingParamsError(f"{name}={shown} is invalid: expected {expected}")
 
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+        def int_in(name: str, lo: int, hi: int) -> None:
+            v = getattr(self, name)
+            need(is_int(v) and lo <= v <= hi, name, f"an integer in [{lo}, {hi}]")
 
-        def is_num(v: object) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        def num_in(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            # int bounds are compared exactly: float() of a huge int would overflow
+            ok = is_num(v) and (not isinstance(v, float) or math.isfinite(v)) and (lo < v if lo_open else lo <= v)
+            need(ok and v <= hi, name, f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
 
-        need(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "an integer >= 0")
-        need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens, "min_new_tokens", "an integer >= 0")
-        need(is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
-        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
-        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "-1 (off) or an integer >= 1")
-        need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
-        need(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "a number > 0")
-        need(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
-             "a number in [-2, 2]")
-        need(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
-             "a number in [-2, 2]")
-        stop_ok = self.stop is None or isinstance(self.stop, str) or (
-            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop))
-        need(stop_ok, "stop", "a string or a list of non-empty strings")
+        most_tokens = context_len if context_len is not None else INT64_MAX
+        int_in("max_new_tokens", 0, most_tokens)
+        int_in("min_new_tokens", 0, INT64_MAX)
+        need(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+             f"at most max_new_tokens={self.max_new_tokens}")
+        num_in("temperature", 0, MAX_TEMPERATURE)
+        num_in("top_p", 0, 1, lo_open=True)
+        top_k_max = vocab_size if vocab_size is not None else INT64_MAX
+        need(is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= top_k_max), "top_k",
+             f"-1 (off) or an integer in [1, {top_k_max}]")
+        num_in("min_p", 0, 1)
+        num_in("repetition_penalty", 0, MAX_REPETITION_PENALTY, lo_open=True)
+        num_in("frequency_penalty", -MAX_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY)
+        num_in("presence_penalty", -MAX_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY)
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        stop_ok = stops is None or (isinstance(stops, list) and len(stops) <= MAX_STOP_STRINGS and all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS and is_unicode(s) for s in stops))
+        need(stop_ok, "stop", f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings of "
+                              f"at most {MAX_STOP_CHARS} characters (valid Unicode)")
+        id_end = vocab_size if vocab_size is not None else INT64_MAX
         ids_ok = self.stop_token_ids is None or (
-            isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids)
-            and (vocab_size is None or all(t < vocab_size for t in self.stop_token_ids)))
-        need(ids_ok, "stop_token_ids", "a list of token ids in the vocabulary")
-        need(self.n == 1, "n", "1 (parallel sampling is not supported; send several requests)")
-        need(self.sampling_seed is None or is_int(self.sampling_seed), "sampling_seed", "an integer")
+            isinstance(self.stop_token_ids, list) and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+            and all(is_int(t) and 0 <= t < id_end for t in self.stop_token_ids))
+        need(ids_ok, "stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {id_end})")
+        for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            need(isinstance(getattr(self, flag), bool), flag, "true or false")
+        need(is_int(self.n) and self.n == 1, "n", "1 (parallel sampling is not supported; send several requests)")
+        need(self.sampling_seed is None or (is_int(self.sampling_seed) and INT64_MIN <= self.sampling_seed
+                                            <= INT64_MAX), "sampling_seed", "an integer within int64")
+
+
+def is_int(v: object) -> bool:
+    """An int that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v: object) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_unicode(s: str) -> bool:
+    """False for a str holding lone surrogates (JSON's "\\ud800"), which cannot be encoded as UTF-8."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class ReqState(Enum):

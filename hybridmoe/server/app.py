@@ -14,16 +14,25 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 
 from hybridmoe.config import EngineArgs
 from hybridmoe.engine.engine import Engine, RequestError
 from hybridmoe.server import openai_api
 from hybridmoe.server.async_engine import AsyncEngine, EngineFailed, RequestStream, Unavailable
-from hybridmoe.server.errors import APIError, error_body, error_response, format_validation_errors
+from hybridmoe.server.connections import RequestLimitsMiddleware
+from hybridmoe.server.errors import APIError, error_body, error_response, install_error_handlers
+from hybridmoe.server.limits import ServerLimits
 from hybridmoe.server.metrics import CONTENT_TYPE, ServerMetrics
-from hybridmoe.server.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
+from hybridmoe.server.protocol import (
+    AbortRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    check_top_logprobs,
+    max_top_logprobs_num,
+)
 from hybridmoe.server.state import ServerState
 from hybridmoe.server.streaming import DONE, guarded, results, sse, visible_text
 
@@ -34,11 +43,18 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 class APIKeyMiddleware:
     """Pure ASGI (streams and disconnect detection pass through untouched): `Authorization: Bearer
-    <key>` on every route except /health*, /metrics and CORS pre-flight."""
+    <key>` on every route except /health*, /metrics and CORS pre-flight. The scheme is
+    case-insensitive (RFC 9110); the key is compared in constant time."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, key = header.strip().partition(b" ")
+        # compare_digest runs on every request, so a wrong scheme takes as long as a wrong key
+        ok_key = hmac.compare_digest(key.strip(), self.expected)
+        return scheme.lower() == b"bearer" and ok_key
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = scope.get("path", "")
@@ -46,7 +62,7 @@ class APIKeyMiddleware:
                 or path == "/metrics":
             return await self.app(scope, receive, send)
         got = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if hmac.compare_digest(got, self.expected):
+        if self._authorized(got):
             return await self.app(scope, receive, send)
         response = JSONResponse(error_body(401, "missing or wrong API key: send 'Authorization: Bearer <key>'"),
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -71,22 +87,7 @@ class JSONBodyMiddleware:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
-        message = format_validation_errors(list(e.errors()))
-        content_type = request.headers.get("content-type", "")
-        if content_type and "json" not in content_type:
-            message = f"send the body as JSON with 'Content-Type: application/json' (got {content_type!r}); {message}"
-        return error_response(400, message)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+    install_error_handlers(app)  # APIError, validation, 404/405 and unhandled errors: errors.py
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError) -> JSONResponse:
@@ -99,6 +100,28 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineFailed)
     async def _failed(_: Request, e: EngineFailed) -> JSONResponse:
         return error_response(500, str(e))
+
+
+class _OffLoopJSONRequest(Request):
+    """A request whose JSON body is parsed by the server's worker pool when it is large."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            state: ServerState = self.app.state.hybridmoe
+            self._json = await state.pool.parse_json(await self.body())
+        return self._json
+
+
+class OffLoopJSONRoute(APIRoute):
+    """FastAPI's route with `_OffLoopJSONRequest` (FastAPI's extension point for request parsing)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_OffLoopJSONRequest(request.scope, request.receive, request._send))
+
+        return route
 
 
 def _batch_size(body: GenerateRequest) -> int | None:
@@ -137,8 +160,8 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """200 when the engine generates one token within the time limit."""
-        req = state.build_req(input_ids=[0], params={"max_new_tokens": 1, "temperature": 0.0},
-                              rid=f"health-{uuid.uuid4().hex}")
+        req = await state.build_req(input_ids=[0], params={"max_new_tokens": 1, "temperature": 0.0},
+                                    rid=f"health-{uuid.uuid4().hex}")
         stream = state.submit([req])[0]
         try:
             await asyncio.wait_for(stream.result(), HEALTH_GENERATE_TIMEOUT_S)
@@ -153,11 +176,12 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
         if body.lora_path is not None and any(p is not None for p in (
                 body.lora_path if isinstance(body.lora_path, list) else [body.lora_path])):
             raise APIError(400, "LoRA adapters (lora_path) are not yet available in this version", param="lora_path")
+        check_top_logprobs(body.top_logprobs_num, "top_logprobs_num", max_top_logprobs_num(state))
         n = _batch_size(body)
         if n is None:
-            req = state.build_req(prompt=body.text, input_ids=body.input_ids, params=body.sampling_params,
-                                  rid=body.rid, return_logprob=body.return_logprob,
-                                  top_logprobs_num=body.top_logprobs_num)
+            req = await state.build_req(prompt=body.text, input_ids=body.input_ids, params=body.sampling_params,
+                                        rid=body.rid, return_logprob=body.return_logprob,
+                                        top_logprobs_num=body.top_logprobs_num)
             stream = state.submit([req])[0]
             if body.stream:
                 events = _generate_events(stream, req.params.stop_strs)
@@ -171,11 +195,12 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
         ids = body.input_ids if texts is None else None
         if texts is not None and body.input_ids is not None:
             raise APIError(400, "give exactly one of `text` and `input_ids`")
-        reqs = [state.build_req(prompt=texts[i] if texts is not None else None,
-                                input_ids=ids[i] if ids is not None else None,  # type: ignore[index]
-                                params=_pick(body.sampling_params, i, n, "sampling_params"),
-                                rid=_pick(body.rid, i, n, "rid"), return_logprob=body.return_logprob,
-                                top_logprobs_num=body.top_logprobs_num) for i in range(n)]
+        reqs = list(await asyncio.gather(*(
+            state.build_req(prompt=texts[i] if texts is not None else None,
+                            input_ids=ids[i] if ids is not None else None,  # type: ignore[index]
+                            params=_pick(body.sampling_params, i, n, "sampling_params"),
+                            rid=_pick(body.rid, i, n, "rid"), return_logprob=body.return_logprob,
+                            top_logprobs_num=body.top_logprobs_num) for i in range(n))))
         return await results(request, state.engine, state.submit(reqs))
 
     @app.get("/get_model_info")
@@ -195,10 +220,7 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         """Forget the prefix cache; refused (400) while requests are in flight."""
-        def flush(engine: Engine) -> bool:
-            return not engine.has_work() and engine.kv.reset_prefix_cache()
-
-        if not await state.engine.call(flush):
+        if not await state.engine.call(Engine.flush_cache):
             raise APIError(400, "cannot flush the cache while requests are running; retry when idle")
         return PlainTextResponse("Cache flushed.\n")
 
@@ -213,24 +235,25 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        tok = state.tokenizer()
+        """Token ids of a prompt (or a batch), off the event loop; beyond the context length: 400."""
         ctx = state.core.context_len
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        all_ids = await asyncio.gather(*(state.encode(p, "prompt", body.add_special_tokens) for p in prompts))
         if isinstance(body.prompt, str):
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-            return {"tokens": ids, "count": len(ids), "max_model_len": ctx}
-        all_ids = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
+            return {"tokens": all_ids[0], "count": len(all_ids[0]), "max_model_len": ctx}
         return {"tokens": all_ids, "count": [len(x) for x in all_ids], "max_model_len": ctx}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        tok = state.tokenizer()
+        """Text of token ids (or a batch), off the event loop."""
+        state.tokenizer()
         vocab = state.core.hf_config.vocab_size
         batch = bool(body.tokens) and isinstance(body.tokens[0], list)
-        seqs = body.tokens if batch else [body.tokens]
+        seqs: list[list[int]] = body.tokens if batch else [body.tokens]  # type: ignore[assignment,list-item]
         for seq in seqs:
-            if not all(0 <= t < vocab for t in seq):  # type: ignore[union-attr]
+            if seq and (min(seq) < 0 or max(seq) >= vocab):  # min/max: C speed on a long list
                 raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
-        texts = [tok.decode(seq, skip_special_tokens=body.skip_special_tokens) for seq in seqs]
+        texts = await asyncio.gather(*(state.decode(seq, body.skip_special_tokens) for seq in seqs))
         return {"text": texts if batch else texts[0]}
 
     if state.args.enable_metrics and state.metrics is not None:
@@ -241,12 +264,16 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
             return Response(metrics.render(), media_type=CONTENT_TYPE)
 
 
-def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] | None = None) -> FastAPI:
-    """The application; the engine thread starts (and loads the model) with the app's lifespan."""
+def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] | None = None,
+               limits: ServerLimits | None = None) -> FastAPI:
+    """The application; the engine thread starts (and loads the model) with the app's lifespan.
+
+    limits: the server's limits (defaults when None); kept at app.state.hybridmoe.limits.
+    """
     model_name = args.served_model_name or args.model_path
     metrics = ServerMetrics(model_name)  # cheap; exposed at /metrics only with --enable-metrics
     state = ServerState(args=args, engine=AsyncEngine(args, metrics, engine_factory), metrics=metrics,
-                        model_name=model_name)
+                        model_name=model_name, limits=limits or ServerLimits())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -257,21 +284,26 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] 
         state.engine.draining = True
         state.engine.abort_all("the server is shutting down")
         await asyncio.to_thread(state.engine.stop)
+        state.pool.close()
 
     app = FastAPI(title="hybridmoe", version="0.1.0", lifespan=lifespan)
     app.state.hybridmoe = state
+    app.router.route_class = OffLoopJSONRoute  # before any route is added
     _install_error_handlers(app)
     _register_native_routes(app, state)
     openai_api.register_routes(app, state)
     app.add_middleware(JSONBodyMiddleware)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(RequestLimitsMiddleware, limits=state.limits)  # outermost: sizes and times first
     return app
 
 
 async def _watch_load(state: ServerState) -> None:
     """Stop the server (exit code 1) if the model fails to load."""
     ok = await asyncio.to_thread(state.engine.wait_loaded)
+    if ok and state.engine.engine is not None:
+        state.pool.start(state.engine.engine.tokenizer)  # workers load while the first requests come
     if not ok:
         state.exit_code = 1
         if state.server is not None:

@@ -12,23 +12,28 @@ from fastapi.responses import StreamingResponse
 from hybridmoe.engine.request import Req
 from hybridmoe.server.async_engine import EngineFailed, RequestStream
 from hybridmoe.server.errors import APIError, error_body
-from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from hybridmoe.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    check_top_logprobs,
+    max_top_logprobs_num,
+)
 from hybridmoe.server.state import ServerState
 from hybridmoe.server.streaming import DONE, guarded, results, sse, visible_text
 
 
 def _sampling(body: SamplingFields, max_new_tokens: int) -> dict[str, Any]:
-    """OpenAI fields -> SGLang sampling parameters (validated by the engine)."""
+    """OpenAI fields -> SGLang sampling parameters (the engine validates them again, against the
+    vocabulary); a field left out or null keeps SamplingParams' default."""
     params: dict[str, Any] = {
         "max_new_tokens": max_new_tokens, "min_new_tokens": body.min_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty, "frequency_penalty": body.frequency_penalty,
         "presence_penalty": body.presence_penalty, "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
-        "no_stop_trim": body.no_stop_trim, "n": body.n}
-    if body.seed is not None:
-        params["sampling_seed"] = body.seed
-    return params
+        "no_stop_trim": body.no_stop_trim, "n": body.n, "sampling_seed": body.seed}
+    return {k: v for k, v in params.items() if v is not None}
 
 
 def _finish(out: dict[str, Any]) -> tuple[str | None, Any]:
@@ -82,23 +87,15 @@ def _chat_logprobs(meta: dict[str, Any], start: int, names: _Tokens) -> dict[str
                         for (lp, t, _), top in zip(toks, tops)]}
 
 
-def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    tok = state.tokenizer()
-    if not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions")
+async def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     messages = []
     for m in body.messages:
         msg = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):  # content parts: keep the text ones
-            msg["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+        if m.content is not None:  # content parts (text only: others are refused) joined
+            msg["content"] = m.text
         messages.append(msg)
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not body.continue_final_message,
-                                       continue_final_message=body.continue_final_message,
-                                       **(body.chat_template_kwargs or {}))
-    except Exception as e:  # jinja2 TemplateError and friends: the messages do not fit the template
-        raise APIError(400, f"the messages cannot be rendered with the chat template: {e}", param="messages") from e
-    return tok.encode(text, add_special_tokens=False)
+    # rendered sandboxed and time-limited in a worker (state.chat_prompt_ids), never on the event loop
+    return await state.chat_prompt_ids(messages, body.continue_final_message, body.chat_template_kwargs)
 
 
 def register_routes(app: FastAPI, state: ServerState) -> None:
@@ -114,8 +111,8 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         state.check_model(body.model)
-        if body.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.logprobs is not None:
+            check_top_logprobs(body.logprobs, "logprobs", max_top_logprobs_num(state))
         prompts: list[Any]
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
@@ -129,7 +126,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         max_tokens = body.max_tokens if body.max_tokens is not None else state.core.context_len
         params = _sampling(body, max_tokens)
         k = body.logprobs
-        reqs = [state.build_req(prompt=x if isinstance(x, str) else None, input_ids=None if isinstance(x, str) else x,
+        reqs = [await state.build_req(prompt=x if isinstance(x, str) else None, input_ids=None if isinstance(x, str) else x,
                                 params=dict(params), rid=body.rid if len(prompts) == 1 else None,
                                 return_logprob=k is not None, top_logprobs_num=k or 0,
                                 check_max_tokens=body.max_tokens is not None) for x in prompts]
@@ -154,11 +151,13 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         state.check_model(body.model)
-        ids = _chat_prompt_ids(state, body)
+        if body.top_logprobs is not None:
+            check_top_logprobs(body.top_logprobs, "top_logprobs", max_top_logprobs_num(state))
+        ids = await _chat_prompt_ids(state, body)
         explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling(body, explicit if explicit is not None else state.core.context_len)
         top = body.top_logprobs or 0
-        req = state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
+        req = await state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
                               top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None)
         names = _Tokens(state.core.tokenizer)
         stream = state.submit([req])[0]

@@ -1,123 +1,316 @@
-"""Request bodies of the HTTP API (pydantic): SGLang's native endpoints and the OpenAI API.
+"""Request bodies of the HTTP API (strict pydantic): SGLang's native endpoints and the OpenAI API.
 
-Field names follow SGLang and OpenAI. Unknown fields are accepted and ignored (clients send many
-optional OpenAI fields); the values of known fields are type-checked here, their ranges by the
-engine (SamplingParams.validate), so both APIs report the same message for the same mistake.
+Field names follow SGLang and OpenAI. Validation is strict (see strict.py): exact JSON types,
+documented ranges (the same bounds SamplingParams.validate enforces, imported from it), valid
+Unicode, unknown fields refused, unimplemented fields refused by name. What depends on the model
+(token ids below the vocabulary size, top_k <= vocab, max_new_tokens within the context) is
+checked by the engine (Engine.make_request) and ServerState.build_req; the number of top logprobs
+is capped by `check_top_logprobs` with the server's `max_top_logprobs_num`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
+from typing_extensions import Self
+
+from hybridmoe.engine.request import (
+    INT64_MAX,
+    MAX_FREQUENCY_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+)
+from hybridmoe.server.errors import APIError
+from hybridmoe.server.strict import (
+    Int64,
+    NonNegInt,
+    RequestModel,
+    Rid,
+    Stop,
+    StrictModel,
+    TokenId,
+    TokenIds,
+    TopK,
+    finite,
+    one_or_list,
+)
+
+DEFAULT_MAX_TOP_LOGPROBS_NUM = 20  # OpenAI's cap; each one costs a top-k over the vocabulary per token
+
+Temperature = finite(0, MAX_TEMPERATURE)
+TopP = finite(0, 1, lo_open=True)
+MinP = finite(0, 1)
+RepetitionPenalty = finite(0, MAX_REPETITION_PENALTY, lo_open=True)
+Penalty = finite(-MAX_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY)
+PosInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
+
+_STRUCTURED = "structured output"
+
+
+def check_top_logprobs(value: int, field: str, cap: int = DEFAULT_MAX_TOP_LOGPROBS_NUM) -> None:
+    """APIError(400) when more top logprobs per token are asked for than the server's cap."""
+    if value > cap:
+        raise APIError(400, f"{field}={value} is above this server's limit of {cap} top logprobs per token "
+                            "(--max-top-logprobs-num raises it)", param=field)
+
+
+def max_top_logprobs_num(state: Any) -> int:
+    """The server's cap: ServerState.limits.max_top_logprobs_num where the server has that setting."""
+    limits = getattr(state, "limits", None)
+    return int(getattr(limits, "max_top_logprobs_num", DEFAULT_MAX_TOP_LOGPROBS_NUM))
+
 
 # ---------------------------------------------------------------- SGLang native
 
 
-class GenerateRequest(BaseModel):
-    """POST /generate. One prompt (text or input_ids) or a batch (lists); batches do not stream."""
+class SamplingParamsIn(StrictModel):
+    """/generate's sampling_params: SamplingParams' fields, typed and range-checked."""
 
-    model_config = ConfigDict(extra="ignore")
+    not_implemented = {
+        "json_schema": (_STRUCTURED + " (json_schema)", ()), "regex": (_STRUCTURED + " (regex)", ()),
+        "ebnf": (_STRUCTURED + " (ebnf)", ()), "structural_tag": (_STRUCTURED + " (structural_tag)", ()),
+        "logit_bias": ("per-token logit bias", ({},)), "custom_params": ("custom logit processor parameters", ({},)),
+        "stream_interval": ("a custom stream interval", (1,)),
+    }
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    max_new_tokens: NonNegInt | None = None
+    min_new_tokens: NonNegInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    stop: Stop | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    n: PosInt | None = None
+    sampling_seed: Int64 | None = None
+    seed: Int64 | None = None  # OpenAI's spelling of sampling_seed
+
+
+def _as_dict(params: SamplingParamsIn) -> dict[str, Any]:
+    return params.model_dump(exclude_none=True)  # null means "the default"
+
+
+# After validation a sampling_params value is the dict of the fields given (what the engine takes).
+SamplingDict = Annotated[SamplingParamsIn, AfterValidator(_as_dict)]
+
+
+class GenerateRequest(RequestModel):
+    """POST /generate. One prompt (text or input_ids) or a batch (lists); batches do not stream.
+
+    `sampling_params` and `rid` are one value, or a list with one entry per prompt of a batch.
+    After validation `sampling_params` holds plain dicts (see SamplingDict).
+    """
+
+    not_implemented = {
+        "image_data": ("image input", ()), "audio_data": ("audio input", ()), "video_data": ("video input", ()),
+        "input_embeds": ("input embeddings", ()), "modalities": ("multimodal input", ([],)),
+        "return_hidden_states": ("hidden-state output", (False,)),
+        "logprob_start_len": ("prompt logprobs (logprob_start_len)", (-1,)),
+        "token_ids_logprob": ("logprobs of given token ids", ()),
+        "return_text_in_logprobs": ("token text in logprobs", (False,)),
+        "custom_logit_processor": ("custom logit processors", ()), "session_params": ("sessions", ()),
+    }
+
+    text: one_or_list(str, str) | None = None
+    input_ids: TokenIds | None = None
+    sampling_params: one_or_list(SamplingDict, SamplingDict) | None = None
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
-    rid: str | list[str] | None = None
-    lora_path: str | list[str | None] | None = None
+    top_logprobs_num: NonNegInt = 0
+    rid: one_or_list(Rid, Rid) | None = None
+    lora_path: one_or_list(str, str | None) | None = None
+
+    @property
+    def batch_size(self) -> int | None:
+        """None for one prompt, else the number of prompts."""
+        if isinstance(self.text, list):
+            return len(self.text)
+        if self.input_ids and isinstance(self.input_ids[0], list):
+            return len(self.input_ids)
+        return None
+
+    @model_validator(mode="after")
+    def _lists_match_the_batch(self) -> Self:
+        n = self.batch_size
+        for name in ("sampling_params", "rid"):
+            value = getattr(self, name)
+            if not isinstance(value, list):
+                continue
+            if n is None:
+                raise PydanticCustomError("bad_request", "{name} is a list but there is one prompt: give one value "
+                                          "(or a list of prompts in text/input_ids)", {"name": name})
+            if len(value) != n:
+                raise PydanticCustomError("bad_request", "{name} has {got} entries for {n} prompts",
+                                          {"name": name, "got": len(value), "n": n})
+        if n is not None and isinstance(self.rid, str):
+            raise PydanticCustomError("bad_request", "rid must be a list of {n} distinct strings for a batch of {n} "
+                                      "prompts", {"n": n})
+        if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
+            raise PydanticCustomError("bad_request", "rid has repeated values; each prompt needs its own")
+        return self
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     """POST /tokenize."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    prompt: str | list[str]
+    prompt: one_or_list(str, str)
     add_special_tokens: bool = True
     model: str | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     """POST /detokenize."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    tokens: list[int] | list[list[int]]
+    tokens: TokenIds
     skip_special_tokens: bool = True
     model: str | None = None
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(RequestModel):
     """POST /abort_request: one request by rid, or every request with abort_all."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    rid: str = ""
+    rid: Rid = ""
     abort_all: bool = False
 
 
 # ---------------------------------------------------------------- OpenAI
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI + SGLang extras)."""
+class SamplingFields(RequestModel):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI + SGLang extras).
 
-    model_config = ConfigDict(extra="ignore")
+    A null field takes its default. `user` and `metadata` are informational in OpenAI's API and
+    accepted as such.
+    """
+
+    not_implemented = {
+        "logit_bias": ("per-token logit bias", ({},)),
+        "response_format": (_STRUCTURED + " (response_format)", ({"type": "text"},)),
+        "regex": (_STRUCTURED + " (regex)", ()), "json_schema": (_STRUCTURED + " (json_schema)", ()),
+        "ebnf": (_STRUCTURED + " (ebnf)", ()), "lora_path": ("LoRA adapters (lora_path)", ()),
+        "store": ("stored completions", (False,)), "service_tier": ("service tiers", ("auto", "default")),
+        "return_hidden_states": ("hidden-state output", (False,)),
+    }
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    max_tokens: NonNegInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: PosInt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    stop: Stop | None = None
+    seed: Int64 | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None
     # SGLang extras
-    top_k: int = -1
-    min_p: float = 0.0
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    rid: str | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    min_tokens: NonNegInt | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    rid: Rid | None = None
+
+
+def _prompt_shape(v: Any) -> str:
+    if not isinstance(v, list):
+        return "<text>"
+    if v and isinstance(v[0], str):
+        return "<texts>"
+    if v and isinstance(v[0], list):
+        return "<id-lists>"
+    return "<ids>"
+
+
+CompletionPrompt = Annotated[
+    Annotated[str, Tag("<text>")] | Annotated[list[str], Tag("<texts>")] | Annotated[list[TokenId], Tag("<ids>")]
+    | Annotated[list[list[TokenId]], Tag("<id-lists>")], Discriminator(_prompt_shape)]
 
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    not_implemented = SamplingFields.not_implemented | {
+        "suffix": ("suffix (insertion)", ("",)), "best_of": ("server-side best-of sampling", (1,))}
+
+    prompt: CompletionPrompt
+    max_tokens: NonNegInt | None = 16
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    suffix: str | None = None
+    logprobs: NonNegInt | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(StrictModel):
+    """One part of a chat message's content: text only in this version."""
+
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise PydanticCustomError("unsupported_part", "{kind} content parts are not implemented in this version "
+                                      "(text parts only)", {"kind": kind[:40]})
+        return data
+
+
+class ChatMessage(StrictModel):
+    not_implemented = {
+        "tool_calls": ("tool calls", ([],)), "function_call": ("function calls", ()), "audio": ("audio", ()),
+    }
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: one_or_list(str, ContentPart) | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The content as one string (text parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content
 
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    not_implemented = SamplingFields.not_implemented | {
+        "tools": ("tool calling (tools)", ([],)), "tool_choice": ("tool calling (tool_choice)", ("none", "auto")),
+        "functions": ("function calling (functions)", ([],)),
+        "function_call": ("function calling (function_call)", ("none", "auto")),
+        "parallel_tool_calls": ("tool calling (parallel_tool_calls)", (True, False)),
+        "audio": ("audio output", ()), "modalities": ("output modalities other than text", (["text"],)),
+        "prediction": ("predicted outputs", ()), "reasoning_effort": ("reasoning effort control", ()),
+        "web_search_options": ("web search", ()),
+    }
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: NonNegInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: NonNegInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False

@@ -16,6 +16,8 @@ import uvicorn
 
 from hybridmoe.config import EngineArgs
 from hybridmoe.server.app import create_app
+from hybridmoe.server.connections import LimitedH11Protocol
+from hybridmoe.server.limits import ServerLimits
 from hybridmoe.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -52,17 +54,27 @@ class _Server(uvicorn.Server):
         self.loop.call_later(self.grace, self.state.engine.abort_all, "the server is shutting down")
 
 
-def run_server(args: EngineArgs, graceful_shutdown_timeout: float = 30.0) -> int:
+def build_server(app: Any, args: EngineArgs, limits: ServerLimits, graceful_shutdown_timeout: float = 30.0,
+                 port: int | None = None) -> _Server:
+    """The uvicorn server for an app made by create_app, with the connection limits of `limits`."""
+    config = uvicorn.Config(app, host=args.host, port=args.port if port is None else port, log_level=args.log_level,
+                            access_log=False, timeout_graceful_shutdown=graceful_shutdown_timeout + 10, lifespan="on",
+                            http=LimitedH11Protocol, timeout_keep_alive=limits.timeout_keep_alive)
+    config.hybridmoe_limits = limits  # type: ignore[attr-defined]  # read by LimitedH11Protocol
+    server = _Server(config, app.state.hybridmoe, graceful_shutdown_timeout)
+    app.state.hybridmoe.server = server
+    return server
+
+
+def run_server(args: EngineArgs, graceful_shutdown_timeout: float = 30.0, limits: ServerLimits | None = None) -> int:
     """Serve until a signal stops the server; 0, or 1 if the model failed to load."""
-    app = create_app(args)
+    limits = limits or ServerLimits()
+    app = create_app(args, limits=limits)
     state: ServerState = app.state.hybridmoe
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=graceful_shutdown_timeout + 10, lifespan="on")
     sock = _bind(args.host, args.port)  # before the model loads: a busy port fails at once
     if sock is None:
         return 1
-    server = _Server(config, state, graceful_shutdown_timeout)
-    state.server = server
+    server = build_server(app, args, limits, graceful_shutdown_timeout)
     log.info("serving %s at http://%s:%d", state.model_name, args.host, sock.getsockname()[1])
     server.run(sockets=[sock])
     return state.exit_code

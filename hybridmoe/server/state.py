@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,12 @@ from hybridmoe.engine.engine import Engine, RequestError
 from hybridmoe.engine.request import Req
 from hybridmoe.server.async_engine import AsyncEngine, RequestStream
 from hybridmoe.server.errors import APIError
+from hybridmoe.server.limits import ServerLimits
 from hybridmoe.server.metrics import ServerMetrics
+from hybridmoe.server.templates import model_template
+from hybridmoe.server.workers import PromptTooLong, TokenizerPool
+
+CLIENT_TEMPLATE = "chat_template_kwargs.chat_template"
 
 
 @dataclass
@@ -23,6 +28,58 @@ class ServerState:
     model_name: str
     server: Any = None  # the uvicorn.Server, to stop it if the model fails to load
     exit_code: int = 0
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    pool: TokenizerPool = None  # type: ignore[assignment]  # made from limits
+
+    def __post_init__(self) -> None:
+        if self.pool is None:
+            self.pool = TokenizerPool(self.limits)
+
+    def _pool(self) -> TokenizerPool:
+        """The tokenizer pool, started on first use (the engine is up by then)."""
+        if not self.pool.started:
+            self.pool.start(self.core.tokenizer)
+        return self.pool
+
+    async def encode(self, text: Any, field: str = "text", add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids, off the event loop; 400 naming the context length when too long."""
+        if not isinstance(text, str):
+            raise APIError(400, f"{field} must be a string", param=field)
+        ctx = self.core.context_len
+        try:
+            return await self._pool().encode(text, add_special_tokens=add_special_tokens, max_len=ctx, field=field)
+        except PromptTooLong as e:
+            raise APIError(400, f"the prompt has {e.n} tokens; the context length is {ctx}", param=field) from None
+
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True, field: str = "tokens") -> str:
+        return await self._pool().decode(ids, skip_special_tokens=skip_special_tokens, field=field)
+
+    async def chat_prompt_ids(self, messages: list[dict[str, Any]], continue_final_message: bool,
+                              chat_template_kwargs: dict[str, Any] | None) -> list[int]:
+        """Render the chat template (sandboxed, time-limited, in a worker) and tokenize the prompt.
+
+        A client's own template (chat_template_kwargs.chat_template) is refused unless the server
+        runs with --allow-client-chat-template.
+        """
+        variables = dict(chat_template_kwargs or {})
+        source = variables.pop("chat_template", None)
+        if source is not None:
+            if not self.limits.allow_client_chat_template:
+                raise APIError(400, f"{CLIENT_TEMPLATE}: a client's chat template is refused by this server "
+                                    "(it runs with the model's; start it with --allow-client-chat-template to "
+                                    "accept one)", param=CLIENT_TEMPLATE)
+            if not isinstance(source, str) or not source:
+                raise APIError(400, f"{CLIENT_TEMPLATE} must be a non-empty string", param=CLIENT_TEMPLATE)
+        elif model_template(self.tokenizer()) is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        ctx = self.core.context_len
+        try:
+            return await self._pool().chat_ids(messages, source=source, add_generation_prompt=not continue_final_message,
+                                               continue_final_message=continue_final_message, variables=variables,
+                                               max_len=ctx)
+        except PromptTooLong as e:
+            raise APIError(400, f"the prompt has {e.n} tokens; the context length is {ctx}",
+                           param="messages") from None
 
     @property
     def core(self) -> Engine:
@@ -45,10 +102,11 @@ class ServerState:
             raise APIError(400, "this model has no tokenizer: send and receive token ids")
         return tok
 
-    def build_req(self, *, prompt: str | None = None, input_ids: list[int] | None = None,
-                  params: dict[str, Any] | None = None, rid: str | None = None, return_logprob: bool = False,
-                  top_logprobs_num: int = 0, check_max_tokens: bool = True) -> Req:
-        """Validate and tokenize one request; APIError(400) with the engine's message when bad.
+    async def build_req(self, *, prompt: str | None = None, input_ids: list[int] | None = None,
+                        params: dict[str, Any] | None = None, rid: str | None = None, return_logprob: bool = False,
+                        top_logprobs_num: int = 0, check_max_tokens: bool = True) -> Req:
+        """Validate and tokenize one request (tokenization off the event loop); APIError(400) with
+        the engine's message when bad.
 
         An explicit max_new_tokens that does not fit in the context with the prompt is an error
         (the engine would silently shorten it).
@@ -56,6 +114,10 @@ class ServerState:
         engine = self.core
         if params is not None and not isinstance(params, dict):
             raise APIError(400, "sampling_params must be an object")
+        if (prompt is None) == (input_ids is None):
+            raise APIError(400, "give exactly one of `text` (prompt) and `input_ids`")
+        if prompt is not None:
+            input_ids, prompt = await self.encode(prompt), None
         try:
             req = engine.make_request(prompt=prompt, input_ids=input_ids, sampling_params=params, rid=rid,
                                       return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)

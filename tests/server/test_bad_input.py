@@ -35,7 +35,7 @@ CASES = [
     ("openai empty prompt", "/v1/completions", {"model": "demo", "prompt": ""}, 400, "empty"),
     ("openai n=2", "/v1/completions", {"model": "demo", "prompt": "a", "n": 2}, 400, "n"),
     ("openai max_tokens negative", "/v1/completions", {"model": "demo", "prompt": "a", "max_tokens": -3}, 400,
-     "max_new_tokens"),
+     "max_tokens"),
     ("openai max_tokens oversize", "/v1/completions", {"model": "demo", "prompt": "a", "max_tokens": 10**6}, 400,
      "context length"),
     ("openai top_p zero", "/v1/completions", {"model": "demo", "prompt": "a", "top_p": 0}, 400, "top_p"),

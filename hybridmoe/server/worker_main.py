@@ -1,0 +1,72 @@
+"""The body of a tokenizer worker process (started by workers.py): jobs in, results out, over a pipe.
+
+Kept apart from workers.py so a worker imports only what it needs (the tokenizer's classes and
+jinja2, no torch, no web framework): it starts in about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from typing import Any
+
+from hybridmoe.server.templates import ChatTemplateError, model_template, render_chat, special_tokens
+
+
+def run_job(tok: Any, job: tuple) -> tuple[str, Any]:
+    """One job -> ("ids", ids) | ("too_long", n) | ("text", text) | ("template", message) |
+    ("json", value) | ("json_error", (message, position))."""
+    kind = job[0]
+    if kind == "json":
+        try:
+            return "json", json.loads(job[1])
+        except json.JSONDecodeError as e:
+            return "json_error", (e.msg, e.pos)
+        except UnicodeDecodeError as e:
+            return "json_error", (f"the body is not UTF-8: {e.reason}", e.start)
+    if kind == "encode":
+        _, text, add_special_tokens, max_len = job
+        return _ids(tok.encode(text, add_special_tokens=add_special_tokens), max_len)
+    if kind == "decode":
+        _, ids, skip_special_tokens = job
+        return "text", tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    if kind == "chat":
+        _, source, messages, add_generation_prompt, continue_final_message, kwargs, max_len = job
+        try:
+            text = render_chat(source or model_template(tok) or "", messages, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               variables={**special_tokens(tok), **kwargs})
+        except ChatTemplateError as e:
+            return "template", str(e)
+        return _ids(tok.encode(text, add_special_tokens=False), max_len)
+    raise ValueError(f"unknown job {kind!r}")
+
+
+def _ids(ids: list[int], max_len: int | None) -> tuple[str, Any]:
+    # A prompt past the limit comes back as its length only: a huge id list would cost the
+    # server's event loop its unpickling.
+    if max_len is not None and len(ids) >= max_len:
+        return "too_long", len(ids)
+    return "ids", ids
+
+
+def main(conn: Any, tokenizer_blob: bytes) -> None:
+    """Load the tokenizer, say ready, then serve jobs until the pipe closes."""
+    try:
+        try:
+            tok = pickle.loads(tokenizer_blob)
+        except Exception as e:  # reported to the pool, which logs it
+            conn.send(("failed", f"{type(e).__name__}: {e}"))
+            return
+        conn.send(("ready", None))
+        while True:
+            job = conn.recv()
+            if job[0] == "json":  # the body follows as raw bytes (no pickled copy of it)
+                job = ("json", conn.recv_bytes())
+            try:
+                reply = run_job(tok, job)
+            except Exception as e:
+                reply = ("error", f"{type(e).__name__}: {e}")
+            conn.send(reply)
+    except (EOFError, OSError):  # the server is gone (or stopped this worker): nothing to report to
+        return
