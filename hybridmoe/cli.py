@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         from hybridmoe.convert import main as convert_main
 
         return convert_main(argv[1:])
-    ns = build_parser().parse_args(argv)
+    ns, extra = build_parser().parse_known_args(argv)
+    if extra:  # named by the sub-command's parser, like every other flag error
+        OneLineParser(prog=f"hybridmoe {ns.command}").error(f"unrecognized arguments: {' '.join(extra)}")
     level = getattr(ns, "log_level", "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.command == "generate":

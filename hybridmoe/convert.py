@@ -36,6 +36,7 @@ from hybridmoe.weights import cpu_format as cf
 from hybridmoe.weights.dir_lock import DirLock
 from hybridmoe.weights.fingerprint import expert_fingerprint
 from hybridmoe.weights.loader import CheckpointError
+from hybridmoe.weights.shards import DTYPES
 from hybridmoe.weights.source_reader import INPUT_DTYPES, ConvertError, SourceReader
 
 log = logging.getLogger("hybridmoe.convert")
@@ -62,7 +63,7 @@ class Converter:
 
     def __init__(self, opts: ConvertOptions) -> None:
         from hybridmoe import __version__
-        from hybridmoe.model_check import load_checked_config
+        from hybridmoe.model_check import check_expert_tensors, expert_shapes, load_checked_config
 
         self.opts = opts
         if opts.quant_method not in QUANT_METHODS:
@@ -72,7 +73,7 @@ class Converter:
         self.method = QUANT_METHODS[opts.quant_method]
         if self.method == "AMXINT4" and opts.group_size not in GROUP_SIZES:
             raise ConvertError(f"--group-size {opts.group_size}: int4 groups must be one of {GROUP_SIZES}")
-        config, self.spec = load_checked_config(opts.input_path)
+        config, self.spec = load_checked_config(opts.input_path, flag="--input-path")
         if not self.spec.moe_layers:
             raise ConvertError(f"{opts.input_path}/config.json: the model has no MoE layers; nothing to convert")
         act = {"swish": "silu"}.get(getattr(config, "hidden_act", "silu"), getattr(config, "hidden_act", "silu"))
@@ -82,6 +83,12 @@ class Converter:
         self.activation = act
         self.e, self.i, self.h = self.spec.num_experts, self.spec.moe_intermediate, config.hidden_size
         self.reader = SourceReader(opts.input_path, opts.input_type, config)
+        # every expert tensor's presence, shape, dtype and the files' sizes, before anything is written
+        tensors = check_expert_tensors(opts.input_path, config, self.spec)
+        for name in expert_shapes(config, self.spec):
+            problem = self.reader.dtype_problem(DTYPES[tensors[name].dtype])
+            if problem is not None:
+                raise ConvertError(f"{tensors[name].file.name}: tensor {name!r} {problem}")
         one = pack_layer(torch.zeros(1, 2 * self.i, self.h), torch.zeros(1, self.h, self.i), self.method,
                          opts.group_size, True, act)
         # name -> (dtype, shape) of each layer file's tensors, and its layer meta

@@ -34,24 +34,32 @@ def _read_json(path: Path) -> object:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from e
 
 
-def load_checked_config(model_path: str, trust_remote_code: bool = False):
-    """(transformers config, ArchSpec) of a model directory whose config.json passed `check_config`."""
+def load_checked_config(model_path: str, trust_remote_code: bool = False, flag: str = "--model-path"):
+    """(transformers config, ArchSpec) of a model directory whose config.json passed `check_config`;
+    `flag` names the option that gave the directory."""
     from hybridmoe.models.registry import arch_spec
 
     root = Path(model_path)
     if not root.is_dir():
-        raise CheckpointError(f"--model-path {root}: no such directory")
+        raise CheckpointError(f"{flag} {root}: no such directory")
     path = root / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{root}: no config.json (expected a Hugging Face model directory)")
     raw = _read_json(path)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    if level > hf_logging.DEBUG:  # its warnings about the config would repeat, in other words, what check_config says
+        hf_logging.set_verbosity_error()
     try:
         config = load_hf_config(model_path, trust_remote_code)
         spec = arch_spec(config, str(path))
     except (CheckpointError, ValueError) as e:
         raise CheckpointError(one_line(str(e))) from e
+    finally:
+        hf_logging.set_verbosity(level)
     check_config(config, spec, raw, path)
     return config, spec
 
@@ -169,11 +177,7 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
     if model.tie_word_embeddings and "lm_head.weight" not in tensors:
         want.pop("lm_head.weight", None)
     if experts:
-        h, i = config.hidden_size, spec.moe_intermediate
-        for layer in spec.moe_layers:
-            for e in range(spec.num_experts):
-                g, u, d = spec.expert_tensor_names(layer, e)
-                want.update({g: (i, h), u: (i, h), d: (h, i)})
+        want.update(expert_shapes(config, spec))
     for name, shape in want.items():
         t = tensors.get(name)
         if t is None:
@@ -183,4 +187,34 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
                                   "config.json")
         if t.dtype not in LOADABLE_DTYPES:
             raise CheckpointError(f"{t.file.name}: tensor {name!r} has dtype {t.dtype}; bf16, fp16 or fp32 expected")
+    return tensors
+
+
+def expert_shapes(config, spec) -> dict[str, tuple[int, int]]:
+    """Name -> shape of every routed-expert tensor: gate and up [I, H], down [H, I]."""
+    h, i = config.hidden_size, spec.moe_intermediate
+    out = {}
+    for layer in spec.moe_layers:
+        for e in range(spec.num_experts):
+            g, u, d = spec.expert_tensor_names(layer, e)
+            out.update({g: (i, h), u: (i, h), d: (h, i)})
+    return out
+
+
+def check_expert_tensors(model_path: str, config, spec) -> dict[str, TensorInfo]:
+    """The routed experts of a checkpoint are present, complete and of the config's shapes, and fp8
+    ones have their block scale; all the checkpoint's tensors (their dtypes are the caller's to check)."""
+    from hybridmoe.weights.fp8 import scale_name
+
+    tensors = scan_checkpoint(model_path)
+    for name, shape in expert_shapes(config, spec).items():
+        t = tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint {model_path}")
+        if t.shape != shape:
+            raise CheckpointError(f"{t.file.name}: tensor {name!r} has shape {t.shape}, expected {shape} from "
+                                  "config.json")
+        if t.dtype.startswith("F8") and scale_name(name) not in tensors:
+            raise CheckpointError(f"{t.file.name}: tensor {name!r} is fp8 without its block scale "
+                                  f"{scale_name(name)!r}")
     return tensors

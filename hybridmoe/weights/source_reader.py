@@ -83,21 +83,28 @@ class SourceReader:
         where = f"{self.file_of[name].name}: tensor {name!r}"
         if tuple(t.shape) != tuple(out.shape):
             raise ConvertError(f"{where} has shape {tuple(t.shape)}, expected {tuple(out.shape)} from config.json")
+        problem = self.dtype_problem(t.dtype)
+        if problem is not None:
+            raise ConvertError(f"{where} {problem}")
         if t.dtype in FP8_DTYPES:
-            if self.block is None:
-                raise ConvertError(f"{where} is {t.dtype}: the checkpoint is fp8; use --input-type fp8")
             s = self.raw(scale_name(name))
             try:
                 block_dequant(t, s, self.block, out=out)
             except ValueError as e:
                 raise ConvertError(f"{where}: {e}") from e
             return
+        out.copy_(t)
+
+    def dtype_problem(self, dtype: torch.dtype) -> str | None:
+        """Why an expert tensor of `dtype` cannot be read with this --input-type (None: it can)."""
+        if dtype in FP8_DTYPES:
+            return None if self.block is not None else f"is {dtype}: the checkpoint is fp8; use --input-type fp8"
         # fp8 checkpoints may keep some experts unquantized; a float32 checkpoint converts as any type
         allowed = (torch.bfloat16, torch.float16) if self.input_type == "fp8" else (INPUT_DTYPES[self.input_type],)
-        if t.dtype not in (*allowed, torch.float32):
-            raise ConvertError(f"{where} is {t.dtype}, but --input-type is {self.input_type}; pass the input type "
-                               "of the checkpoint (bf16, fp16 or fp8)")
-        out.copy_(t)
+        if dtype not in (*allowed, torch.float32):
+            return (f"is {dtype}, but --input-type is {self.input_type}; pass the input type of the checkpoint "
+                    "(bf16, fp16 or fp8)")
+        return None
 
     def close(self) -> None:
         for fd, _, _ in self._files.values():
