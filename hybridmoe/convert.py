@@ -281,6 +281,8 @@ class Converter:
 
 def verify(path: str) -> int:
     """`hybridmoe convert --verify DIR`: re-hash every file; 0 when all match the manifest."""
+    if not Path(path).is_dir():
+        raise ConvertError(f"--verify {path}: no such directory")
     d = cf.CPUWeightDir(path)
     problems = d.verify()
     for p in problems:

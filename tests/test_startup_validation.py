@@ -198,6 +198,7 @@ CONVERT_FLAGS = [
     (["--input-type", "fp32"], "argument --input-type: invalid choice: 'fp32'"),
     (["--quant-method", "int4", "--group-size", "48"], "--group-size 48: int4 groups must be one of"),
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    (["--verify", "/no/such/dir"], "--verify /no/such/dir: no such directory"),
 ]
 
 
