@@ -5,8 +5,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from typing import NoReturn
 
 from hybridmoe.config import DEMO_MODEL_PATH, DTYPES, KT_METHODS, PLACEMENT_STRATEGIES, EngineArgs
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line naming the flag (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -4,21 +4,38 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
-from hybridmoe.args import add_engine_args, engine_args_from
+from hybridmoe.args import OneLineParser, add_engine_args, engine_args_from
+from hybridmoe.config import ConfigError
+
+PROG = "hybridmoe generate"
+
+
+def _check_generate_flags(ns: argparse.Namespace) -> None:
+    """The flags of `generate` itself (the engine's are EngineArgs.validate's)."""
+    if not 1 <= ns.max_new_tokens <= 2**31 - 1:
+        raise ConfigError(f"--max-new-tokens: got {ns.max_new_tokens}, expected a positive integer")
+    if not (math.isfinite(ns.temperature) and ns.temperature >= 0):
+        raise ConfigError(f"--temperature: got {ns.temperature}, expected a finite number >= 0")
+    if not 0 < ns.top_p <= 1:
+        raise ConfigError(f"--top-p: got {ns.top_p}, expected a number in (0, 1]")
+    if ns.seed is not None and not 0 <= ns.seed < 2**63:
+        raise ConfigError(f"--seed: got {ns.seed}, expected an integer in [0, 2^63)")
 
 
 def _generate(ns: argparse.Namespace) -> int:
     from hybridmoe.engine.llm import LLM
+    from hybridmoe.startup import prepare
 
-    args = engine_args_from(ns)
+    _check_generate_flags(ns)
+    args = prepare(engine_args_from(ns))  # config, tokenizer, shards and flags: before loading anything
     llm = LLM(**{k: v for k, v in vars(args).items() if k != "extra"})
     prompt = ns.prompt
     if ns.chat:
         if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
-            print("error: --chat needs a tokenizer with a chat template", file=sys.stderr)
-            return 2
+            raise ConfigError("--chat needs a tokenizer with a chat template")
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                    add_generation_prompt=True)
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
@@ -40,7 +57,7 @@ def _not_yet(name: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridmoe", description="Serve MoE LLMs on one GPU plus a large CPU.")
+    p = OneLineParser(prog="hybridmoe", description="Serve MoE LLMs on one GPU plus a large CPU.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion offline (no server)")
     add_engine_args(g)
@@ -73,18 +90,21 @@ def main(argv: list[str] | None = None) -> int:
         from hybridmoe.convert import main as convert_main
 
         return convert_main(argv[1:])
-    ns = build_parser().parse_args(argv)
+    ns, extra = build_parser().parse_known_args(argv)
+    if extra:  # named by the sub-command's parser, like every other flag error
+        OneLineParser(prog=f"hybridmoe {ns.command}").error(f"unrecognized arguments: {' '.join(extra)}")
     level = getattr(ns, "log_level", "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.command == "generate":
-        from hybridmoe.config import ConfigError
-        from hybridmoe.weights.loader import CheckpointError
+        from hybridmoe.startup import report_failure
 
         try:
             return _generate(ns)
-        except (ConfigError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        except KeyboardInterrupt:
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:  # a bad model or flag: one line, not a traceback (unless --log-level debug)
+            return report_failure(PROG, e, ns.log_level == "debug")
     return _not_yet(ns.command)
 
 

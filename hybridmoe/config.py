@@ -12,6 +12,7 @@ config, built once by `models.registry.model_config`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,12 @@ DEMO_MODEL_PATH = str(Path(__file__).parent / "demo_model")
 KT_METHODS = ("AMXINT8", "AMXINT4", "BF16", "LLAMAFILE", "FP8")
 PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+INT_MAX = 2**31 - 1  # counts and sizes beyond this are typos, and overflow int32 kernel arguments
+_INT_FIELDS = ("context_length", "max_total_tokens", "page_size", "chunked_prefill_size", "max_running_requests",
+               "max_prefill_tokens", "cuda_graph_max_bs", "port", "max_queued_requests", "kt_cpuinfer",
+               "kt_threadpool_count", "kt_num_gpu_experts", "kt_max_deferred_experts_per_token",
+               "kt_gpu_prefill_token_threshold")
 
 
 class ConfigError(ValueError):
@@ -101,14 +108,36 @@ class EngineArgs:
                 value = getattr(self, flag.lstrip("-").replace("-", "_"))
                 raise ConfigError(f"--{flag}: got {value!r}, expected {expected}")
 
+        for name in _INT_FIELDS:  # a float or a bool where a count is expected is a type error, not a count
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, int) and not isinstance(value, bool) and abs(value) <= INT_MAX),
+                 name.replace("_", "-"), f"an integer (at most {INT_MAX})")
+        for name in ("mem_fraction_static", "kt_gpu_experts_ratio"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                   and math.isfinite(value)), name.replace("_", "-"), "a number")
         need(self.device in ("auto", "cuda", "cpu"), "device", "cuda, cpu or auto")
+        need(self.log_level in LOG_LEVELS, "log-level", f"one of {LOG_LEVELS}")
+        need(bool(self.model_path), "model-path", "a model directory")
+        for name in ("tokenizer_path", "served_model_name", "api_key", "kt_weight_path", "init_expert_location",
+                     "record_expert_distribution"):
+            need(getattr(self, name) is None or bool(getattr(self, name)), name.replace("_", "-"),
+                 "a non-empty value (or leave the flag out)")
+        need(bool(self.host), "host", "an address to listen on, e.g. 127.0.0.1")
         need(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
         need(self.load_format in ("auto", "dummy"), "load-format", "auto or dummy")
         need(self.page_size >= 1, "page-size", "a positive integer")
         need(self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1, "chunked-prefill-size",
              "a positive integer, or -1 to disable chunking")
         need(self.max_running_requests >= 1, "max-running-requests", "a positive integer")
-        need(self.max_total_tokens is None or self.max_total_tokens >= 1, "max-total-tokens", "a positive integer")
+        need(self.max_prefill_tokens >= 1, "max-prefill-tokens", "a positive integer (tokens per prefill step)")
+        need(self.max_queued_requests is None or self.max_queued_requests >= 0, "max-queued-requests",
+             "an integer >= 0")
+        need(isinstance(self.random_seed, int) and 0 <= self.random_seed < 2**63, "random-seed",
+             "an integer in [0, 2^63)")
+        need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size, "max-total-tokens",
+             f"a positive integer, at least --page-size ({self.page_size})")
+        need(self.page_size <= 4096, "page-size", "at most 4096 tokens")
         need(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0, "mem-fraction-static",
              "a fraction between 0 and 1")
         need(self.context_length is None or self.context_length >= 1, "context-length", "a positive integer")
@@ -138,7 +167,9 @@ class EngineArgs:
              "a non-negative integer")
         need(self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,
              "kt-gpu-prefill-token-threshold", "a positive integer")
-        need(self.port is None or 0 <= self.port < 65536, "port", "a TCP port number")
+        need(self.port is None or 0 <= self.port < 65536, "port", "a TCP port number (0-65535)")
+        need(self.kt_expert_placement_strategy != "frequency" or self.init_expert_location is not None,
+             "kt-expert-placement-strategy", "--init-expert-location FILE with 'frequency' (the statistics file)")
         need(isinstance(self.cpu_engine, CPUEngineSettings), "cpu-engine", "a CPUEngineSettings")
         # cross-flag rules
         split = self.kt_num_gpu_experts is not None or self.kt_gpu_experts_ratio is not None

@@ -29,21 +29,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hybridmoe.args import OneLineParser
 from hybridmoe.cpu.quant import ACTIVATIONS, GROUP_SIZES, pack_layer
+from hybridmoe.startup import report_failure
 from hybridmoe.weights import cpu_format as cf
-from hybridmoe.weights.fp8 import FP8_DTYPES, block_dequant, block_size_of, scale_name
-from hybridmoe.weights.loader import CheckpointError, SafetensorsIndex, load_hf_config
+from hybridmoe.weights.dir_lock import DirLock
+from hybridmoe.weights.fingerprint import expert_fingerprint
+from hybridmoe.weights.loader import CheckpointError
+from hybridmoe.weights.shards import DTYPES
+from hybridmoe.weights.source_reader import INPUT_DTYPES, ConvertError, SourceReader
 
 log = logging.getLogger("hybridmoe.convert")
 
 QUANT_METHODS = {"int8": "AMXINT8", "moe_int8": "AMXINT8", "int4": "AMXINT4", "moe_int4": "AMXINT4", "bf16": "BF16"}
-INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 CHUNK_BYTES = 128 << 20  # float32 input of one chunk of experts
 DELAY_ENV = "HYBRIDMOE_CONVERT_LAYER_DELAY_S"  # tests: pause after each layer (to kill mid-way)
-
-
-class ConvertError(CheckpointError):
-    """A conversion that cannot proceed; the message names the file, tensor or option at fault."""
 
 
 @dataclass
@@ -58,96 +58,12 @@ class ConvertOptions:
     progress: bool = True
 
 
-class SourceReader:
-    """Expert tensors of the input checkpoint as float32, read with pread into fresh buffers."""
-
-    def __init__(self, input_path: str, input_type: str, config) -> None:
-        self.root = Path(input_path)
-        self.input_type = input_type
-        self.file_of = self._file_map(self.root)
-        try:
-            self.block = block_size_of(config) if input_type == "fp8" else None
-        except ValueError as e:
-            raise ConvertError(f"{self.root / 'config.json'}: {e}") from e
-        self._files: dict[Path, tuple[int, dict, int]] = {}  # fd, header, data offset
-
-    @staticmethod
-    def _file_map(root: Path) -> dict[str, Path]:
-        """Tensor name -> the file holding it (from the index of a sharded checkpoint, else the headers)."""
-        if (root / "model.safetensors.index.json").is_file():
-            return SafetensorsIndex(str(root)).file_of
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise ConvertError(f"{root}: no *.safetensors files (other weight formats are not supported)")
-        return {name: f for f in files for name in cf.read_header(f)[0] if name != "__metadata__"}
-
-    def _open(self, path: Path) -> tuple[int, dict, int]:
-        if path not in self._files:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise ConvertError(f"{path}: cannot be opened: {e}") from e
-            header, start = cf.read_header(path, fd)
-            self._files[path] = (fd, header, start)
-        return self._files[path]
-
-    def raw(self, name: str) -> torch.Tensor:
-        """Tensor `name` as stored (any dtype)."""
-        path = self.file_of.get(name)
-        if path is None:
-            raise ConvertError(f"tensor {name!r} is missing from the checkpoint {self.root}")
-        fd, header, start = self._open(path)
-        info = header.get(name)
-        if info is None or info.get("dtype") not in cf.DTYPES:
-            raise ConvertError(f"{path}: tensor {name!r} is missing or has an unsupported dtype")
-        b, e = info["data_offsets"]
-        buf = torch.empty(e - b, dtype=torch.uint8)
-        view, done = memoryview(buf.numpy()), 0
-        try:
-            while done < e - b:
-                n = os.preadv(fd, [view[done:]], start + b + done)
-                if n == 0:
-                    raise OSError(f"unexpected end of file at byte {start + b + done} (truncated file?)")
-                done += n
-        except OSError as err:
-            raise ConvertError(f"{path}: tensor {name!r} cannot be read: {err}") from err
-        return buf.view(cf.DTYPES[info["dtype"]]).reshape(info["shape"])
-
-    def read_into(self, name: str, out: torch.Tensor) -> None:
-        """Fills out (float32 [N, K]) with tensor `name`, dequantizing fp8."""
-        t = self.raw(name)
-        where = f"{self.file_of[name].name}: tensor {name!r}"
-        if tuple(t.shape) != tuple(out.shape):
-            raise ConvertError(f"{where} has shape {tuple(t.shape)}, expected {tuple(out.shape)} from config.json")
-        if t.dtype in FP8_DTYPES:
-            if self.block is None:
-                raise ConvertError(f"{where} is {t.dtype}: the checkpoint is fp8; use --input-type fp8")
-            s = self.raw(scale_name(name))
-            try:
-                block_dequant(t, s, self.block, out=out)
-            except ValueError as e:
-                raise ConvertError(f"{where}: {e}") from e
-            return
-        # fp8 checkpoints may keep some experts unquantized; a float32 checkpoint converts as any type
-        allowed = (torch.bfloat16, torch.float16) if self.input_type == "fp8" else (INPUT_DTYPES[self.input_type],)
-        if t.dtype not in (*allowed, torch.float32):
-            raise ConvertError(f"{where} is {t.dtype}, but --input-type is {self.input_type}; pass the input type "
-                               "of the checkpoint (bf16, fp16 or fp8)")
-        out.copy_(t)
-
-    def close(self) -> None:
-        for fd, _, _ in self._files.values():
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read once: leave the page cache to others
-            os.close(fd)
-        self._files.clear()
-
-
 class Converter:
     """Converts the MoE layers of one checkpoint into one output directory."""
 
     def __init__(self, opts: ConvertOptions) -> None:
         from hybridmoe import __version__
-        from hybridmoe.models.registry import arch_spec
+        from hybridmoe.model_check import check_expert_tensors, expert_shapes, load_checked_config
 
         self.opts = opts
         if opts.quant_method not in QUANT_METHODS:
@@ -157,11 +73,7 @@ class Converter:
         self.method = QUANT_METHODS[opts.quant_method]
         if self.method == "AMXINT4" and opts.group_size not in GROUP_SIZES:
             raise ConvertError(f"--group-size {opts.group_size}: int4 groups must be one of {GROUP_SIZES}")
-        config = load_hf_config(opts.input_path)
-        try:
-            self.spec = arch_spec(config, f"{opts.input_path}/config.json")
-        except ValueError as e:
-            raise ConvertError(str(e)) from e
+        config, self.spec = load_checked_config(opts.input_path, flag="--input-path")
         if not self.spec.moe_layers:
             raise ConvertError(f"{opts.input_path}/config.json: the model has no MoE layers; nothing to convert")
         act = {"swish": "silu"}.get(getattr(config, "hidden_act", "silu"), getattr(config, "hidden_act", "silu"))
@@ -171,6 +83,12 @@ class Converter:
         self.activation = act
         self.e, self.i, self.h = self.spec.num_experts, self.spec.moe_intermediate, config.hidden_size
         self.reader = SourceReader(opts.input_path, opts.input_type, config)
+        # every expert tensor's presence, shape, dtype and the files' sizes, before anything is written
+        tensors = check_expert_tensors(opts.input_path, config, self.spec)
+        for name in expert_shapes(config, self.spec):
+            problem = self.reader.dtype_problem(DTYPES[tensors[name].dtype])
+            if problem is not None:
+                raise ConvertError(f"{tensors[name].file.name}: tensor {name!r} {problem}")
         one = pack_layer(torch.zeros(1, 2 * self.i, self.h), torch.zeros(1, self.h, self.i), self.method,
                          opts.group_size, True, act)
         # name -> (dtype, shape) of each layer file's tensors, and its layer meta
@@ -186,6 +104,8 @@ class Converter:
             "inter": self.i, "hidden_pad": one.hidden_pad, "inter_pad": one.inter_pad,
             "moe_layers": list(self.spec.moe_layers), "checksum": cf.CHECKSUM,
             "source_config_sha256": cf.config_hash(canon), "source_config": canon,
+            # checks the shards' headers (a truncated file is named here, before anything is written)
+            "source_experts_fingerprint": expert_fingerprint(opts.input_path, self.spec, config),
         }
         self.chunk = max(1, min(self.e, CHUNK_BYTES // (3 * self.i * self.h * 4)))
         self.out = Path(opts.output)
@@ -197,25 +117,23 @@ class Converter:
         mpath, ppath = out / cf.MANIFEST, out / cf.PROGRESS
         state = mpath if mpath.is_file() else ppath if ppath.is_file() else None
         if state is None:
-            ours = [p.name for p in out.glob("layer_*.safetensors*")] if out.is_dir() else []
+            ours = [p.name for p in out.glob("layer_*.safetensors*")]
             if ours:
                 raise ConvertError(f"{out}: holds layer files ({ours[0]}, ...) but no {cf.MANIFEST} or {cf.PROGRESS}; "
                                    "remove them or choose another --output")
             self._check_space(len(self.spec.moe_layers))  # before anything is written
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConvertError(f"--output {out}: cannot be created: {e}") from e
             cf.write_json_atomic(ppath, dict(self.header, files={}))
             return {}
         if not opts.resume:
             what = "a complete conversion" if state == mpath else "an unfinished conversion"
             hint = "check it with `hybridmoe convert --verify`" if state == mpath else "continue it with --resume"
             raise ConvertError(f"{out}: already holds {what}; {hint}, or choose another --output")
-        try:
-            prev = json.loads(state.read_text())
-        except (OSError, ValueError) as e:
-            raise ConvertError(f"{state}: cannot be read ({e}); remove the directory and convert again") from e
+        prev = cf.read_state(state, f"its layer files cannot be verified without it: remove {out} and convert "
+                                    "again (or choose another --output)")
+        older = [k for k in self.header if k not in prev]
+        if older:
+            raise ConvertError(f"{state}: written by another hybridmoe version (no {', '.join(older)}); finish it "
+                               f"with that version, or convert again into another --output")
         diff = [k for k in self.header if prev.get(k) != self.header[k]]
         if diff:
             raise ConvertError(f"{state}: the conversion there used other settings or another checkpoint (differs "
@@ -223,13 +141,13 @@ class Converter:
         for tmp in out.glob("*.tmp"):
             tmp.unlink()
         done = {}
-        for name, entry in prev.get("files", {}).items():
+        for name, entry in prev["files"].items():
             path = out / name
             if path.is_file() and path.stat().st_size == entry["bytes"] and cf.file_sha256(path) == entry["sha256"]:
                 done[name] = entry
             else:
                 log.warning("%s: missing or corrupted; converting layer %d again", path, entry["layer"])
-        if state == mpath and len(done) < len(prev.get("files", {})):  # bad files: unfinished again
+        if state == mpath and len(done) < len(prev["files"]):  # bad files: unfinished again
             cf.write_json_atomic(ppath, dict(self.header, files=done))
             mpath.unlink()
         self._check_space(len(self.spec.moe_layers) - len(done))
@@ -292,7 +210,18 @@ class Converter:
 
     # ---- the whole conversion ----
     def run(self) -> Path:
-        """Converts every MoE layer not yet done, then writes the manifest; the output directory."""
+        """Converts every MoE layer not yet done, then writes the manifest; the output directory.
+        The directory is locked meanwhile: a second writer is refused."""
+        if not self.out.exists():
+            self._check_space(len(self.spec.moe_layers))  # before anything is created
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConvertError(f"--output {self.out}: cannot be created: {e}") from e
+        with DirLock(self.out, "hybridmoe convert"):
+            return self._run()
+
+    def _run(self) -> Path:
         done = self._prepare_output()
         names = {cf.layer_file_name(layer): layer for layer in self.spec.moe_layers}
         todo = [layer for name, layer in names.items() if name not in done]
@@ -327,7 +256,8 @@ class Converter:
             finally:
                 bar.close()
                 self.reader.close()
-        manifest = dict(self.header, files=dict(sorted(done.items())))
+        manifest = dict(self.header, source_path=str(Path(self.opts.input_path).resolve()),
+                        files=dict(sorted(done.items())))
         cf.write_json_atomic(self.out / cf.MANIFEST, manifest)
         (self.out / cf.PROGRESS).unlink(missing_ok=True)
         secs = time.perf_counter() - t0
@@ -351,6 +281,8 @@ class Converter:
 
 def verify(path: str) -> int:
     """`hybridmoe convert --verify DIR`: re-hash every file; 0 when all match the manifest."""
+    if not Path(path).is_dir():
+        raise ConvertError(f"--verify {path}: no such directory")
     d = cf.CPUWeightDir(path)
     problems = d.verify()
     for p in problems:
@@ -364,7 +296,7 @@ def verify(path: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridmoe convert", description="Hugging Face checkpoint -> CPU expert "
+    p = OneLineParser(prog="hybridmoe convert", description="Hugging Face checkpoint -> CPU expert "
                                 "weights for --kt-weight-path (layer by layer, resumable, checksummed).")
     p.add_argument("--input-path", help="Hugging Face model directory (config.json + *.safetensors)")
     p.add_argument("--input-type", default="bf16", choices=sorted(INPUT_DTYPES),
@@ -377,13 +309,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion in --output")
     p.add_argument("--verify", metavar="DIR", help="verify a converted directory's checksums and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="debug: a failure also prints its traceback")
     return p
+
+
+def _warn_tokenizer(input_path: str) -> None:
+    """convert does not read the tokenizer, but a broken one would fail the server later: say so now."""
+    from hybridmoe.model_check import check_tokenizer
+
+    if Path(input_path).is_dir():
+        try:
+            check_tokenizer(input_path)
+        except CheckpointError as e:
+            log.warning("%s (converting anyway: the experts do not need it, but serving this checkpoint will "
+                        "fail until it is fixed)", e)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     ns = p.parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if ns.verify:
             return verify(ns.verify)
@@ -393,17 +339,22 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"the following arguments are required: {', '.join(missing)}")
         if ns.threads is not None:
             if ns.threads < 1:
-                p.error("--threads: expected a positive integer")
+                p.error(f"--threads: got {ns.threads}, expected a positive integer")
+            cores = len(os.sched_getaffinity(0))
+            if ns.threads > cores:
+                log.warning("--threads %d is above the %d CPU core(s) this process may use; using %d", ns.threads,
+                            cores, cores)
+                ns.threads = cores
             torch.set_num_threads(ns.threads)
+        _warn_tokenizer(ns.input_path)
         opts = ConvertOptions(ns.input_path, ns.output, ns.quant_method, ns.input_type, ns.group_size, ns.threads,
                               ns.resume, not ns.no_progress)
         out = Converter(opts).run()
-    except CheckpointError as e:
-        print(f"hybridmoe convert: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("hybridmoe convert: interrupted; continue with the same command plus --resume", file=sys.stderr)
         return 130
+    except Exception as e:  # a bad checkpoint, option or directory: one line (traceback with --log-level debug)
+        return report_failure("hybridmoe convert", e, ns.log_level == "debug")
     print(f"{out}: done; serve with --kt-weight-path {out} --kt-method {QUANT_METHODS[ns.quant_method]}")
     return 0
 

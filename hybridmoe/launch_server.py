@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
-from hybridmoe.args import add_engine_args, engine_args_from
+from hybridmoe.args import OneLineParser, add_engine_args, engine_args_from
+from hybridmoe.config import ConfigError
 from hybridmoe.server.limits import ServerLimits, add_server_limit_args
 
 # Hybrid CPU/GPU options whose feature is not in this version yet: accepted by the parser (so a
@@ -15,6 +17,7 @@ from hybridmoe.server.limits import ServerLimits, add_server_limit_args
 NOT_YET_AVAILABLE: tuple[str, ...] = ()
 KT_METHODS_AVAILABLE = ("AMXINT8", "AMXINT4", "BF16")
 DEFAULT_GRACE_S = 30.0
+MAX_GRACE_S = 86400.0
 
 
 def _have(p: argparse.ArgumentParser, flag: str) -> bool:
@@ -23,7 +26,7 @@ def _have(p: argparse.ArgumentParser, flag: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     """The serve parser: the engine flags of args.py plus the server's own."""
-    p = argparse.ArgumentParser(prog="hybridmoe serve", allow_abbrev=False,
+    p = OneLineParser(prog="hybridmoe serve", allow_abbrev=False,
                                 description="HTTP server with SGLang's native API and the OpenAI API.")
     add_engine_args(p)
     s = p.add_argument_group("server")
@@ -72,19 +75,24 @@ def serve_main(argv: list[str] | None = None) -> int:
               "(the hybrid CPU/GPU expert path is not wired into the server yet); remove the flag(s)",
               file=sys.stderr)
         return 2
-    if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
-        parser.error("--max-queued-requests: expected an integer >= 0")
-    from hybridmoe.config import ConfigError
+    from hybridmoe.startup import prepare, report_failure
 
+    debug = ns.log_level == "debug"
     try:
-        args = engine_args_from(ns)
+        grace = ns.graceful_shutdown_timeout
+        if not (math.isfinite(grace) and 0 <= grace <= MAX_GRACE_S):
+            raise ConfigError(f"--graceful-shutdown-timeout: got {grace}, expected seconds in [0, {MAX_GRACE_S:.0f}]")
         limits = ServerLimits.from_namespace(ns)
-    except (ConfigError, ValueError) as e:
-        print(f"hybridmoe serve: error: {e}", file=sys.stderr)
-        return 2
-    from hybridmoe.server.run import run_server
+        # every check that needs no model load runs before the port is bound: nothing says ready
+        args = prepare(engine_args_from(ns))
+        from hybridmoe.server.run import run_server
 
-    return run_server(args, graceful_shutdown_timeout=ns.graceful_shutdown_timeout, limits=limits)
+        rc = run_server(args, graceful_shutdown_timeout=grace, limits=limits)
+    except Exception as e:
+        return report_failure("hybridmoe serve", e, debug)
+    # run_server gives 1 when the port is busy or the model failed to load (one ERROR line was logged):
+    # a startup failure, exit code 2 like the failures above
+    return 2 if rc == 1 else rc
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ class AsyncEngine:
             self.engine = self._factory(self.args)
         except BaseException as e:  # reported by the server, which exits
             self.load_error = e
-            log.error("failed to load the model: %s", e)
+            log.error("failed to load the model: %s", e, exc_info=log.isEnabledFor(logging.DEBUG))
             self._ready_event.set()
             return
         self.ready = True

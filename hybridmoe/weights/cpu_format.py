@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
 import struct
@@ -27,7 +28,9 @@ import torch
 
 from hybridmoe.cpu.quant import PackedLayer, pack_layer
 from hybridmoe.weights.loader import CheckpointError
+from hybridmoe.weights.shards import DTYPES, read_header  # noqa: F401 (re-exported for convert)
 
+log = logging.getLogger(__name__)
 FORMAT = "hybridmoe-cpu-experts"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -39,11 +42,6 @@ _REDO = "rerun the same `hybridmoe convert` command with --resume: it re-verifie
 # keys of config.json that do not change the weights (dtype, storage quantization, tool version)
 _VOLATILE_KEYS = ("quantization_config", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
 
-DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -72,29 +70,6 @@ def config_hash(canonical: dict) -> str:
 
 
 # ---- safetensors files, written and read without extra copies --------------------------------
-def read_header(path: Path, fd: int | None = None) -> tuple[dict, int]:
-    """(header, offset of the data section) of a safetensors file."""
-    try:
-        own = fd is None
-        fd = os.open(path, os.O_RDONLY) if own else fd
-        try:
-            head = os.pread(fd, 8, 0)
-            if len(head) < 8:
-                raise ValueError("shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100 << 20:
-                raise ValueError(f"header length {n} is implausible")
-            raw = os.pread(fd, n, 8)
-            if len(raw) < n:
-                raise ValueError("truncated header")
-            return json.loads(raw), 8 + n
-        finally:
-            if own:
-                os.close(fd)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from e
-
-
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
@@ -262,6 +237,52 @@ def write_json_atomic(path: Path, obj: dict) -> None:
         raise CPUWeightsError(f"{path}: cannot be written: {e}") from e
 
 
+# ---- manifest.json and progress.json ---------------------------------------------------------
+_STATE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "format": str, "format_version": int, "method": str, "quant_method": str, "num_experts": int, "hidden": int,
+    "inter": int, "hidden_pad": int, "inter_pad": int, "group_size": int, "symmetric": bool, "activation": str,
+    "moe_layers": list, "source_config_sha256": str, "files": dict,
+}
+
+
+def _state_problem(m: object) -> str | None:
+    """What is wrong with a manifest/progress object (None: well formed)."""
+    if not isinstance(m, dict):
+        return f"a JSON {type(m).__name__}, expected an object"
+    if m.get("format") != FORMAT:
+        return f"format {m.get('format')!r}, expected {FORMAT!r}"
+    for key, typ in _STATE_FIELDS.items():
+        if not isinstance(m.get(key), typ) or (typ is int and isinstance(m.get(key), bool)):
+            return f"field {key!r} is {'missing' if key not in m else repr(m[key])[:60]}"
+    if not all(isinstance(v, int) for v in m["moe_layers"]):
+        return "field 'moe_layers' is not a list of layer numbers"
+    for name, v in m["files"].items():
+        if not (isinstance(v, dict) and isinstance(v.get("layer"), int) and isinstance(v.get("bytes"), int)
+                and isinstance(v.get("sha256"), str) and len(v["sha256"]) == 64):
+            return f"the entry of {name!r} under 'files' is not {{layer, bytes, sha256}}"
+        if name != layer_file_name(v["layer"]):
+            return f"the entry {name!r} under 'files' names layer {v['layer']}"
+    return None
+
+
+def read_state(path: Path, what_to_do: str) -> dict:
+    """A converted directory's manifest.json or progress.json, checked for the fields this version
+    uses; a damaged one is an error saying so and `what_to_do`."""
+    try:
+        m = json.loads(path.read_text())
+    except OSError as e:
+        raise CPUWeightsError(f"{path}: cannot be read: {e}") from e
+    except ValueError as e:
+        raise CPUWeightsError(f"{path}: damaged (not valid JSON: {e}); {what_to_do}") from e
+    if isinstance(m, dict) and m.get("format") == FORMAT and m.get("format_version") != FORMAT_VERSION:
+        raise CPUWeightsError(f"{path}: format version {m.get('format_version')}; this hybridmoe reads "
+                              f"version {FORMAT_VERSION}: reconvert with this version")
+    problem = _state_problem(m)
+    if problem is not None:
+        raise CPUWeightsError(f"{path}: damaged ({problem}); {what_to_do}")
+    return m
+
+
 # ---- the directory ---------------------------------------------------------------------------
 class CPUWeightDir:
     """A complete converted directory (its manifest read and checked)."""
@@ -276,15 +297,8 @@ class CPUWeightDir:
                 raise CPUWeightsError(f"{self.path}: an unfinished conversion (no {MANIFEST}, {PROGRESS} present); "
                                       "finish it with `hybridmoe convert ... --resume`")
             raise CPUWeightsError(f"{self.path}: no {MANIFEST}; not a directory written by `hybridmoe convert`")
-        try:
-            m = json.loads(mpath.read_text())
-        except (OSError, ValueError) as e:
-            raise CPUWeightsError(f"{mpath}: cannot be read: {e}") from e
-        if m.get("format") != FORMAT:
-            raise CPUWeightsError(f"{mpath}: format {m.get('format')!r}, expected {FORMAT!r}")
-        if m.get("format_version") != FORMAT_VERSION:
-            raise CPUWeightsError(f"{mpath}: format version {m.get('format_version')}; this hybridmoe reads "
-                                  f"version {FORMAT_VERSION}: reconvert with this version")
+        m = read_state(mpath, f"convert the checkpoint again into a new directory (`hybridmoe convert "
+                              f"--output NEW ...`), or remove {self.path} and convert into it")
         self.manifest = m
         self.by_layer = {int(v["layer"]): (self.path / name, v) for name, v in m["files"].items()}
         self._shapes: dict[str, tuple[int, ...]] | None = None
@@ -315,9 +329,34 @@ class CPUWeightDir:
             diff = sorted(k for k in set(src) | set(canon) if src.get(k) != canon.get(k))
             raise CPUWeightsError(f"{where}: converted from a different checkpoint than {model_path} (config.json "
                                   f"differs in {', '.join(diff) or 'content'}); reconvert from --model's checkpoint")
+        self._check_experts(config, model_path, spec)
         missing = [layer for layer in spec.moe_layers if layer not in self.by_layer]
         if missing:
             raise CPUWeightsError(f"{where}: no file for MoE layer(s) {missing}")
+
+    def _check_experts(self, config, model_path: str, spec) -> None:
+        """The routed experts' fingerprint (weights/fingerprint.py) must be the one recorded at conversion."""
+        from hybridmoe.weights import fingerprint
+
+        m = self.manifest
+        recorded = m.get("source_experts_fingerprint")
+        if recorded is None:  # converted before the fingerprint existed: loads, with a word
+            log.warning("%s: converted by an older hybridmoe, without an expert fingerprint: only config.json could "
+                        "be compared with %s; convert again to bind the weights to their checkpoint", self.path,
+                        model_path)
+            return
+        scheme = str(recorded).split(":", 1)[0]
+        if scheme != fingerprint.SCHEME:
+            raise CPUWeightsError(f"{self.path / MANIFEST}: expert fingerprint scheme {scheme!r} is unknown to this "
+                                  f"hybridmoe (it computes {fingerprint.SCHEME!r}); convert again with this version")
+        actual = fingerprint.expert_fingerprint(model_path, spec, config)
+        if actual != recorded:
+            src = m.get("source_path") or "another checkpoint"
+            raise CPUWeightsError(
+                f"--kt-weight-path {self.path} holds experts converted from {src}, not from --model {model_path}: "
+                f"config.json matches but the expert weights differ (fingerprint {recorded.split(':')[-1][:12]} "
+                f"recorded, {actual.split(':')[-1][:12]} in {model_path}); convert {model_path} with `hybridmoe "
+                "convert` and pass that directory")
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every layer file's tensors (from packing one zero expert)."""

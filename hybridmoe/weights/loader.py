@@ -39,6 +39,14 @@ def load_hf_config(model_path: str, trust_remote_code: bool = False):
         raise CheckpointError(f"{path / 'config.json'}: cannot be read: {e}") from e
 
 
+def _open(path: Path):
+    """safe_open, with an error naming the file (safetensors' own does not)."""
+    try:
+        return safe_open(str(path), "pt")
+    except Exception as e:  # SafetensorError, OSError: a truncated or damaged file
+        raise CheckpointError(f"{path}: not a readable safetensors file: {' '.join(str(e).split())}") from e
+
+
 class SafetensorsIndex:
     """Which file holds each tensor of a checkpoint; opens files lazily, once each."""
 
@@ -49,7 +57,7 @@ class SafetensorsIndex:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index (no weight_map): {e}") from e
             for name, fname in weight_map.items():
                 self.file_of[name] = root / fname
@@ -61,7 +69,7 @@ class SafetensorsIndex:
             if not files:
                 raise CheckpointError(f"{root}: no *.safetensors files (other weight formats are not supported)")
             for f in files:
-                with safe_open(str(f), "pt") as h:
+                with _open(f) as h:
                     for name in h.keys():
                         self.file_of[name] = f
         self._handles: dict[Path, object] = {}
@@ -75,7 +83,7 @@ class SafetensorsIndex:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
         h = self._handles.get(f)
         if h is None:
-            h = self._handles[f] = safe_open(str(f), "pt")
+            h = self._handles[f] = _open(f)
         try:
             t = h.get_tensor(name)
         except Exception as e:

@@ -11,7 +11,6 @@ import random
 
 import httpx
 import pytest
-from tests.server.inproc import serve_in_thread
 
 from hybridmoe.config import EngineArgs
 from hybridmoe.engine.detokenizer import IncrementalDetokenizer
@@ -19,6 +18,7 @@ from hybridmoe.engine.engine import Engine
 from hybridmoe.engine.request import Req, SamplingParams, new_rid
 from hybridmoe.engine.sampler import Sampler
 from tests.server.conftest import DEMO
+from tests.server.inproc import serve_in_thread
 
 MARK_TOP_K = 77  # a request with this top_k trips the injected sampler fault
 

@@ -44,11 +44,12 @@ def test_built_kt_options_are_accepted(argv):
     assert unavailable_flags(argv, build_parser().parse_args(argv)) == []
 
 
-def test_model_load_failure_exits_1(tmp_path):
+def test_model_without_config_exits_2_before_listening(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hybridmoe.launch_server", "--device", "cpu", "--port", "0",
                         "--model-path", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1, r.stderr[-2000:]
-    assert "failed to load the model" in r.stderr
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.splitlines() == [f"hybridmoe serve: error: {tmp_path}: no config.json (expected a Hugging Face "
+                                     "model directory)"]
 
 
 def test_api_key(guarded_server):

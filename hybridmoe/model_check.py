@@ -1,0 +1,220 @@
+"""Startup checks of a model directory, before anything is loaded: config.json's values (sizes,
+top-k against the expert count, head and group counts), the tokenizer files, and the safetensors
+shards (every tensor the model reads is present, complete, of the expected shape and dtype).
+
+Each check raises CheckpointError with one line naming the file, field or tensor and what was
+expected; nothing here reads tensor data (headers only), so the checks cost well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from hybridmoe.weights.loader import CheckpointError, load_hf_config
+from hybridmoe.weights.shards import TensorInfo, scan_checkpoint
+
+INT_LIMIT = 2**31 - 1
+LOADABLE_DTYPES = ("F32", "F16", "BF16")  # what weights/loader.py copies into the model
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def one_line(text: str) -> str:
+    """Any message as one line (transformers and tokenizers errors span several)."""
+    return " ".join(str(text).split())
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read: {e}") from e
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+def load_checked_config(model_path: str, trust_remote_code: bool = False, flag: str = "--model-path"):
+    """(transformers config, ArchSpec) of a model directory whose config.json passed `check_config`;
+    `flag` names the option that gave the directory."""
+    from hybridmoe.models.registry import arch_spec
+
+    root = Path(model_path)
+    if not root.is_dir():
+        raise CheckpointError(f"{flag} {root}: no such directory")
+    path = root / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{root}: no config.json (expected a Hugging Face model directory)")
+    raw = _read_json(path)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    if level > hf_logging.DEBUG:  # its warnings about the config would repeat, in other words, what check_config says
+        hf_logging.set_verbosity_error()
+    try:
+        config = load_hf_config(model_path, trust_remote_code)
+        spec = arch_spec(config, str(path))
+    except (CheckpointError, ValueError) as e:
+        raise CheckpointError(one_line(str(e))) from e
+    finally:
+        hf_logging.set_verbosity(level)
+    check_config(config, spec, raw, path)
+    return config, spec
+
+
+def check_config(config, spec, raw: dict, path: Path) -> None:
+    """The values the model is built from: positive sizes, top-k <= experts, heads dividing, groups."""
+    def bad(key: str, expected: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {key} is {raw.get(key, getattr(config, key, None))!r}, expected {expected}")
+
+    def count(key: str, low: int = 1, value: object = None) -> int:
+        v = getattr(config, key, None) if value is None else value
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= INT_LIMIT:
+            raise bad(key, f"an integer >= {low}")
+        return v
+
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
+        count(key)
+    heads = config.num_attention_heads
+    kv = count("num_key_value_heads", value=getattr(config, "num_key_value_heads", None) or heads)
+    if heads % kv:
+        raise bad("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is not None:
+        count("head_dim")
+    elif config.hidden_size % heads:
+        raise bad("num_attention_heads", f"a divisor of hidden_size ({config.hidden_size}) when head_dim is not given")
+    if (head_dim or config.hidden_size // heads) % 2:  # rotary embeddings rotate pairs of channels
+        raise bad("head_dim" if head_dim is not None else "num_attention_heads", "an even head size")
+    eps = getattr(config, "rms_norm_eps", None)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and 0 < eps < 1):
+        raise bad("rms_norm_eps", "a small positive number")
+    if not spec.moe_layers:
+        return
+    experts_key = next((k for k in _EXPERT_KEYS if k in raw), _EXPERT_KEYS[0])
+    n_exp = count(experts_key, value=spec.num_experts)
+    top_k = count("num_experts_per_tok", value=spec.top_k)
+    if top_k > n_exp:
+        raise CheckpointError(f"{path}: num_experts_per_tok {top_k} is above {experts_key} {n_exp}: expected "
+                              f"1 <= num_experts_per_tok <= {experts_key}")
+    count("moe_intermediate_size" if "moe_intermediate_size" in raw else "intermediate_size",
+          value=spec.moe_intermediate)
+    if len(spec.moe_layers) < config.num_hidden_layers:
+        count("intermediate_size", value=spec.dense_intermediate)
+    count("shared_expert_intermediate_size", low=0, value=spec.shared_intermediate)
+    step = getattr(config, "decoder_sparse_step", 1)
+    if step is not None:
+        count("decoder_sparse_step", value=step)
+    n_group, topk_group = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+    if n_group is not None or topk_group is not None:  # grouped top-k (DeepSeek): groups, then experts
+        count("n_group", value=n_group)
+        if n_exp % n_group:
+            raise bad("n_group", f"a divisor of {experts_key} ({n_exp})")
+        if count("topk_group", value=topk_group) > n_group:
+            raise bad("topk_group", f"at most n_group ({n_group})")
+        if top_k > topk_group * (n_exp // n_group):
+            raise CheckpointError(f"{path}: num_experts_per_tok {top_k} is above the {topk_group * (n_exp // n_group)}"
+                                  " experts of the topk_group selected groups")
+
+
+def check_tokens(config, model_path: str | Path, tokenizer_path: str | Path, tokenizer_size: int | None) -> None:
+    """Special token ids and the tokenizer's size fit the vocabulary (ids past it would index past the
+    embedding table)."""
+    vocab = config.vocab_size
+    for key in ("eos_token_id", "bos_token_id"):
+        v = getattr(config, key, None)
+        ids = v if isinstance(v, (list, tuple)) else [] if v is None else [v]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+            raise CheckpointError(f"{Path(model_path) / 'config.json'}: {key} is {v!r}, expected token id(s) in "
+                                  f"[0, {vocab})")
+    if tokenizer_size is not None and tokenizer_size > vocab:
+        raise CheckpointError(f"{Path(tokenizer_path) / 'tokenizer.json'}: {tokenizer_size} tokens, more than the "
+                              f"model's vocab_size {vocab} (config.json): the last ids have no embedding")
+
+
+def check_tokenizer(path: str | Path) -> int | None:
+    """The tokenizer files of a directory parse; the tokenizer's size with added tokens (None without
+    tokenizer.json). A directory without tokenizer files is not an error (token-id input only)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"--tokenizer-path {root}: no such directory")
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        f = root / name
+        if f.is_file() and not isinstance(_read_json(f), dict):
+            raise CheckpointError(f"{f}: expected a JSON object")
+    f = root / "tokenizer.json"
+    if not f.is_file():
+        return None
+    _read_json(f)  # names the line and column of a syntax error
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(f)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # the Rust library raises a bare Exception
+        raise CheckpointError(f"{f}: not a valid tokenizer: {one_line(str(e))}") from e
+
+
+def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[str, TensorInfo]:
+    """Every tensor the model loads is in the checkpoint, complete (file size vs header), of the
+    shape the config gives and of a loadable dtype; the routed experts too when `experts`."""
+    import torch
+
+    from hybridmoe.models.base import MoECausalLM
+
+    tensors = scan_checkpoint(model_path)  # headers and file sizes: a truncated shard is named here
+    with torch.device("meta"):  # shapes only: no memory
+        try:
+            model = MoECausalLM(config, spec, config.max_position_embeddings)
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise CheckpointError(f"{model_path}/config.json: the model cannot be built from it: "
+                                  f"{one_line(str(e))}") from e
+    want: dict[str, tuple[int, ...]] = {}
+    for name, param in model.named_parameters():
+        for src, dst in model.checkpoint_parts(name, param):
+            want[src] = tuple(dst.shape)
+    if model.tie_word_embeddings and "lm_head.weight" not in tensors:
+        want.pop("lm_head.weight", None)
+    if experts:
+        want.update(expert_shapes(config, spec))
+    for name, shape in want.items():
+        t = tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint {model_path}")
+        if t.shape != shape:
+            raise CheckpointError(f"{t.file.name}: tensor {name!r} has shape {t.shape}, expected {shape} from "
+                                  "config.json")
+        if t.dtype not in LOADABLE_DTYPES:
+            raise CheckpointError(f"{t.file.name}: tensor {name!r} has dtype {t.dtype}; bf16, fp16 or fp32 expected")
+    return tensors
+
+
+def expert_shapes(config, spec) -> dict[str, tuple[int, int]]:
+    """Name -> shape of every routed-expert tensor: gate and up [I, H], down [H, I]."""
+    h, i = config.hidden_size, spec.moe_intermediate
+    out = {}
+    for layer in spec.moe_layers:
+        for e in range(spec.num_experts):
+            g, u, d = spec.expert_tensor_names(layer, e)
+            out.update({g: (i, h), u: (i, h), d: (h, i)})
+    return out
+
+
+def check_expert_tensors(model_path: str, config, spec) -> dict[str, TensorInfo]:
+    """The routed experts of a checkpoint are present, complete and of the config's shapes, and fp8
+    ones have their block scale; all the checkpoint's tensors (their dtypes are the caller's to check)."""
+    from hybridmoe.weights.fp8 import scale_name
+
+    tensors = scan_checkpoint(model_path)
+    for name, shape in expert_shapes(config, spec).items():
+        t = tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint {model_path}")
+        if t.shape != shape:
+            raise CheckpointError(f"{t.file.name}: tensor {name!r} has shape {t.shape}, expected {shape} from "
+                                  "config.json")
+        if t.dtype.startswith("F8") and scale_name(name) not in tensors:
+            raise CheckpointError(f"{t.file.name}: tensor {name!r} is fp8 without its block scale "
+                                  f"{scale_name(name)!r}")
+    return tensors
