@@ -30,7 +30,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 INT_MAX = 2**31 - 1  # counts and sizes beyond this are typos, and overflow int32 kernel arguments
 _INT_FIELDS = ("context_length", "max_total_tokens", "page_size", "chunked_prefill_size", "max_running_requests",
-               "max_prefill_tokens", "cuda_graph_max_bs", "port", "max_queued_requests", "kt_cpuinfer",
+               "max_prefill_tokens", "cuda_graph_max_bs", "kt_cpuinfer",
                "kt_threadpool_count", "kt_num_gpu_experts", "kt_max_deferred_experts_per_token",
                "kt_gpu_prefill_token_threshold")
 
@@ -41,7 +41,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class EngineArgs:
-    """All engine and server options (SGLang + kt names)."""
+    """All engine options (SGLang + kt names); the HTTP server's own are ServerConfig."""
 
     model_path: str = DEMO_MODEL_PATH
     tokenizer_path: str | None = None
@@ -65,12 +65,6 @@ class EngineArgs:
     log_level: str = "info"
     skip_tokenizer_init: bool = False
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks)
-    # server
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    enable_metrics: bool = False
-    max_queued_requests: int | None = None
     # hybrid (--kt-*)
     kt_weight_path: str | None = None
     kt_method: str = "AMXINT8"
@@ -119,11 +113,10 @@ class EngineArgs:
         need(self.device in ("auto", "cuda", "cpu"), "device", "cuda, cpu or auto")
         need(self.log_level in LOG_LEVELS, "log-level", f"one of {LOG_LEVELS}")
         need(bool(self.model_path), "model-path", "a model directory")
-        for name in ("tokenizer_path", "served_model_name", "api_key", "kt_weight_path", "init_expert_location",
+        for name in ("tokenizer_path", "served_model_name", "kt_weight_path", "init_expert_location",
                      "record_expert_distribution"):
             need(getattr(self, name) is None or bool(getattr(self, name)), name.replace("_", "-"),
                  "a non-empty value (or leave the flag out)")
-        need(bool(self.host), "host", "an address to listen on, e.g. 127.0.0.1")
         need(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
         need(self.load_format in ("auto", "dummy"), "load-format", "auto or dummy")
         need(self.page_size >= 1, "page-size", "a positive integer")
@@ -131,8 +124,6 @@ class EngineArgs:
              "a positive integer, or -1 to disable chunking")
         need(self.max_running_requests >= 1, "max-running-requests", "a positive integer")
         need(self.max_prefill_tokens >= 1, "max-prefill-tokens", "a positive integer (tokens per prefill step)")
-        need(self.max_queued_requests is None or self.max_queued_requests >= 0, "max-queued-requests",
-             "an integer >= 0")
         need(isinstance(self.random_seed, int) and 0 <= self.random_seed < 2**63, "random-seed",
              "an integer in [0, 2^63)")
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size, "max-total-tokens",
@@ -167,7 +158,6 @@ class EngineArgs:
              "a non-negative integer")
         need(self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,
              "kt-gpu-prefill-token-threshold", "a positive integer")
-        need(self.port is None or 0 <= self.port < 65536, "port", "a TCP port number (0-65535)")
         need(self.kt_expert_placement_strategy != "frequency" or self.init_expert_location is not None,
              "kt-expert-placement-strategy", "--init-expert-location FILE with 'frequency' (the statistics file)")
         need(isinstance(self.cpu_engine, CPUEngineSettings), "cpu-engine", "a CPUEngineSettings")
@@ -211,6 +201,37 @@ class EngineArgs:
             dynamic_expert_update=self.kt_enable_dynamic_expert_update,
             record_expert_distribution=self.record_expert_distribution, seed=self.random_seed,
             cpu=self.cpu_engine, blocking_sync=self.hybrid_blocking_sync)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server's own settings (`hybridmoe serve` flags that are not engine options; the
+    request and connection limits are server/limits.py's ServerLimits). Validated on construction."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None  # require `Authorization: Bearer <key>` (not on /health, /metrics)
+    enable_metrics: bool = False
+    max_queued_requests: int | None = None  # requests waiting for their first token beyond this: 503
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, flag: str, expected: str) -> None:
+            if not ok:
+                raise ConfigError(f"--{flag}: got {getattr(self, flag.replace('-', '_'))!r}, expected {expected}")
+
+        need(isinstance(self.host, str) and bool(self.host), "host", "an address to listen on, e.g. 127.0.0.1")
+        need(isinstance(self.port, int) and not isinstance(self.port, bool) and 0 <= self.port < 65536, "port",
+             "a TCP port number (0-65535)")
+        need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api-key",
+             "a non-empty value (or leave the flag out)")
+        q = self.max_queued_requests
+        need(q is None or (isinstance(q, int) and not isinstance(q, bool) and 0 <= q <= INT_MAX),
+             "max-queued-requests", f"an integer in [0, {INT_MAX}]")
+
+    @classmethod
+    def from_namespace(cls, ns: Any) -> ServerConfig:
+        """From parsed `serve` flags (the attributes of the same names)."""
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
 
 
 @dataclass(frozen=True)

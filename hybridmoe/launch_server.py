@@ -8,7 +8,7 @@ import math
 import sys
 
 from hybridmoe.args import OneLineParser, add_engine_args, engine_args_from
-from hybridmoe.config import ConfigError
+from hybridmoe.config import ConfigError, ServerConfig
 from hybridmoe.server.limits import ServerLimits, add_server_limit_args
 
 # Hybrid CPU/GPU options whose feature is not in this version yet: accepted by the parser (so a
@@ -83,11 +83,12 @@ def serve_main(argv: list[str] | None = None) -> int:
         if not (math.isfinite(grace) and 0 <= grace <= MAX_GRACE_S):
             raise ConfigError(f"--graceful-shutdown-timeout: got {grace}, expected seconds in [0, {MAX_GRACE_S:.0f}]")
         limits = ServerLimits.from_namespace(ns)
+        server_config = ServerConfig.from_namespace(ns)
         # every check that needs no model load runs before the port is bound: nothing says ready
         args = prepare(engine_args_from(ns))
         from hybridmoe.server.run import run_server
 
-        rc = run_server(args, graceful_shutdown_timeout=grace, limits=limits)
+        rc = run_server(args, server_config, graceful_shutdown_timeout=grace, limits=limits)
     except Exception as e:
         return report_failure("hybridmoe serve", e, debug)
     # run_server gives 1 when the port is busy or the model failed to load (one ERROR line was logged):

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
-from hybridmoe.config import EngineArgs
+from hybridmoe.config import EngineArgs, ServerConfig
 from hybridmoe.engine.engine import Engine, RequestError
 from hybridmoe.server import openai_api
 from hybridmoe.server.async_engine import AsyncEngine, EngineFailed, RequestStream, Unavailable
@@ -256,7 +256,7 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
         texts = await asyncio.gather(*(state.decode(seq, body.skip_special_tokens) for seq in seqs))
         return {"text": texts if batch else texts[0]}
 
-    if state.args.enable_metrics and state.metrics is not None:
+    if state.server_config.enable_metrics and state.metrics is not None:
         metrics = state.metrics
 
         @app.get("/metrics")
@@ -265,15 +265,18 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] | None = None,
-               limits: ServerLimits | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, server: ServerConfig | None = None) -> FastAPI:
     """The application; the engine thread starts (and loads the model) with the app's lifespan.
 
     limits: the server's limits (defaults when None); kept at app.state.hybridmoe.limits.
+    server: the server's own settings (API key, metrics, queue bound; defaults when None).
     """
+    server = server or ServerConfig()
     model_name = args.served_model_name or args.model_path
     metrics = ServerMetrics(model_name)  # cheap; exposed at /metrics only with --enable-metrics
-    state = ServerState(args=args, engine=AsyncEngine(args, metrics, engine_factory), metrics=metrics,
-                        model_name=model_name, limits=limits or ServerLimits())
+    engine = AsyncEngine(args, metrics, engine_factory, max_queued_requests=server.max_queued_requests)
+    state = ServerState(args=args, engine=engine, metrics=metrics, model_name=model_name,
+                        limits=limits or ServerLimits(), server_config=server)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -293,8 +296,8 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] 
     _register_native_routes(app, state)
     openai_api.register_routes(app, state)
     app.add_middleware(JSONBodyMiddleware)
-    if args.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    if server.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
     app.add_middleware(RequestLimitsMiddleware, limits=state.limits)  # outermost: sizes and times first
     return app
 

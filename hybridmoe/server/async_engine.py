@@ -67,8 +67,10 @@ class AsyncEngine:
     """Runs an Engine on its own thread and serves its outputs to asyncio tasks."""
 
     def __init__(self, args: EngineArgs, metrics: ServerMetrics | None = None,
-                 engine_factory: Callable[[EngineArgs], Engine] | None = None) -> None:
+                 engine_factory: Callable[[EngineArgs], Engine] | None = None,
+                 max_queued_requests: int | None = None) -> None:
         self.args = args
+        self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self._factory = engine_factory or (lambda a: Engine(a, progress=False))
         self.engine: Engine | None = None
@@ -121,7 +123,7 @@ class AsyncEngine:
     def submit(self, req: Req) -> RequestStream:
         """Queue a request made by `engine.make_request`; raises Unavailable past the queue bound."""
         self.check_available()
-        limit = self.args.max_queued_requests
+        limit = self.max_queued_requests
         if limit is not None and self.num_queued >= limit:
             raise Unavailable(f"too many queued requests (--max-queued-requests {limit}); retry later")
         if req.rid in self.streams:

@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from hybridmoe.config import EngineArgs
+from hybridmoe.config import EngineArgs, ServerConfig
 from hybridmoe.server.app import create_app
 from hybridmoe.server.connections import LimitedH11Protocol
 from hybridmoe.server.limits import ServerLimits
@@ -55,9 +55,11 @@ class _Server(uvicorn.Server):
 
 
 def build_server(app: Any, args: EngineArgs, limits: ServerLimits, graceful_shutdown_timeout: float = 30.0,
-                 port: int | None = None) -> _Server:
-    """The uvicorn server for an app made by create_app, with the connection limits of `limits`."""
-    config = uvicorn.Config(app, host=args.host, port=args.port if port is None else port, log_level=args.log_level,
+                 port: int | None = None, server: ServerConfig | None = None) -> _Server:
+    """The uvicorn server for an app made by create_app, with the connection limits of `limits`,
+    listening where `server` says (`port` overrides its port)."""
+    server = server or ServerConfig()
+    config = uvicorn.Config(app, host=server.host, port=server.port if port is None else port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=graceful_shutdown_timeout + 10, lifespan="on",
                             http=LimitedH11Protocol, timeout_keep_alive=limits.timeout_keep_alive)
     config.hybridmoe_limits = limits  # type: ignore[attr-defined]  # read by LimitedH11Protocol
@@ -66,16 +68,18 @@ def build_server(app: Any, args: EngineArgs, limits: ServerLimits, graceful_shut
     return server
 
 
-def run_server(args: EngineArgs, graceful_shutdown_timeout: float = 30.0, limits: ServerLimits | None = None) -> int:
+def run_server(args: EngineArgs, server_config: ServerConfig | None = None, graceful_shutdown_timeout: float = 30.0,
+               limits: ServerLimits | None = None) -> int:
     """Serve until a signal stops the server; 0, or 1 if the model failed to load."""
     limits = limits or ServerLimits()
-    app = create_app(args, limits=limits)
+    cfg = server_config or ServerConfig()
+    app = create_app(args, limits=limits, server=cfg)
     state: ServerState = app.state.hybridmoe
-    sock = _bind(args.host, args.port)  # before the model loads: a busy port fails at once
+    sock = _bind(cfg.host, cfg.port)  # before the model loads: a busy port fails at once
     if sock is None:
         return 1
-    server = build_server(app, args, limits, graceful_shutdown_timeout)
-    log.info("serving %s at http://%s:%d", state.model_name, args.host, sock.getsockname()[1])
+    server = build_server(app, args, limits, graceful_shutdown_timeout, server=cfg)
+    log.info("serving %s at http://%s:%d", state.model_name, cfg.host, sock.getsockname()[1])
     server.run(sockets=[sock])
     return state.exit_code
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridmoe.config import EngineArgs
+from hybridmoe.config import EngineArgs, ServerConfig
 from hybridmoe.engine.engine import Engine, RequestError
 from hybridmoe.engine.request import Req
 from hybridmoe.server.async_engine import AsyncEngine, RequestStream
@@ -29,6 +29,7 @@ class ServerState:
     server: Any = None  # the uvicorn.Server, to stop it if the model fails to load
     exit_code: int = 0
     limits: ServerLimits = field(default_factory=ServerLimits)
+    server_config: ServerConfig = field(default_factory=ServerConfig)
     pool: TokenizerPool = None  # type: ignore[assignment]  # made from limits
 
     def __post_init__(self) -> None:
@@ -150,7 +151,7 @@ class ServerState:
 
     def server_info(self) -> dict[str, Any]:
         """Options (API key redacted) and the engine's internal state."""
-        info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "extra"}
+        info = {**dataclasses.asdict(self.args), **dataclasses.asdict(self.server_config)}
         if info.get("api_key"):
             info["api_key"] = "<redacted>"
         from hybridmoe import __version__
