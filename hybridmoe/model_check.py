@@ -179,15 +179,20 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
     if experts:
         want.update(expert_shapes(config, spec))
     for name, shape in want.items():
-        t = tensors.get(name)
-        if t is None:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint {model_path}")
-        if t.shape != shape:
-            raise CheckpointError(f"{t.file.name}: tensor {name!r} has shape {t.shape}, expected {shape} from "
-                                  "config.json")
+        t = _present(tensors, name, shape, model_path)
         if t.dtype not in LOADABLE_DTYPES:
             raise CheckpointError(f"{t.file.name}: tensor {name!r} has dtype {t.dtype}; bf16, fp16 or fp32 expected")
     return tensors
+
+
+def _present(tensors: dict[str, TensorInfo], name: str, shape: tuple[int, ...], model_path: str) -> TensorInfo:
+    """The tensor `name`, which must exist with `shape`; a CheckpointError naming the file otherwise."""
+    t = tensors.get(name)
+    if t is None:
+        raise CheckpointError(f"tensor {name!r} is missing from the checkpoint {model_path}")
+    if t.shape != shape:
+        raise CheckpointError(f"{t.file.name}: tensor {name!r} has shape {t.shape}, expected {shape} from config.json")
+    return t
 
 
 def expert_shapes(config, spec) -> dict[str, tuple[int, int]]:
@@ -208,12 +213,7 @@ def check_expert_tensors(model_path: str, config, spec) -> dict[str, TensorInfo]
 
     tensors = scan_checkpoint(model_path)
     for name, shape in expert_shapes(config, spec).items():
-        t = tensors.get(name)
-        if t is None:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint {model_path}")
-        if t.shape != shape:
-            raise CheckpointError(f"{t.file.name}: tensor {name!r} has shape {t.shape}, expected {shape} from "
-                                  "config.json")
+        t = _present(tensors, name, shape, model_path)
         if t.dtype.startswith("F8") and scale_name(name) not in tensors:
             raise CheckpointError(f"{t.file.name}: tensor {name!r} is fp8 without its block scale "
                                   f"{scale_name(name)!r}")
