@@ -304,6 +304,20 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     max_position: int  # max_position_embeddings (4096 when absent)
+    # MLA (DeepSeek-V2/V3, Kimi-K2): the KV cache holds one latent vector of kv_lora_rank plus the
+    # rope key of qk_rope_head_dim per token and layer, shared by all heads; 0: standard attention
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def kv_elements_per_token(self) -> int:
+        """KV cache elements one token takes in one layer (bytes: times the cache dtype's size)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
 
     @property
     def num_experts(self) -> int:

@@ -27,11 +27,49 @@ if TYPE_CHECKING:
 
 @dataclass
 class ExpertWeights:
-    """One layer's routed experts, stacked. Gate rows come first in gate_up."""
+    """One layer's routed experts, stacked. Gate rows come first in gate_up.
+
+    Block-scaled fp8 (a DeepSeek-V3 checkpoint, weights/fp8.py): gate_up and down are
+    float8_e4m3fn and the `*_scale` tensors hold each (bn x bk) block's scale_inv (w = fp8 * scale).
+    gate_up_scale is gate's block scales then up's, each ceil(I/bn) rows: [E, 2*ceil(I/bn), ceil(H/bk)]
+    (not ceil(2I/bn): gate and up are blocked separately in the checkpoint). A backend that does not
+    compute in fp8 calls `dequantized(dtype)`.
+    """
 
     gate_up: torch.Tensor  # [E, 2I, H]
     down: torch.Tensor  # [E, H, I]
     activation: str = "silu"  # "silu" (SwiGLU); room for "gelu" and clamped variants
+    gate_up_scale: torch.Tensor | None = None  # fp8 only: [E, 2*ceil(I/bn), ceil(H/bk)] float32
+    down_scale: torch.Tensor | None = None  # fp8 only: [E, ceil(H/bn), ceil(I/bk)] float32
+    block: tuple[int, int] | None = None  # fp8 only: (bn, bk)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.gate_up_scale is not None
+
+    def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
+        """These weights in `dtype` (itself when not fp8); computed on the tensors' device."""
+        if not self.is_fp8:
+            return self
+        from hybridmoe.weights.fp8 import block_dequant
+
+        assert self.block is not None and self.down_scale is not None
+        e, i = self.num_experts, self.intermediate_size
+        nbi = -(-i // self.block[0])
+        gate_up = torch.empty(self.gate_up.shape, dtype=dtype, device=self.gate_up.device)
+        down = torch.empty(self.down.shape, dtype=dtype, device=self.down.device)
+        for x in range(e):  # one expert at a time: the fp32 temporaries stay small
+            gate_up[x, :i] = block_dequant(self.gate_up[x, :i], self.gate_up_scale[x, :nbi], self.block)
+            gate_up[x, i:] = block_dequant(self.gate_up[x, i:], self.gate_up_scale[x, nbi:], self.block)
+            down[x] = block_dequant(self.down[x], self.down_scale[x], self.block)
+        return ExpertWeights(gate_up=gate_up, down=down, activation=self.activation)
+
+    def select(self, rows: slice | torch.Tensor) -> ExpertWeights:
+        """The experts `rows` (a slice: views, no copy; an index tensor: copies), scales included."""
+        gu_s, d_s = self.gate_up_scale, self.down_scale
+        return ExpertWeights(gate_up=self.gate_up[rows], down=self.down[rows], activation=self.activation,
+                             gate_up_scale=None if gu_s is None else gu_s[rows],
+                             down_scale=None if d_s is None else d_s[rows], block=self.block)
 
     @property
     def num_experts(self) -> int:
