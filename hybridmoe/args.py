@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--skip-tokenizer-init", action="store_true")
     m.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                    help="dummy: random weights (benchmarks without a checkpoint)")
+    m.add_argument("--fp8-dequantize", action="store_true",
+                   help="block-scaled FP8 checkpoints (DeepSeek-V3 style): dequantize every FP8 weight, routed "
+                        "experts included, to --dtype at load (default: linears stay FP8 with a Triton W8A8 GEMM "
+                        "on GPUs with FP8, sm_89+, and are dequantized elsewhere; experts stay FP8)")
     r = p.add_argument_group("runtime")
     r.add_argument("--mem-fraction-static", type=float, default=None,
                    help="fraction of GPU memory for weights and KV cache (default 0.85)")

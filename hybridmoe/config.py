@@ -65,6 +65,7 @@ class EngineArgs:
     log_level: str = "info"
     skip_tokenizer_init: bool = False
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks)
+    fp8_dequantize: bool = False  # block-scaled fp8 checkpoints: every fp8 weight in --dtype at load
     # hybrid (--kt-*)
     kt_weight_path: str | None = None
     kt_method: str = "AMXINT8"

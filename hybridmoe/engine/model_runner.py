@@ -70,7 +70,7 @@ class ModelRunner:
         self.model = load_model(
             args.model_path, hf_config, self.dtype, self.device, self.moe.make,
             max_position=max(self.context_len, model_cfg.max_position), progress=progress,
-            load_format=args.load_format, spec=model_cfg.spec,
+            load_format=args.load_format, spec=model_cfg.spec, fp8_dequantize=args.fp8_dequantize,
             # CPU experts are assembled (and quantized) in host memory, never on the GPU
             expert_device=(lambda _layer: torch.device("cpu")) if self.moe.on_host else None,
             # pre-converted CPU experts with no GPU share: nothing to read from the checkpoint

@@ -46,7 +46,7 @@ class ExpertsSetup:
 
             pool = cpu_pool_for(cfg)
         self.options = ExpertsOptions(
-            device=device, hybrid=cfg, pool=pool,
+            device=device, hybrid=cfg, pool=pool, dtype=dtype,
             # random benchmark weights: quantize on the GPU (fast)
             pack_device=device if args.load_format == "dummy" and device.type == "cuda" else None)
         self.memory_plan: MemoryPlan | None = None
@@ -55,7 +55,7 @@ class ExpertsSetup:
 
             self.runtime = HybridRuntime(self.placement, device, pool, blocking_sync=cfg.blocking_sync)
             self.options = ExpertsOptions(device=device, hybrid=cfg, pool=pool, runtime=self.runtime,
-                                          pack_device=self.options.pack_device)
+                                          pack_device=self.options.pack_device, dtype=dtype)
             self._check_memory_plan(context_len)  # before any weight is read
         self.recorder: ExpertDistributionRecorder | None = None
         if cfg.record_expert_distribution:

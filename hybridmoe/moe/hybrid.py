@@ -41,13 +41,21 @@ from hybridmoe.moe.options import ExpertsOptions
 from hybridmoe.moe.runtime import HostDeferred, HybridRuntime, StreamDeferred
 
 
-def _rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """t[ids] along dim 0; a view (no copy of gigabytes) when ids is a contiguous range, as with the
-    uniform and front-loading placements."""
+def _select(w: ExpertWeights, ids: torch.Tensor) -> ExpertWeights:
+    """The experts `ids` of w, fp8 block scales included; views (no copy of gigabytes) when ids is a
+    contiguous range, as with the uniform and front-loading placements."""
     n = len(ids)
     if n and int(ids[-1]) - int(ids[0]) == n - 1:
-        return t[int(ids[0]) : int(ids[0]) + n]
-    return t[ids]
+        return w.select(slice(int(ids[0]), int(ids[0]) + n))
+    return w.select(ids)
+
+
+def _to_device(w: ExpertWeights, dev: torch.device) -> ExpertWeights:
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dev).contiguous()
+
+    return dataclasses.replace(w, gate_up=move(w.gate_up), down=move(w.down), gate_up_scale=move(w.gate_up_scale),
+                               down_scale=move(w.down_scale))
 
 
 def _local_index(mask: torch.Tensor) -> torch.Tensor:
@@ -74,7 +82,8 @@ class HybridExperts(MoEExperts):
         self.hidden = weights.hidden_size
         self.num_experts = weights.num_experts
         self.activation = weights.activation
-        self.dtype = weights.gate_up.dtype
+        # the model dtype (the layerwise buffer's); fp8 experts (a block-scaled checkpoint) are not in it
+        self.dtype = options.compute_dtype(dev) if weights.is_fp8 else weights.gate_up.dtype
         self.moe_index = placement.moe_layers.index(layer_idx)
         # with dynamic update the CPU layer holds every expert: cpu_local is an expert's row there
         self.full_cpu_layer = placement.dynamic_update
@@ -94,12 +103,12 @@ class HybridExperts(MoEExperts):
         self._streamed: MoEExperts | None = None  # the GPU backend over the layerwise buffer
         self.cpu: CPUExperts | None = None
         if len(gpu_ids):  # only these experts' weights go to the GPU
-            self.gpu_w = ExpertWeights(_rows(weights.gate_up, gpu_ids).to(dev).contiguous(),
-                                       _rows(weights.down, gpu_ids).to(dev).contiguous(), weights.activation)
+            self.gpu_w = _to_device(_select(weights, gpu_ids), dev)
+            if self.gpu_w.is_fp8 and self.full_cpu_layer:  # dynamic update swaps rows with the model-dtype buffer
+                self.gpu_w = self.gpu_w.dequantized(self.dtype)
             self.gpu = create_experts(placement.gpu_backend, self.gpu_w, layer_idx, options)
         if len(cpu_ids):  # only these stay in host memory, packed for the CPU kernels (all with dynamic update)
-            host = weights if self.full_cpu_layer else ExpertWeights(_rows(weights.gate_up, cpu_ids), _rows(weights.down, cpu_ids),
-                                                                     weights.activation)
+            host = weights if self.full_cpu_layer else _select(weights, cpu_ids)
             page_align = rt.layerwise is not None and dev.type == "cuda"  # page-locked in place below
             self.cpu = CPUExperts(host, layer_idx, dataclasses.replace(options, page_align=page_align))
             if rt.layerwise is not None:

@@ -26,7 +26,8 @@ class ExpertsOptions:
     give every packed CPU tensor pages of its own (page-locked in place for the layerwise prefill).
     pool: the CPU engine's thread pool. runtime: the hybrid layers' shared runtime (hybrid backend
     only). triton_config: forced tile sizes of the Triton backend (tests, sweeps). cpu_isa: force a
-    CPU kernel ISA (tests).
+    CPU kernel ISA (tests). dtype: the model's compute dtype, which backends that do not compute in
+    fp8 dequantize block-scaled fp8 experts to (None: bf16 on CUDA, fp32 on the CPU).
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -38,3 +39,8 @@ class ExpertsOptions:
     runtime: HybridRuntime | None = None
     triton_config: MoEKernelConfig | None = None
     cpu_isa: str | None = None
+    dtype: torch.dtype | None = None
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """`dtype`, or the engine's default for `device` when unset."""
+        return self.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)

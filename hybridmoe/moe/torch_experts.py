@@ -26,9 +26,14 @@ def _activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:  # [N, 2I
 
 
 class TorchExperts(MoEExperts):
+    """Block-scaled fp8 experts are dequantized once, at construction, to `dtype` (the reference
+    path: exact dequantized weights, ExpertWeights.dequantized)."""
+
     name = "torch"
 
-    def __init__(self, weights: ExpertWeights) -> None:
+    def __init__(self, weights: ExpertWeights, dtype: torch.dtype | None = None) -> None:
+        if weights.is_fp8:
+            weights = weights.dequantized(dtype or torch.float32)
         self.w = weights
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -53,4 +58,4 @@ class TorchExperts(MoEExperts):
 
 
 def make_torch_experts(weights: ExpertWeights, layer_idx: int, options: ExpertsOptions) -> MoEExperts:
-    return TorchExperts(weights)
+    return TorchExperts(weights, options.compute_dtype(weights.gate_up.device))

@@ -27,6 +27,8 @@ class TritonExperts(MoEExperts):
     name = "triton"
 
     def __init__(self, weights: ExpertWeights, layer_idx: int, options: ExpertsOptions | None = None) -> None:
+        if weights.is_fp8:  # block-scaled fp8 checkpoint: dequantized once to the model dtype
+            weights = weights.dequantized((options or ExpertsOptions()).compute_dtype(weights.gate_up.device))
         if weights.activation != "silu":
             raise NotImplementedError(f"triton experts: activation {weights.activation!r} not supported")
         if weights.gate_up.dtype not in _SUPPORTED_DTYPES or weights.down.dtype != weights.gate_up.dtype:

@@ -15,9 +15,19 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from hybridmoe.layers.fp8_kernels import fp8_gemm_supported, kernel_block_ok
 from hybridmoe.models.base import ArchSpec, MoECausalLM
 from hybridmoe.models.registry import arch_spec
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts
+from hybridmoe.weights.fp8 import FP8_DTYPES
+from hybridmoe.weights.fp8_loading import (
+    Fp8DummyReader,
+    Fp8Reader,
+    fp8_block_of,
+    fp8_checkpoint_parts,
+    mtp_tensor_count,
+    swap_fp8_linears,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +55,10 @@ def _open(path: Path):
         return safe_open(str(path), "pt")
     except Exception as e:  # SafetensorError, OSError: a truncated or damaged file
         raise CheckpointError(f"{path}: not a readable safetensors file: {' '.join(str(e).split())}") from e
+
+
+_FLOAT_CODES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
+                "F8_E5M2": torch.float8_e5m2}  # safetensors header dtype codes
 
 
 class SafetensorsIndex:
@@ -77,23 +91,40 @@ class SafetensorsIndex:
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def _handle(self, name: str):
         f = self.file_of.get(name)
         if f is None:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
         h = self._handles.get(f)
         if h is None:
             h = self._handles[f] = _open(f)
+        return f, h
+
+    def dtype_of(self, name: str) -> torch.dtype | None:
+        """The stored dtype of tensor `name`, from the file header (no data read); None for a
+        non-float one (refused by `get`)."""
+        return _FLOAT_CODES.get(self._handle(name)[1].get_slice(name).get_dtype())
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor `name`, from the file header."""
+        return tuple(self._handle(name)[1].get_slice(name).get_shape())
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None, allow_fp8: bool = False) -> torch.Tensor:
+        """Tensor `name`, checked: its shape (when given) and a float dtype (fp8 only with allow_fp8:
+        the fp8 reader, weights/fp8_loading.py, which pairs it with its scales)."""
+        f, h = self._handle(name)
         try:
             t = h.get_tensor(name)
         except Exception as e:
             raise CheckpointError(f"{f.name}: tensor {name!r} cannot be read: {e}") from e
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{f.name}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if t.dtype in FP8_DTYPES and not allow_fp8:
+            raise CheckpointError(f"{f.name}: tensor {name!r} has dtype {t.dtype}, but config.json has no "
+                                  "quantization_config with quant_method 'fp8' and a weight_block_size")
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES:
             raise CheckpointError(f"{f.name}: tensor {name!r} has dtype {t.dtype}; bf16, fp16 or fp32 expected")
         return t
-
 
     def fill(self, name: str, dst: torch.Tensor) -> None:
         """Copy tensor `name` into dst, checking its shape."""
@@ -136,6 +167,7 @@ def load_model(
     load_format: str = "auto",
     read_experts: bool = True,
     spec: ArchSpec | None = None,
+    fp8_dequantize: bool = False,
 ) -> MoECausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint.
 
@@ -144,51 +176,121 @@ def load_model(
     read_experts=False the routed experts are not read (the backend has them from elsewhere, e.g.
     `--kt-weight-path`) and make_experts gets None. `spec`: the architecture (ModelConfig.spec),
     resolved from `config` when not given.
+
+    Block-scaled fp8 checkpoints (weights/fp8_loading.py): linears stay fp8 (Fp8Linear) on GPUs with
+    FP8, are dequantized to `dtype` elsewhere or with fp8_dequantize; routed experts come in the fp8
+    ExpertWeights form unless fp8_dequantize. Layers past num_hidden_layers (MTP) are not read.
     """
     spec = spec or arch_spec(config, f"{model_path}/config.json")
-    index = DummyWeights() if load_format == "dummy" else SafetensorsIndex(model_path)
+    dummy = load_format == "dummy"
+    index = DummyWeights() if dummy else SafetensorsIndex(model_path)
+    try:
+        block = fp8_block_of(config)
+    except ValueError as e:
+        raise CheckpointError(f"{model_path}/{e}") from e
+    reader = index
+    keep_fp8 = False
+    if block is not None:
+        reader = Fp8DummyReader(index, block) if dummy else Fp8Reader(index, block, CheckpointError)
+        keep_fp8 = not fp8_dequantize and fp8_gemm_supported(device) and kernel_block_ok(block)
+    if not dummy:
+        _note_mtp_layers(list(index.file_of), config)
     max_position = max_position or getattr(config, "max_position_embeddings", 4096)
     with torch.device("meta"):
         model = MoECausalLM(config, spec, max_position)
-    model = model.to_empty(device=device).to(dtype)
+        model.to(dtype)  # on meta: no memory is allocated in the wrong dtype first
+    if keep_fp8:
+        swapped, dequantized = swap_fp8_linears(model, reader, block, dtype, model.checkpoint_parts)
+    model = model.to_empty(device=device)
     model.model.rotary.build(device)
+    if block is not None:
+        experts_fp8 = not fp8_dequantize and read_experts
+        if keep_fp8:
+            what = f"{swapped} linear layers kept in FP8 (Triton W8A8 block GEMM)"
+            if dequantized:
+                what += f", {dequantized} dequantized to {dtype} (fused parts not aligned to the {block[0]}-row blocks)"
+        else:
+            why = ("--fp8-dequantize" if fp8_dequantize else f"no FP8 GEMM on {_device_name(device)}"
+                   if not fp8_gemm_supported(device) else f"block {list(block)} does not suit the kernel")
+            what = f"fp8 linears dequantized to {dtype} at load ({why})"
+        log.info("FP8 block-scaled checkpoint (weight_block_size %s): %s; routed experts %s", list(block), what,
+                 "in FP8 (codes + block scales)" if experts_fp8 else f"dequantized to {dtype}")
+
+    def parts(name: str, param: torch.Tensor) -> list[tuple[str, torch.Tensor, bool]]:
+        if block is None:
+            return [(src, dst, False) for src, dst in model.checkpoint_parts(name, param)]
+        return fp8_checkpoint_parts(model, name, param, model.checkpoint_parts)
+
+    def fill(name: str, param: torch.Tensor) -> None:
+        for src, dst, is_scale in parts(name, param):
+            if is_scale:
+                reader.fill_scale(src, dst)
+            else:
+                reader.fill(src, dst)
 
     params = dict(model.named_parameters())
     by_layer: dict[int, list[str]] = {}
     top: list[str] = []
     for name in params:
-        parts = name.split(".")
-        (by_layer.setdefault(int(parts[2]), []) if parts[:2] == ["model", "layers"] else top).append(name)
+        parts_ = name.split(".")
+        (by_layer.setdefault(int(parts_[2]), []) if parts_[:2] == ["model", "layers"] else top).append(name)
 
     with torch.no_grad():
         for name in top:
-            src = name
             if name == "lm_head.weight" and name not in index and model.tie_word_embeddings:
-                src = "model.embed_tokens.weight"
-            index.fill(src, params[name])
+                reader.fill("model.embed_tokens.weight", params[name])
+            else:
+                fill(name, params[name])
         bar = tqdm(range(config.num_hidden_layers), desc="Loading weights", unit="layer", disable=not progress)
         for i in bar:
             for name in by_layer.get(i, []):
-                for src, dst in model.checkpoint_parts(name, params[name]):
-                    index.fill(src, dst)
+                fill(name, params[name])
             layer = model.model.layers[i]
             if layer.is_moe:
-                block = getattr(layer, spec.moe_module)
+                moe = getattr(layer, spec.moe_module)
                 dev = expert_device(i) if expert_device else device
-                weights = read_expert_weights(index, spec, i, config.hidden_size, dtype, dev) if read_experts else None
-                block.experts = make_experts(weights, i)
+                weights = None
+                if read_experts:
+                    fp8_block = block if block is not None and not fp8_dequantize else None
+                    weights = read_expert_weights(reader, spec, i, config.hidden_size, dtype, dev, fp8_block)
+                moe.experts = make_experts(weights, i)
     model.eval()
     return model
 
 
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm_{major}{minor} (FP8 needs sm_89+)"
+    return device.type
+
+
+def _note_mtp_layers(names: list[str], config) -> None:
+    """One log line for the checkpoint's MTP layers (past num_hidden_layers): not read."""
+    count, layers = mtp_tensor_count(names, config.num_hidden_layers)
+    if count:
+        log.info("skipping %d tensors of %d MTP layer(s) (layers %s, past num_hidden_layers=%d; "
+                 "num_nextn_predict_layers=%s): multi-token prediction is not run", count, len(layers),
+                 ",".join(map(str, layers)), config.num_hidden_layers,
+                 getattr(config, "num_nextn_predict_layers", "unset"))
+
+
 def read_expert_weights(
-    index: SafetensorsIndex | DummyWeights, spec: ArchSpec, layer: int, hidden: int, dtype: torch.dtype, device: torch.device
+    index, spec: ArchSpec, layer: int, hidden: int, dtype: torch.dtype, device: torch.device,
+    fp8_block: tuple[int, int] | None = None,
 ) -> ExpertWeights:
-    """Stack one layer's per-expert tensors: gate_up [E, 2I, H], down [E, H, I]."""
+    """Stack one layer's per-expert tensors: gate_up [E, 2I, H], down [E, H, I].
+
+    `index`: a SafetensorsIndex, DummyWeights, or an fp8 reader (weights/fp8_loading.py), which
+    dequantizes fp8 tensors into `dtype`. With fp8_block and fp8 expert tensors in the checkpoint:
+    the fp8 form instead (codes, and gate's then up's block scales; see ExpertWeights)."""
     e_n, i_n = spec.num_experts, spec.moe_intermediate
+    g0 = spec.expert_tensor_names(layer, 0)[0]
+    if fp8_block is not None and getattr(index, "is_fp8", None) is not None and index.is_fp8(g0):
+        return _read_fp8_experts(index, spec, layer, hidden, device, fp8_block)
     gate_up = torch.empty(e_n, 2 * i_n, hidden, dtype=dtype, device=device)
     down = torch.empty(e_n, hidden, i_n, dtype=dtype, device=device)
-    if isinstance(index, DummyWeights):  # random benchmark weights: one draw per tensor, not per expert
+    if _is_dummy(index):  # random benchmark weights: one draw per tensor, not per expert
         g, _, d = spec.expert_tensor_names(layer, 0)
         index.fill(g, gate_up)
         index.fill(d, down)
@@ -199,3 +301,36 @@ def read_expert_weights(
         index.fill(u, gate_up[e, i_n:])
         index.fill(d, down[e])
     return ExpertWeights(gate_up=gate_up, down=down)
+
+
+def _is_dummy(index) -> bool:
+    return isinstance(index, DummyWeights) or isinstance(getattr(index, "dummy", None), DummyWeights)
+
+
+def _read_fp8_experts(reader, spec: ArchSpec, layer: int, hidden: int, device: torch.device,
+                      block: tuple[int, int]) -> ExpertWeights:
+    """The fp8 ExpertWeights form: codes as stored, scales [E, 2*ceil(I/bn), ceil(H/bk)] (gate's block
+    rows, then up's) and [E, ceil(H/bn), ceil(I/bk)]."""
+    e_n, i_n = spec.num_experts, spec.moe_intermediate
+    bn, bk = block
+    nbi = -(-i_n // bn)
+    f8 = torch.float8_e4m3fn
+    gate_up = torch.empty(e_n, 2 * i_n, hidden, dtype=f8, device=device)
+    down = torch.empty(e_n, hidden, i_n, dtype=f8, device=device)
+    gu_s = torch.empty(e_n, 2 * nbi, -(-hidden // bk), dtype=torch.float32, device=device)
+    d_s = torch.empty(e_n, -(-hidden // bn), -(-i_n // bk), dtype=torch.float32, device=device)
+    if _is_dummy(reader):
+        g, _, d = spec.expert_tensor_names(layer, 0)
+        for t, s, name in ((gate_up, gu_s, g), (down, d_s, d)):
+            reader.fill(name, t)
+            reader.fill_scale(name, s)
+    else:
+        for e in range(e_n):
+            g, u, d = spec.expert_tensor_names(layer, e)
+            reader.fill(g, gate_up[e, :i_n])
+            reader.fill_scale(g, gu_s[e, :nbi])
+            reader.fill(u, gate_up[e, i_n:])
+            reader.fill_scale(u, gu_s[e, nbi:])
+            reader.fill(d, down[e])
+            reader.fill_scale(d, d_s[e])
+    return ExpertWeights(gate_up=gate_up, down=down, gate_up_scale=gu_s, down_scale=d_s, block=block)
