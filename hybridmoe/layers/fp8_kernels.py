@@ -87,15 +87,17 @@ if HAVE_TRITON:
     @triton.jit
     def _round_e4m3(x):
         """fp32 x with |x| <= 448 -> the nearest e4m3 value (ties to even), still fp32 (see module doc)."""
-        bits = x.to(tl.int32, bitcast=True)
-        # normals: keep the top 3 of 23 mantissa bits; adding 0x7FFFF + lsb rounds half to even, a carry
-        # into the exponent is the correct result (the sign bit is untouched: |x| < 2^9)
+        a = tl.abs(x)
+        bits = a.to(tl.int32, bitcast=True)
+        # normals: keep the top 3 of 23 mantissa bits; adding 0x7FFFF + lsb rounds half to even, and a
+        # carry into the exponent is the correct result
         lsb = (bits >> 20) & 1
         normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
         # subnormals (|x| < 2^-6) are multiples of 2^-9: at 1.5 * 2^14 the fp32 ulp is 2^-9, so the
         # add rounds (half to even) to that grid and the subtract is exact
-        sub = (x + 24576.0) - 24576.0
-        return tl.where(tl.abs(x) < 0.015625, sub, normal)
+        sub = (a + 24576.0) - 24576.0
+        r = tl.where(a < 0.015625, sub, normal)
+        return tl.where(x < 0, -r, r)  # the sign last: a tiny negative value rounds to -0, as in torch
 
     @triton.jit
     def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, Kb, stride_xm, stride_qm,
