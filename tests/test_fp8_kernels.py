@@ -131,6 +131,72 @@ def _fp8_linear_case() -> dict:
     return {"tight": rel_max(y, ref), "loose": 0.0, "shape_ok": y.shape == (2, 3, 37)}
 
 
+def fp8_experts(e: int, i: int, h: int, block: tuple[int, int], seed: int):
+    """Random experts in the ExpertWeights fp8 form (gate and up blocked separately, as in a checkpoint)."""
+    from hybridmoe.moe.experts import ExpertWeights
+
+    g = torch.Generator().manual_seed(seed)
+    nbi = -(-i // block[0])
+    gate_up = torch.empty(e, 2 * i, h, dtype=torch.float8_e4m3fn)
+    down = torch.empty(e, h, i, dtype=torch.float8_e4m3fn)
+    gu_s = torch.empty(e, 2 * nbi, -(-h // block[1]))
+    d_s = torch.empty(e, -(-h // block[0]), -(-i // block[1]))
+    for x in range(e):
+        for rows, srows, std in ((slice(0, i), slice(0, nbi), 1.0), (slice(i, 2 * i), slice(nbi, 2 * nbi), 3.0)):
+            q, sc = block_quant(torch.randn(i, h, generator=g) * std / h**0.5, block)
+            gate_up[x, rows], gu_s[x, srows] = q, sc
+        q, sc = block_quant(torch.randn(h, i, generator=g) / i**0.5, block)
+        down[x], d_s[x] = q, sc
+    return ExpertWeights(gate_up=gate_up, down=down, gate_up_scale=gu_s, down_scale=d_s, block=block)
+
+
+# (T, E, K, H, I, bn, bk, dtype, extra): fused MoE with fp8 experts
+MOE_CASES = {
+    "t1_e4_k2_b16x32": (1, 4, 2, 72, 40, 16, 32, "float32", ""),
+    "t33_e8_k3_b16x16": (33, 8, 3, 80, 48, 16, 16, "float32", ""),
+    "t300_e8_k4_b32x64": (300, 8, 4, 72, 40, 32, 64, "float32", ""),
+    "t5_e6_k2_b128x128": (5, 6, 2, 72, 40, 128, 128, "float32", ""),  # one block covers everything
+    "t17_e8_k4_fp16": (17, 8, 4, 72, 40, 16, 32, "float16", ""),
+    "t9_e8_k3_backend": (9, 8, 3, 72, 40, 16, 32, "float32", "backend"),
+    "t0_backend": (0, 4, 2, 72, 40, 16, 32, "float32", "backend"),
+}
+MOE_TOL = {"float32": 1e-5, "float16": 2e-2}  # vs the fused kernel on the dequantized weights / loop reference
+
+
+def _moe_case(name: str) -> dict:
+    """fp8 experts through the fused kernels against (a) the same kernels on ExpertWeights.dequantized
+    (the same weight values: only fp32 rounding differs) and (b) the loop reference of test_triton_moe."""
+    from test_triton_moe import reference_moe, rel_err
+
+    from hybridmoe.moe.experts import create_experts
+    from hybridmoe.moe.triton_moe_kernels import fused_moe
+
+    t, e, k, h, i, bn, bk, dname, extra = MOE_CASES[name]
+    dtype = getattr(torch, dname)
+    w = fp8_experts(e, i, h, (bn, bk), zlib.crc32(name.encode()) % 1000)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    ids = torch.rand(t, e, generator=g).topk(k, dim=1).indices
+    tw = torch.softmax(torch.randn(t, k, generator=g), dim=1)
+    d = w.dequantized(dtype)
+    if extra == "backend":
+        import hybridmoe.moe  # noqa: F401  (registers the backends)
+
+        backend = create_experts("triton", w, 0)
+        out = backend.forward(x, ids, tw)
+        kept = backend.gate_up.dtype == torch.float8_e4m3fn
+    else:
+        out = fused_moe(x, w.gate_up, w.down, ids, tw, gate_up_scale=w.gate_up_scale, down_scale=w.down_scale,
+                        block=w.block)
+        kept = True
+    ok = tuple(out.shape) == (t, h) and out.dtype == dtype and kept
+    if t == 0:
+        return {"vs_dequant": 0.0, "vs_ref": 0.0, "tol": 0.0, "shape_ok": ok}
+    same = fused_moe(x, d.gate_up, d.down, ids, tw)
+    ref = reference_moe(x, d.gate_up, d.down, ids, tw)
+    return {"vs_dequant": rel_err(out, same), "vs_ref": rel_err(out, ref), "tol": MOE_TOL[dname], "shape_ok": ok}
+
+
 @pytest.fixture(scope="module")
 def interp_results() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -158,6 +224,29 @@ def test_interpreter_gemm(interp_results, name):
     assert res["shape_ok"], res
     assert res["tight"] <= TIGHT_INTERP, res
     assert res["loose"] <= LOOSE_RMS, res
+
+
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_interpreter_fused_moe_fp8(interp_results, name):
+    if "_skip" in interp_results:
+        pytest.skip(interp_results["_skip"])
+    res = interp_results[f"moe:{name}"]
+    assert "error" not in res, res.get("error")
+    assert res["shape_ok"], res
+    assert res["vs_dequant"] <= res["tol"] and res["vs_ref"] <= res["tol"], res
+
+
+def test_triton_experts_dequantize_where_fp8_does_not_run():
+    """Outside the interpreter on the CPU the fp8 path is off: the backend holds dequantized weights."""
+    from hybridmoe.moe.options import ExpertsOptions
+    from hybridmoe.moe.triton_experts import TritonExperts, fp8_experts_supported
+
+    w = fp8_experts(3, 40, 72, (16, 32), 0)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("runs outside the interpreter")
+    assert not fp8_experts_supported(w)
+    b = TritonExperts(w, 0, ExpertsOptions(dtype=torch.float16))
+    assert b.gate_up.dtype == torch.float16 and torch.equal(b.down, w.dequantized(torch.float16).down)
 
 
 def test_reference_quant_properties():
@@ -268,6 +357,29 @@ def test_gpu_gemm_cuda_graph():
     assert torch.equal(y, w8a8_block_gemm(x, wq, ws, (128, 128)))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 300])
+def test_gpu_fused_moe_fp8_vs_dequantized(t):
+    """CUDA, bf16, DeepSeek-like block 128: fp8 experts through the fused kernels against the same
+    kernels on the dequantized bf16 weights (the same weight values; bf16 rounding of the
+    intermediate only: tolerance 2e-2 as test_triton_moe's bf16), plus a CUDA graph replay."""
+    from test_triton_moe import rel_err
+
+    from hybridmoe.moe.triton_moe_kernels import fused_moe
+
+    _needs_fp8_gpu()
+    w = fp8_experts(16, 256, 1024, (128, 128), t)
+    w = type(w)(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v) for f, v in vars(w).items()})
+    d = w.dequantized(torch.bfloat16)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 1024, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.rand(t, 16, generator=g).topk(4, dim=1).indices.cuda()
+    tw = torch.softmax(torch.randn(t, 4, generator=g), dim=1).cuda()
+    out = fused_moe(x, w.gate_up, w.down, ids, tw, gate_up_scale=w.gate_up_scale, down_scale=w.down_scale,
+                    block=w.block)
+    assert rel_err(out, fused_moe(x, d.gate_up, d.down, ids, tw)) <= 2e-2
+
+
 def _interp_main() -> None:
     try:
         import triton  # noqa: F401
@@ -285,6 +397,11 @@ def _interp_main() -> None:
             out[f"gemm:{name}"] = _gemm_case(name)
         except Exception as e:
             out[f"gemm:{name}"] = {"error": repr(e)}
+    for name in MOE_CASES:
+        try:
+            out[f"moe:{name}"] = _moe_case(name)
+        except Exception as e:
+            out[f"moe:{name}"] = {"error": repr(e)}
     try:
         out["gemm:fp8_linear_3d"] = _fp8_linear_case()
     except Exception as e:

@@ -8,15 +8,22 @@ See `triton_moe_kernels` for the design. Runs on CUDA (bf16/fp16, fp32 for testi
 tensors under the Triton interpreter (TRITON_INTERPRET=1) for tests.
 
 Options (engine-level dict): "config": a `MoEKernelConfig` forcing the tile sizes for every T.
+
+Block-scaled fp8 experts (an fp8 checkpoint, the ExpertWeights fp8 form) stay fp8 in GPU memory (1
+byte per weight + block scales) and are dequantized in registers by the same kernels (weight-only:
+the result is that of the dequantized weights); where that path does not run (`fp8_experts_supported`)
+they are dequantized once, at construction, to the model dtype.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts
 from hybridmoe.moe.options import ExpertsOptions
-from hybridmoe.moe.triton_moe_kernels import MoEKernelConfig, choose_config, fused_moe
+from hybridmoe.moe.triton_moe_kernels import MoEKernelConfig, choose_config, fp8_block_ok, fused_moe
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -27,11 +34,15 @@ class TritonExperts(MoEExperts):
     name = "triton"
 
     def __init__(self, weights: ExpertWeights, layer_idx: int, options: ExpertsOptions | None = None) -> None:
-        if weights.is_fp8:  # block-scaled fp8 checkpoint: dequantized once to the model dtype
+        if weights.is_fp8 and not fp8_experts_supported(weights):
+            # dequantized once to the model dtype (the kernel's fp8 path needs sm_89+ and bk = 2^n >= 16)
             weights = weights.dequantized((options or ExpertsOptions()).compute_dtype(weights.gate_up.device))
         if weights.activation != "silu":
             raise NotImplementedError(f"triton experts: activation {weights.activation!r} not supported")
-        if weights.gate_up.dtype not in _SUPPORTED_DTYPES or weights.down.dtype != weights.gate_up.dtype:
+        if weights.is_fp8:  # kept as fp8 codes + block scales, dequantized in the kernels' registers
+            self.gate_up_scale = weights.gate_up_scale.contiguous()  # type: ignore[union-attr]
+            self.down_scale = weights.down_scale.contiguous()  # type: ignore[union-attr]
+        elif weights.gate_up.dtype not in _SUPPORTED_DTYPES or weights.down.dtype != weights.gate_up.dtype:
             raise TypeError(f"triton experts: unsupported weight dtypes {weights.gate_up.dtype}/{weights.down.dtype}")
         self.weights = weights
         self.layer_idx = layer_idx
@@ -55,10 +66,25 @@ class TritonExperts(MoEExperts):
         """Weighted sum over each token's selected experts; no host sync (graph-capturable)."""
         if x.shape[0] == 0:
             return x.new_empty((0, self.weights.hidden_size))
+        w = self.weights
+        if w.is_fp8:
+            return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights, self.config_for(x.shape[0], topk_ids.shape[1]),
+                             gate_up_scale=self.gate_up_scale, down_scale=self.down_scale, block=w.block)
         if x.dtype != self.gate_up.dtype:
             raise TypeError(f"triton experts: x is {x.dtype}, weights are {self.gate_up.dtype}")
         cfg = self.config_for(x.shape[0], topk_ids.shape[1])
         return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights, cfg)
+
+
+def fp8_experts_supported(weights: ExpertWeights) -> bool:
+    """Whether the fused kernels compute these fp8 experts as fp8: a block they take, on a GPU with
+    FP8 (sm_89+), or under the Triton interpreter (tests)."""
+    dev = weights.gate_up.device
+    if not fp8_block_ok(weights.block):
+        return False
+    if dev.type == "cuda":
+        return torch.cuda.get_device_capability(dev) >= (8, 9)
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def make_triton_experts(weights: ExpertWeights, layer_idx: int, options: ExpertsOptions) -> MoEExperts:

@@ -222,14 +222,25 @@ def _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _dequant_tile(w, s_ptrs, k_off, mask_n):
+    """A [BK, BN] tile of e4m3 codes -> code * its block's scale, fp32; the caller rounds it once to
+    the activation dtype: the same values as ExpertWeights.dequantized (BK never straddles a block)."""
+    sc = tl.load(s_ptrs + k_off, mask=mask_n, other=0.0)  # [BN]
+    return w.to(tl.float32) * sc[None, :]
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, num_experts, num_m_blocks, H, I_SIZE, top_k,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ip, stride_ii,
+    s_ptr, stride_se, stride_sn, stride_sk, up_scale_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
 ):
-    """inter[pair, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one [BM pairs, BN] tile."""
+    """inter[pair, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one [BM pairs, BN] tile.
+    FP8: the weights are e4m3 codes with (SBN x SBK) block scales at s_ptr (gate's rows, then up's
+    from row up_scale_row), dequantized tile by tile (see `_dequant_tile`)."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(I_SIZE, BLOCK_N)
     pid_m, pid_n = _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M)
@@ -248,6 +259,8 @@ def _gate_up_kernel(
     w_base = w_ptr + e.to(tl.int64) * stride_we
     g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wh  # [BK, BN]
     u_ptrs = g_ptrs + I_SIZE * stride_wn
+    gs_ptrs = s_ptr + e.to(tl.int64) * stride_se + (offs_n // SBN) * stride_sn  # [BN] (FP8 only)
+    us_ptrs = gs_ptrs + up_scale_row * stride_sn
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -257,6 +270,9 @@ def _gate_up_kernel(
         wmask = (offs_k[:, None] < k_left) & mask_n[None, :]
         g = tl.load(g_ptrs, mask=wmask, other=0.0)
         u = tl.load(u_ptrs, mask=wmask, other=0.0)
+        if FP8:
+            g = _dequant_tile(g, gs_ptrs, k0 // SBK * stride_sk, mask_n).to(a.dtype)
+            u = _dequant_tile(u, us_ptrs, k0 // SBK * stride_sk, mask_n).to(a.dtype)
         if IEEE:
             acc_g += tl.dot(a, g, input_precision="ieee")
             acc_u += tl.dot(a, u, input_precision="ieee")
@@ -277,10 +293,12 @@ def _down_kernel(
     inter_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, num_experts, num_m_blocks, H, I_SIZE,
     stride_ip, stride_ii, stride_we, stride_wn, stride_wk, stride_op, stride_oh,
+    s_ptr, stride_se, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
 ):
-    """out_pairs[pair, n] = w[pair] * (inter[pair] . down_e[n]) for one [BM pairs, BN] tile."""
+    """out_pairs[pair, n] = w[pair] * (inter[pair] . down_e[n]) for one [BM pairs, BN] tile (FP8: as
+    in the gate/up kernel)."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M)
@@ -298,11 +316,14 @@ def _down_kernel(
     a_ptrs = inter_ptr + rows[:, None] * stride_ip + offs_k[None, :] * stride_ii  # [BM, BK]
     b_ptrs = (w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
               + offs_k[:, None] * stride_wk)  # [BK, BN]
+    s_ptrs = s_ptr + e.to(tl.int64) * stride_se + (offs_n // SBN) * stride_sn  # [BN] (FP8 only)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I_SIZE, BLOCK_K):
         k_left = I_SIZE - k0
         a = tl.load(a_ptrs, mask=valid_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if FP8:
+            b = _dequant_tile(b, s_ptrs, k0 // SBK * stride_sk, mask_n).to(a.dtype)
         if IEEE:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
@@ -339,6 +360,12 @@ def sum_pairs(out_pairs: torch.Tensor, num_tokens: int, top_k: int) -> torch.Ten
     return out
 
 
+def fp8_block_ok(block: tuple[int, int] | None) -> bool:
+    """Whether the fused kernels take fp8 experts in this block: bk a power of two >= 16 (the K tile
+    is capped at bk and must divide it; tl.dot needs K >= 16)."""
+    return block is not None and block[1] >= 16 and block[1] & (block[1] - 1) == 0 and block[0] >= 1
+
+
 def fused_moe(
     x: torch.Tensor,  # [T, H]
     gate_up: torch.Tensor,  # [E, 2I, H]
@@ -346,8 +373,16 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, K] int
     topk_weights: torch.Tensor,  # [T, K] float
     config: MoEKernelConfig | None = None,
+    gate_up_scale: torch.Tensor | None = None,  # fp8: [E, 2*ceil(I/bn), ceil(H/bk)] float32
+    down_scale: torch.Tensor | None = None,  # fp8: [E, ceil(H/bn), ceil(I/bk)] float32
+    block: tuple[int, int] | None = None,  # fp8: (bn, bk)
 ) -> torch.Tensor:  # [T, H], dtype of x
-    """out[t] = sum_j w[t, j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, j]. Sync-free."""
+    """out[t] = sum_j w[t, j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, j]. Sync-free.
+
+    Block-scaled fp8 weights (gate_up/down float8_e4m3fn with their scales, the ExpertWeights fp8
+    form): read as 1 byte per weight and dequantized in registers to x's dtype (weight-only: the
+    activations are not quantized), so the result is that of the dequantized weights. Needs bk a
+    power of two >= 16 (`fp8_block_ok`); the K tiles are capped at bk."""
     num_tokens, hidden = x.shape
     num_experts = gate_up.shape[0]
     inter_size = down.shape[2]
@@ -364,6 +399,18 @@ def fused_moe(
     weights = topk_weights.reshape(-1).contiguous()  # [P]
     ieee = x.dtype == torch.float32
     act_dtype = x.dtype
+    fp8 = gate_up_scale is not None
+    sbn, sbk = block if fp8 else (1, 1)
+    gu_bk, dn_bk = cfg.gu_block_k, cfg.dn_block_k
+    if fp8:
+        assert down_scale is not None and fp8_block_ok(block), f"fp8 experts: block {block}"
+        nbi = triton.cdiv(inter_size, sbn)
+        assert gate_up_scale.shape == (num_experts, 2 * nbi, triton.cdiv(hidden, sbk)), gate_up_scale.shape
+        assert down_scale.shape == (num_experts, triton.cdiv(hidden, sbn), triton.cdiv(inter_size, sbk))
+        gu_bk, dn_bk = min(gu_bk, sbk), min(dn_bk, sbk)  # a K tile within one scale block
+        gs, ds = gate_up_scale, down_scale
+    else:
+        nbi, gs, ds = 0, gate_up, down  # unused pointers (FP8=False)
 
     inter = torch.empty((num_pairs, inter_size), dtype=act_dtype, device=x.device)  # [P, I]
     grid1 = (num_m_blocks * triton.cdiv(inter_size, cfg.gu_block_n),)
@@ -372,8 +419,9 @@ def fused_moe(
         num_pairs, num_experts, num_m_blocks, hidden, inter_size, top_k,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         inter.stride(0), inter.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k, GROUP_M=cfg.group_m,
-        IEEE=ieee, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
+        gs, gs.stride(0), gs.stride(1), gs.stride(2), nbi,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=gu_bk, GROUP_M=cfg.group_m,
+        IEEE=ieee, FP8=fp8, SBN=sbn, SBK=sbk, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
     )
 
     out_pairs = torch.empty((num_pairs, hidden), dtype=act_dtype, device=x.device)  # [P, H]
@@ -383,8 +431,9 @@ def fused_moe(
         num_pairs, num_experts, num_m_blocks, hidden, inter_size,
         inter.stride(0), inter.stride(1), down.stride(0), down.stride(1), down.stride(2),
         out_pairs.stride(0), out_pairs.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, GROUP_M=cfg.group_m,
-        IEEE=ieee, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
+        ds, ds.stride(0), ds.stride(1), ds.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=dn_bk, GROUP_M=cfg.group_m,
+        IEEE=ieee, FP8=fp8, SBN=sbn, SBK=sbk, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
     )
     if top_k == 1:
         return out_pairs
