@@ -145,6 +145,22 @@ def test_experts_come_in_fp8_form(tmp_path):
     assert seen and not any(w.is_fp8 for w in seen.values())
 
 
+@pytest.mark.parametrize("gpu_experts", [10, 4, 0])
+def test_fp8_checkpoint_hybrid_on_cpu(tmp_path, gpu_experts):
+    """The hybrid split on the CPU device (BF16 CPU method): with every expert on the GPU side the
+    logits equal the dequantized model's; with some or all on the CPU engine they are within 1e-2
+    rms: the BF16 method holds the dequantized weights rounded to bf16 (2^-9 relative per weight;
+    measured ~2e-3). fp8 codes handed to it unscaled would be off by ~100%."""
+    fp8, deq = _fp8(tmp_path, "qwen3_moe")
+    ref = LLM(str(deq), device="cpu", progress=False).prompt_logits(PROMPT)
+    a = LLM(str(fp8), device="cpu", progress=False, kt_num_gpu_experts=gpu_experts, kt_method="BF16")
+    la = a.prompt_logits(PROMPT)
+    if gpu_experts == 10:
+        assert torch.equal(la, ref)
+    else:
+        assert ((la - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def _force_fp8_linears(monkeypatch):
     """Let the loader keep fp8 linears on the CPU (Fp8Linear's CPU forward is the torch reference
     of the kernel: the same activation quantization)."""
@@ -284,6 +300,22 @@ def test_dummy_fp8_weights(tmp_path):
     assert 0.01 < d.gate_up.std().item() < 0.04 and torch.isfinite(d.down).all()
     llm = LLM(str(fp8), device="cpu", progress=False, load_format="dummy")
     assert torch.isfinite(llm.prompt_logits(PROMPT)).all()
+
+
+def test_fp8_dense_children_are_dequantized(tmp_path, monkeypatch):
+    """A module listing a child in `fp8_dense_children` (it reads that weight itself) gets it as a
+    plain nn.Linear in the model dtype; dense_weight gives either kind's weight."""
+    from hybridmoe.layers.attention.layer import Attention
+    from hybridmoe.layers.fp8_linear import dense_weight
+
+    fp8, deq = _fp8(tmp_path, "qwen3_moe")
+    _force_fp8_linears(monkeypatch)
+    monkeypatch.setattr(Attention, "fp8_dense_children", ("o_proj",), raising=False)
+    attn = _model(LLM(str(fp8), device="cpu", progress=False)).model.layers[0].self_attn
+    assert type(attn.o_proj) is torch.nn.Linear and isinstance(attn.qkv_proj, Fp8Linear)
+    ref = load_file(str(deq / "model.safetensors"))
+    assert torch.equal(attn.o_proj.weight, ref["model.layers.0.self_attn.o_proj.weight"])
+    assert torch.equal(dense_weight(attn.qkv_proj, torch.float32)[:96], ref["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_fp8_linear_keeps_dtypes_on_conversion():

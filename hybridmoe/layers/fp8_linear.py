@@ -65,3 +65,12 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, " \
                f"bias={self.bias is not None}"
+
+
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight of an nn.Linear or an Fp8Linear (dequantized), in `dtype`."""
+    if isinstance(linear, Fp8Linear):
+        from hybridmoe.weights.fp8 import block_dequant
+
+        return block_dequant(linear.weight, linear.weight_scale_inv, linear.block).to(dtype)
+    return linear.weight.to(dtype)

@@ -88,6 +88,8 @@ class ExpertsSetup:
             cpu_ids = None if p is None or p.dynamic_update else (~p.masks[layer_idx]).nonzero().flatten()
             # only the CPU-resident ones (all of them with dynamic expert update)
             options = replace(options, packed=self.kt_weights.load_layer(layer_idx, experts=cpu_ids))
+        if weights is not None and weights.is_fp8 and self.backend == "cpu" and self.hybrid_cfg.method != "FP8":
+            weights = weights.dequantized(self.dtype)  # an fp8 checkpoint: the other CPU methods quantize real weights
         experts = self._built[layer_idx] = create_experts(self.backend, weights, layer_idx, options)
         if self.recorder is not None:
             return RecordingExperts(experts, self.recorder, layer_idx)

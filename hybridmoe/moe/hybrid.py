@@ -109,6 +109,8 @@ class HybridExperts(MoEExperts):
             self.gpu = create_experts(placement.gpu_backend, self.gpu_w, layer_idx, options)
         if len(cpu_ids):  # only these stay in host memory, packed for the CPU kernels (all with dynamic update)
             host = weights if self.full_cpu_layer else _select(weights, cpu_ids)
+            if host.is_fp8 and options.hybrid.method != "FP8":  # the other CPU methods quantize real weights
+                host = host.dequantized(self.dtype)
             page_align = rt.layerwise is not None and dev.type == "cuda"  # page-locked in place below
             self.cpu = CPUExperts(host, layer_idx, dataclasses.replace(options, page_align=page_align))
             if rt.layerwise is not None:

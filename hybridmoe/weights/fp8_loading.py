@@ -11,6 +11,10 @@ is honoured by construction: those tensors are not fp8 in the file):
     number of bn-row blocks: the parts' scale rows then stack into the fused layer's scale rows
     (`Fp8Linear.parts`, `checkpoint_parts`). Otherwise it is dequantized (exact: each part is
     dequantized with its own scales).
+  - A module that reads a child linear's `.weight` itself (not only calls it: MLA's weight absorption
+    of kv_b_proj, say) lists that child in a class attribute `fp8_dense_children = ("kv_b_proj",)`;
+    those children are always dequantized. (`layers.fp8_linear.dense_weight` gives any linear's
+    weight in a dtype, Fp8Linear or not.)
   - Routed experts: kept in the fp8 ExpertWeights form (codes + block scales) unless
     `--fp8-dequantize`; backends that do not compute in fp8 dequantize them (ExpertWeights.dequantized).
 
@@ -185,6 +189,9 @@ def swap_fp8_linears(model: nn.Module, reader, block: tuple[int, int], dtype: to
     for name, mod in list(model.named_modules()):
         if type(mod) is not nn.Linear:
             continue
+        parent, _, child = name.rpartition(".")
+        if child in getattr(model.get_submodule(parent), "fp8_dense_children", ()):
+            continue  # its weight is read directly (not only called), e.g. absorbed into another: dequantized
         parts = parts_of(f"{name}.weight", mod.weight)
         fp8 = [reader.is_fp8(src) for src, _ in parts]
         if not any(fp8):
