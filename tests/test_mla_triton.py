@@ -214,16 +214,23 @@ def test_ref_edge_cases() -> None:
 
 
 def test_choose_num_splits() -> None:
-    """Splits from static sizes: fill the SMs at small batch, one split when the batch fills them."""
+    """Splits from static sizes: one wave of programs on the SMs; none when the batch fills them."""
     pytest.importorskip("triton")
     from hybridmoe.layers.attention.mla_triton import choose_num_splits, decode_config
 
-    assert choose_num_splits(64, 2, 8192, 32, 132) == 1  # 128 programs already fill 132 SMs
-    x = choose_num_splits(1, 2, 8192, 32, 132)
-    assert 32 <= x <= 64 and 2 * x <= 132  # one wave using most SMs
-    assert choose_num_splits(1, 2, 16, 32, 132) == 1  # one step of tokens: nothing to split
-    assert choose_num_splits(1, 1, 10**6, 16, 132, max_splits=8) == 8
-    assert decode_config(torch.bfloat16, 512, 128, False).block_h == 64
+    cfg = decode_config(torch.bfloat16, 512, 128, False)
+    assert (cfg.block_h, cfg.num_warps) == (64, 8)
+
+    def splits(b: int, ctx: int, **kw) -> int:
+        return choose_num_splits(b, 128, 512, 64, ctx, cfg, 132, **kw)
+
+    assert splits(64, 8192) == 1  # 64 sequences x 2 head blocks = 128 programs: the SMs are full
+    for b in (1, 4, 16):
+        x = splits(b, 32768)
+        assert 100 <= b * 2 * x <= 132, (b, x)  # one wave that uses most SMs
+    assert splits(1, 1024) < splits(1, 8192)  # short contexts: the partials weigh more than the rows
+    assert splits(1, 16) == 1  # one step of tokens: nothing to split
+    assert splits(1, 10**6, max_splits=8) == 8
     assert decode_config(torch.bfloat16, 512, 3, False).block_h == 16  # tl.dot needs M >= 16
     assert decode_config(torch.float32, 24, 3, True).block_h == 16
 
@@ -241,18 +248,22 @@ def test_mla_decode_interpreter(group: str) -> None:
 # ---- the benchmark script -----------------------------------------------------------------------
 
 
+def _bench(*args: str, interpret: bool = False, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_mla_decode.py"), *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def test_bench_mla_decode_dry_run(tmp_path: Path) -> None:
-    """benchmarks/bench_mla_decode.py parses its flags and plans its rows without a GPU (--dry-run)."""
+    """benchmarks/bench_mla_decode.py parses its flags and plans the default table without a GPU (--dry-run)."""
     import json
 
-    script = REPO / "benchmarks" / "bench_mla_decode.py"
-    proc = subprocess.run([sys.executable, str(script), "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = _bench("--help")
     assert proc.returncode == 0 and "--dry-run" in proc.stdout, proc.stderr[-2000:]
     out = tmp_path / "mla.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = _bench("--dry-run", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads(out.read_text())
     rows = res["rows"]
@@ -260,8 +271,37 @@ def test_bench_mla_decode_dry_run(tmp_path: Path) -> None:
         (b, c) for b in (1, 4, 16, 64) for c in (1024, 4096, 8192, 16384, 32768)]
     r = rows[0]
     assert r["cache_bytes"] == 1024 * 576 * 2 and r["weight_bytes"] == 128 * (128 + 128) * 512 * 2
+    # every graph cycles through more distinct cache bytes than L2 holds (or all the pool has)
     assert all(r["calls_per_graph"] * r["cache_bytes"] >= min(res["l2_flush_bytes"], r["pool_limit_bytes"])
                for r in rows)
+    assert res["pool_pages"] * 16 >= 64 * 32768  # the largest row fits
+
+
+@needs_triton
+def test_bench_mla_decode_cpu_smoke(tmp_path: Path) -> None:
+    """The whole script (table with --check and forced splits, then --sweep) on the CPU under the
+    interpreter at tiny sizes: the code the H200 runs is not first exercised there. Checks the script,
+    not the numbers."""
+    import json
+
+    tiny = ["--device", "cpu", "--heads", "20", "--lkv", "32", "--rope", "16", "--nope", "16", "--v-dim", "8",
+            "--page", "4", "--reps", "1", "--min-calls", "2", "--l2-flush-mb", "0.02"]
+    out = tmp_path / "table.json"
+    proc = _bench(*tiny, "--batches", "1", "3", "--contexts", "37", "--check", "--splits", "3", "--out", str(out),
+                  interpret=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["splits"]) for r in rows] == [(1, 3), (3, 3)]
+    for r in rows:
+        assert r["check_rel_err"] <= 2e-2 and r["kernel_s"] > 0 and r["absorbed_s"] > 0
+        assert r["calls_per_graph"] >= 2 and r["rotations"] >= 1
+    out = tmp_path / "sweep.json"
+    proc = _bench(*tiny, "--sweep", "--batches", "2", "--contexts", "20", "--min-calls", "1", "--out", str(out),
+                  interpret=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweep = json.loads(out.read_text())["sweep"]
+    assert sum(r["auto_splits"] for r in sweep) == 11 and all(r["kernel_s"] > 0 for r in sweep)
+    assert "best tile" in proc.stdout
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------

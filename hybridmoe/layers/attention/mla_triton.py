@@ -38,25 +38,26 @@ from hybridmoe.layers.attention.triton_kernels import _LOG2E, _dot, _dot_fp32, _
 @triton.jit
 def _mla_decode_kernel(
     q_lat_ptr, q_rope_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2e,
+    scale_log2e, num_splits,
     stride_qb, stride_qh, stride_rb, stride_rh, stride_kn, stride_ks, stride_bt, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, LKV: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """One program: sequence b, heads hb * BLOCK_H ..., context split `split` of X.
 
     The split covers tokens [split * split_len, (split + 1) * split_len) clipped to seq_lens[b], with
     split_len = ceil(seq_len / X) rounded up to BLOCK_N, so a sequence's work spreads over all X
-    programs whatever its length (some stay empty when seq_len < X * BLOCK_N). With X == 1 the
-    program writes the output; otherwise the normalized partial output and its log-sum-exp (base 2)
-    go to part_out [B, H, X, Lkv] / part_lse [B, H, X].
+    programs whatever its length (some stay empty when seq_len < X * BLOCK_N). Without SPLIT (X == 1)
+    the program writes the output; otherwise the normalized partial output and its log-sum-exp (base 2)
+    go to part_out [B, H, X, Lkv] / part_lse [B, H, X]. X is a runtime value so that the batch sizes of
+    the engine's CUDA graphs (each its own X) share one compiled kernel.
     """
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
@@ -96,11 +97,11 @@ def _mla_decode_kernel(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or seq_len 0) leaves zeros
     io_mask = h_mask[:, None] & l_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_l[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        part = ((b * NUM_HEADS + heads) * NUM_SPLITS + split).to(tl.int64)  # [BLOCK_H] rows of [B, H, X]
+        part = (b * NUM_HEADS + heads).to(tl.int64) * num_splits + split  # [BLOCK_H] rows of [B, H, X]
         tl.store(part_out_ptr + part[:, None] * LKV + offs_l[None, :], out, mask=io_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=h_mask)
@@ -108,24 +109,24 @@ def _mla_decode_kernel(
 
 @triton.jit
 def _mla_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, LKV: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_X: tl.constexpr,
-    BLOCK_L: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, LKV: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     """One program: sequence b, head h. Merges the X partial outputs, each weighted by 2^(lse - max)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row = (b * NUM_HEADS + h).to(tl.int64) * NUM_SPLITS
-    offs_x = tl.arange(0, BLOCK_X)
+    row = (b * NUM_HEADS + h).to(tl.int64) * num_splits
     offs_l = tl.arange(0, BLOCK_L)
     l_mask = offs_l < LKV
-    lse = tl.load(part_lse_ptr + row + offs_x, mask=offs_x < NUM_SPLITS, other=float("-inf"))  # [BLOCK_X]
-    m = tl.max(lse, 0)
+    m = float("-inf")
+    for x in range(num_splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + row + x))
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len 0): zeros
-    total = tl.sum(tl.exp2(lse - m), 0)
+    total = 0.0
     acc = tl.zeros([BLOCK_L], tl.float32)
-    for x in range(NUM_SPLITS):  # one [Lkv] row at a time: X * Lkv fp32 would not fit in registers
-        w = tl.exp2(tl.load(part_lse_ptr + row + x) - m)
+    for x in range(num_splits):  # one [Lkv] row at a time: X * Lkv fp32 would not fit in registers
+        w = tl.exp2(tl.load(part_lse_ptr + row + x) - m)  # an empty split: 2^-inf = 0
+        total += w
         acc += w * tl.load(part_out_ptr + (row + x) * LKV + offs_l, mask=l_mask, other=0.0)
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_l, out.to(out_ptr.dtype.element_ty), mask=l_mask)
@@ -144,14 +145,18 @@ class MLADecodeConfig:
     num_stages: int
 
 
-# Keyed by (element bytes, padded latent width >= 256). Why these for bf16/fp16 at Lkv 512: the kernel is
-# tensor-core bound at H 128 (about 240 FLOP per cache byte), so a program takes 64 heads (the M of one
-# Hopper wgmma; H 128 reads each row twice, from L2 the second time) with 8 warps, which keeps the
-# [64, 512] fp32 accumulator at 128 registers a thread; 32 tokens a step keep the q tile plus two stages
-# of the [32, 576] row tile within shared memory. fp32 (tests only) takes small tiles to fit.
-# benchmarks/bench_mla_decode.py --sweep measures the alternatives on the GPU.
+# Keyed by (element bytes, padded latent width >= 256). bf16/fp16 at Lkv 512: the kernel is tensor-core
+# bound at H 128 (2 * H * (2 * Lkv + R) FLOP per (Lkv + R) * 2 cache bytes: about 240 FLOP/B), so a program
+# takes 64 heads, the M of one Hopper wgmma (H 128 then reads each row twice, the second time mostly from
+# L2), with 8 warps: the PV dot splits its N = 512 over the two warpgroups, 128 fp32 accumulator registers
+# a thread (4 warps would need 256 and spill). Triton gives the score dot all 8 warps along M (its rule for
+# a dot that feeds another), so both warpgroups compute the same [64, BLOCK_N] scores: that is the cost of
+# staying in Triton. Offline compiles for sm_90 (Triton 3.9, cuobjdump -res-usage) chose the tile:
+#   (64, 16, 8w, 2st) wgmma, 254 regs, no spill, 128 KiB smem;   (64, 32, 8w, 2st) 255 regs, 32 B spilled;
+#   (32, 32, 8w) mma.sync, 178 regs;   (64, *, 4w) spills KiBs.   fp32 (tests only) takes small tiles.
+# benchmarks/bench_mla_decode.py --sweep times the alternatives on the GPU.
 _CONFIGS: dict[tuple[int, bool], MLADecodeConfig] = {
-    (2, True): MLADecodeConfig(64, 32, 8, 2),
+    (2, True): MLADecodeConfig(64, 16, 8, 2),
     (2, False): MLADecodeConfig(64, 32, 4, 2),
     (4, True): MLADecodeConfig(16, 16, 4, 1),
     (4, False): MLADecodeConfig(32, 16, 4, 2),
@@ -171,23 +176,35 @@ def _pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def choose_num_splits(num_seqs: int, head_blocks: int, max_tokens: int, block_n: int, num_sms: int,
-                      max_splits: int = 64, fixed_tokens: int = 64) -> int:
-    """Context splits X from static sizes: the X with the least modeled time waves(X) * (fixed + tokens / X).
+# Rates of choose_num_splits' time model (H200-like guesses; only their ratios matter, and only roughly).
+_PROGRAM_FLOPS = 2.5e12  # tensor-core FLOP/s of one program (one an SM: ~330 TFLOP/s over 132 SMs)
+_PARTIAL_BW = 3.0e12  # B/s for the fp32 partial results, written by the splits and read by the merge
+_MERGE_S = 3e-6  # the merge kernel's launch and tail
+_FIXED_TOKENS = 32  # a program's fixed work (q tile load, epilogue) in tokens' worth of its compute
 
-    Each of the num_seqs * head_blocks * X programs is assumed to take one SM (the bf16 tile's registers
-    and shared memory allow one program an SM), so programs run in ceil(programs / num_sms) waves; a
-    program costs its share of the max_tokens context plus `fixed_tokens` worth of fixed work (the q
-    tile, the partial result store and its share of the merge). X is at most max_tokens / block_n
-    (every split at least one step) and at most max_splits.
+
+def choose_num_splits(num_seqs: int, num_heads: int, lkv: int, rope: int, max_tokens: int, cfg: MLADecodeConfig,
+                      num_sms: int, max_splits: int = 64) -> int:
+    """Context splits X from static sizes only: the X of least modeled time for sequences of max_tokens.
+
+    Time(X) = waves * (fixed + ceil(max_tokens / X) tokens) + [X > 1] * (merge launch + partial traffic),
+    where the num_seqs * ceil(H / block_h) * X programs run one an SM (the bf16 tile's shared memory
+    allows one) in ceil(programs / num_sms) waves, a token costs a program 2 * block_h * (2 Lkv + R) FLOP,
+    and the partials are B * H * X * Lkv fp32 written once and read once. At a batch that fills the
+    SMs this gives X = 1; at batch 1 a few dozen splits, fewer for short contexts, where the partials
+    would outweigh the cache rows.
     """
-    base = max(1, num_seqs * head_blocks)
-    cap = max(1, min(max_splits, triton.cdiv(max(max_tokens, 1), block_n)))
-    best, best_cost = 1, float("inf")
+    programs = num_seqs * triton.cdiv(num_heads, cfg.block_h)
+    token_s = 2 * cfg.block_h * (2 * lkv + rope) / _PROGRAM_FLOPS
+    cap = max(1, min(max_splits, triton.cdiv(max(max_tokens, 1), cfg.block_n)))
+    best, best_t = 1, float("inf")
     for x in range(1, cap + 1):
-        cost = triton.cdiv(base * x, num_sms) * (fixed_tokens + max_tokens / x)
-        if cost < best_cost:
-            best, best_cost = x, cost
+        split_tokens = triton.cdiv(triton.cdiv(max_tokens, x), cfg.block_n) * cfg.block_n
+        t = triton.cdiv(programs * x, num_sms) * (_FIXED_TOKENS + split_tokens) * token_s
+        if x > 1:
+            t += _MERGE_S + num_seqs * num_heads * x * lkv * 8 / _PARTIAL_BW
+        if t < best_t:
+            best, best_t = x, t
     return best
 
 
@@ -239,7 +256,7 @@ def mla_decode(
     head_blocks = triton.cdiv(heads, cfg.block_h)
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * page
-        num_splits = choose_num_splits(bsz, head_blocks, bound, cfg.block_n, _num_sms(q_lat.device))
+        num_splits = choose_num_splits(bsz, heads, lkv, rope, bound, cfg, _num_sms(q_lat.device))
     if num_splits > 1:
         part_out = torch.empty(bsz, heads, num_splits, lkv, dtype=torch.float32, device=q_lat.device)
         part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q_lat.device)
@@ -249,18 +266,17 @@ def mla_decode(
     # fmt: off
     _mla_decode_kernel[(bsz, head_blocks, num_splits)](
         q_lat, q_rope, kv_cache, block_table, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E,
+        scale * _LOG2E, num_splits,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=heads, LKV=lkv, ROPE=rope, PAGE_SIZE=page, NUM_SPLITS=num_splits,
+        NUM_HEADS=heads, LKV=lkv, ROPE=rope, PAGE_SIZE=page, SPLIT=num_splits > 1,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_L=block_l, BLOCK_R=_pad(rope), DOT_FP32=_dot_fp32(q_lat),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _mla_reduce_kernel[(bsz, heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=heads, LKV=lkv, NUM_SPLITS=num_splits, BLOCK_X=triton.next_power_of_2(num_splits),
-            BLOCK_L=block_l, num_warps=4,
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            NUM_HEADS=heads, LKV=lkv, BLOCK_L=block_l, num_warps=4,
         )
     # fmt: on
     return out
