@@ -49,6 +49,7 @@ CASES = [
 GROUPS = {
     "fp32": (CASES, "fp32"),
     "half": (CASES[1:5], "fp16,bf16"),
+    "edge": ([], ""),  # run_empty_sequence
 }
 
 
@@ -143,8 +144,29 @@ def run_case(case: tuple, dtype: torch.dtype, device: str, seed: int = 0) -> flo
     return max(errs)
 
 
+def run_empty_sequence(device: str) -> list[str]:
+    """A sequence of length 0 (beyond the contract's >= 1: a padded slot) gives zeros, split or not, and leaves
+    its neighbours right."""
+    from hybridmoe.layers.attention.mla_triton import mla_decode
+
+    failures = []
+    for splits in (1, 3):
+        x = make_case([0, 21, 0], 5, 24, 8, 4, torch.float32, device)
+        out = mla_decode(**x, num_splits=splits)
+        ok = torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
+        x1 = {k: (v[1:2] if torch.is_tensor(v) and k != "kv_cache" else v) for k, v in x.items()}
+        err = rel_err(out[1:2], naive_mla(**x1))
+        ok = ok and err <= TOL[torch.float32]
+        print(("ok   " if ok else "FAIL ") + f"empty sequence splits={splits}: neighbour rel err {err:.2e}", flush=True)
+        if not ok:
+            failures.append(f"empty sequence splits={splits}")
+    return failures
+
+
 def run_group(group: str, device: str) -> list[str]:
     """Every case of a group in its dtypes, two seeds; returns the failure messages (empty when all pass)."""
+    if group == "edge":
+        return run_empty_sequence(device)
     cases, dtypes = GROUPS[group]
     failures = []
     for dt in dtypes.split(","):
@@ -315,6 +337,13 @@ def test_mla_decode_gpu_small(case: tuple, dt: str) -> None:
     """The interpreter cases compiled for the GPU, in every dtype."""
     err = run_case(case, DTYPES[dt], "cuda")
     assert err <= TOL[DTYPES[dt]], f"rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mla_decode_gpu_empty_sequence() -> None:
+    """A length-0 slot gives zeros, split or not, compiled."""
+    assert run_empty_sequence("cuda") == []
 
 
 def _deepseek_check(lens: list[int], page: int, dtype=torch.bfloat16, seed: int = 0, **kw) -> float:

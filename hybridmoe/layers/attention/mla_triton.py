@@ -118,14 +118,16 @@ def _mla_reduce_kernel(
     row = (b * NUM_HEADS + h).to(tl.int64) * num_splits
     offs_l = tl.arange(0, BLOCK_L)
     l_mask = offs_l < LKV
-    m = float("-inf")
-    for x in range(num_splits):
+    # Loop-carried values start as tensors (split 0's), not Python constants.
+    lse0 = tl.load(part_lse_ptr + row)
+    m = lse0
+    for x in range(1, num_splits):
         m = tl.maximum(m, tl.load(part_lse_ptr + row + x))
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len 0): zeros
-    total = 0.0
-    acc = tl.zeros([BLOCK_L], tl.float32)
-    for x in range(num_splits):  # one [Lkv] row at a time: X * Lkv fp32 would not fit in registers
-        w = tl.exp2(tl.load(part_lse_ptr + row + x) - m)  # an empty split: 2^-inf = 0
+    total = tl.exp2(lse0 - m)  # an empty split: 2^-inf = 0
+    acc = total * tl.load(part_out_ptr + row * LKV + offs_l, mask=l_mask, other=0.0)  # [BLOCK_L]
+    for x in range(1, num_splits):  # one [Lkv] row at a time: X * Lkv fp32 would not fit in registers
+        w = tl.exp2(tl.load(part_lse_ptr + row + x) - m)
         total += w
         acc += w * tl.load(part_out_ptr + (row + x) * LKV + offs_l, mask=l_mask, other=0.0)
     out = acc / tl.where(total > 0, total, 1.0)
