@@ -257,6 +257,42 @@ def test_choose_num_splits() -> None:
     assert decode_config(torch.float32, 24, 3, True).block_h == 16
 
 
+# ---- the kernels compile for sm_90 (H100/H200) without a GPU --------------------------------------
+
+# (dtype, H, Lkv, R, S): DeepSeek-V3 in bf16 at two page sizes, odd sizes in fp16 and fp32.
+COMPILE_SHAPES = [("bf16", 128, 512, 64, 16), ("bf16", 128, 512, 64, 1), ("fp16", 20, 48, 8, 16),
+                  ("fp32", 3, 24, 8, 4)]
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("shape", COMPILE_SHAPES, ids=str)
+def test_mla_kernels_compile_sm90(shape: tuple, split: bool) -> None:
+    """What only the compiler rejects shows up here, not first on the GPU machine (like test_triton_compile.py)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hybridmoe.layers.attention import mla_triton as M
+
+    dt, heads, lkv, rope, page = shape
+    torch_dt = DTYPES[dt]
+    cfg = M.decode_config(torch_dt, lkv, heads, False)
+    ptrs = dict(q_lat_ptr=f"*{dt}", q_rope_ptr=f"*{dt}", kv_ptr=f"*{dt}", block_table_ptr="*i32", seq_lens_ptr="*i32",
+                out_ptr=f"*{dt}", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2e="fp32")
+    consts = dict(NUM_HEADS=heads, LKV=lkv, ROPE=rope, PAGE_SIZE=page, SPLIT=split, BLOCK_H=cfg.block_h,
+                  BLOCK_N=cfg.block_n, BLOCK_L=M._pad(lkv), BLOCK_R=M._pad(rope), DOT_FP32=torch_dt == torch.float32)
+    kernels = [(M._mla_decode_kernel, ptrs, consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))]
+    if split:
+        kernels.append((M._mla_reduce_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=f"*{dt}"),
+                        dict(NUM_HEADS=heads, LKV=lkv, BLOCK_L=M._pad(lkv)), dict(num_warps=4)))
+    for kernel, types, constexprs, options in kernels:
+        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in kernel.arg_names}
+        src = ASTSource(fn=kernel, signature=sig,
+                        constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 # ---- the kernel under the interpreter ---------------------------------------------------------
 
 

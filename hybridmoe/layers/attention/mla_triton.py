@@ -5,7 +5,7 @@ DeepSeek-V3), R rope width (qk_rope_head_dim, 64), N pages in the pool, S page s
 sequence in the block table, X the number of context splits of the kernel.
 
 The cache holds one row per token, shared by all heads: kv_cache[page, offset] = [c_kv (Lkv) | k_pe (R)]
-(see /work/notes/mla_contract.md). Token j of sequence b lives at kv_cache[block_table[b, j // S], j % S].
+(the contract with the model layer, layers/attention/mla.py). Token j of sequence b lives at kv_cache[block_table[b, j // S], j % S].
 For every head h, with the query already absorbed into the latent space by the model layer:
 
     score[b, h, j] = (q_lat[b, h] . c_kv[b, j] + q_rope[b, h] . k_pe[b, j]) * scale,   j < seq_lens[b]
@@ -23,6 +23,7 @@ same grid for any lengths: it can be captured in a CUDA graph and replayed with 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +186,7 @@ _MERGE_S = 3e-6  # the merge kernel's launch and tail
 _FIXED_TOKENS = 32  # a program's fixed work (q tile load, epilogue) in tokens' worth of its compute
 
 
+@functools.lru_cache(maxsize=1024)  # eager decode calls it once a layer a step
 def choose_num_splits(num_seqs: int, num_heads: int, lkv: int, rope: int, max_tokens: int, cfg: MLADecodeConfig,
                       num_sms: int, max_splits: int = 64) -> int:
     """Context splits X from static sizes only: the X of least modeled time for sequences of max_tokens.
