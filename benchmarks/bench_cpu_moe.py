@@ -6,7 +6,8 @@ TFLOP/s (2 * T * k * 3 * H * I / time), and the ratio to the stream-read bandwid
 same process with the library's own thread pool. Writes JSON with --out.
 
   python benchmarks/bench_cpu_moe.py --method AMXINT8 --out results.json
-  (default layer: Qwen3-30B-A3B, E=128 k=8 H=2048 I=768)
+  (default layer: Qwen3-30B-A3B, E=128 k=8 H=2048 I=768; --dummy-deepseek-v3: E=256 k=8 H=7168 I=2048,
+  --dummy-kimi-k2: E=384)
 
 --prefetch 0,512,2048 compares software prefetch distances (CPUEngineSettings.prefetch_bytes): a
 pool is created for each (the setting is fixed for a pool's life).
@@ -32,6 +33,9 @@ from hybridmoe.cpu import native  # noqa: E402
 from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool  # noqa: E402
 from hybridmoe.cpu.quant import PackedLayer, PackedMatrix, pack_layer  # noqa: E402
 from hybridmoe.cpu.settings import CPUEngineSettings  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import add_dummy_flags, dummy_config, shape_flags  # noqa: E402
 
 DEFAULT_T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 
@@ -209,7 +213,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="default: physical cores - 1")
     ap.add_argument("--threadpool-count", type=int, default=1)
     ap.add_argument("--isa", default=None, choices=[None, *native.ISAS])
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="distinct layer copies rotated over (default 8; 2 with --dummy-*: one is 11-17 GB at INT8)")
+    add_dummy_flags(ap)  # --dummy-deepseek-v3 / --dummy-kimi-k2: E, k, H, I of that model (shapes.py)
     ap.add_argument("--T", type=lambda s: [int(v) for v in s.split(",")], default=DEFAULT_T)
     ap.add_argument("--seconds", type=float, default=1.0, help="time budget per T")
     ap.add_argument("--min-iters", type=int, default=3)
@@ -220,6 +226,11 @@ def main(argv=None):
                     help="software prefetch distances (bytes) to compare, e.g. 0,512,2048 (default: CPUEngineSettings')")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
+    if args.dummy_model is not None:
+        shape = shape_flags(dummy_config(args.dummy_model))
+        args.E, args.k, args.H, args.I = shape["E"], shape["k"], shape["H"], shape["I"]
+    if args.layers is None:
+        args.layers = 2 if args.dummy_model is not None else 8
     res = run(args)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -131,7 +131,7 @@ def prepare(args: EngineArgs) -> EngineArgs:
     size = None
     tok_path = args.tokenizer_path or args.model_path
     if not args.skip_tokenizer_init:
-        size = check_tokenizer(tok_path)
+        size = check_tokenizer(tok_path, args.trust_remote_code)
     check_tokens(config, args.model_path, tok_path, size)
     if args.load_format != "dummy":
         check_weights(args.model_path, config, spec)

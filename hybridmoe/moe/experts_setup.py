@@ -121,6 +121,6 @@ class ExpertsSetup:
                              * (self.args.mem_fraction_static or 0.85))
         n_gpu = max(int(mask.sum()) for mask in p.masks.values())
         reason = check_fits(plan, gpu_budget, host_available_bytes(),
-                            3 * m.hidden_size * m.spec.moe_intermediate * elt, len(m.spec.moe_layers), n_gpu)
+                            plan.gpu_expert_bytes, len(m.spec.moe_layers), n_gpu)
         if reason:
             raise ConfigError(reason)
