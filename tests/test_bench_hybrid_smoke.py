@@ -105,12 +105,12 @@ def test_written_dummy_config_loads_and_plans(tmp_path):
     import argparse
 
     sys.path.insert(0, str(REPO / "tests"))
-    from deepseek_fixtures import spec_for
-
     from hybridmoe.model_check import check_config
     from hybridmoe.moe.memory_plan import plan_memory
     from hybridmoe.moe.placement import place_experts
     from hybridmoe.weights.loader import load_hf_config
+
+    from deepseek_fixtures import spec_for
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     from bench_decode import write_config

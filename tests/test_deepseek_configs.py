@@ -11,10 +11,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from deepseek_fixtures import CONFIGS, copy_fixture, deepseek_registered, model_dir, raw_config, spec_for
 
 from hybridmoe.model_check import check_config, check_tokenizer
 from hybridmoe.weights.loader import CheckpointError, load_hf_config
+
+from deepseek_fixtures import CONFIGS, copy_fixture, deepseek_registered, model_dir, raw_config, spec_for
 
 # the published values the model is built from (fixtures: tests/fixtures/configs)
 EXPECTED = {

@@ -9,11 +9,12 @@ import math
 
 import pytest
 import torch
-from deepseek_fixtures import copy_fixture, spec_for
 
 from hybridmoe.moe.memory_plan import GiB, check_fits, kv_bytes_per_token, param_counts, plan_memory
 from hybridmoe.moe.placement import place_experts
 from hybridmoe.weights.loader import load_hf_config
+
+from deepseek_fixtures import copy_fixture, spec_for
 
 H, I_MOE, I_DENSE, Q_LORA, KV_LORA, NOPE, ROPE, V = 7168, 2048, 18432, 1536, 512, 128, 64, 128
 SHAPES = {  # name: (vocab, heads, routed experts, dense layers); both have 61 layers and one shared expert
