@@ -256,6 +256,58 @@ def test_extend_and_decode_over_a_cached_prefix_give_the_prompt_logits(name, var
     llm.shutdown()
 
 
+_INTERPRETED = """
+import sys, torch
+from hybridmoe import LLM
+from hybridmoe.layers import fused_ops
+assert fused_ops.use_triton(torch.zeros(1)), "the Triton interpreter is not on"
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", progress=False, chunked_prefill_size=8, page_size=4)
+prompt = [int(t) for t in sys.argv[3].split(",")]
+out = llm.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+torch.save({"logits": llm.prompt_logits(prompt), "tokens": out["output_ids"]}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("name", ["v3", "v2"])
+def test_triton_kernels_of_the_layer_under_the_interpreter(name, variant_dir, tmp_path):
+    """What runs on CUDA besides the attention math (the fused RMSNorm of the LoRA norms, the RoPE
+    kernel on the rope channels, R = 8 and 6) under the Triton interpreter (a subprocess: the
+    variable must be set before triton is imported): transformers' logits and tokens."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = variant_dir(name)
+    ref = hf_model(path)
+    prompt = _prompt(ref.config.vocab_size, 13, 3)
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    res = tmp_path / "out.pt"
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED, str(path), str(res), ",".join(map(str, prompt))],
+                          env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(res)
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([prompt])).logits[0]
+    assert _rel(got["logits"], ref_logits) < 1e-4
+    ref_ids = ref.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, 13:]
+    assert got["tokens"] == ref_ids.tolist()
+
+
+def test_expert_distribution_is_recorded_through_the_shared_experts_path(variant_dir, tmp_path):
+    """The recorder wraps the experts' forward_with too (the MoE block's call with shared experts)."""
+    import json
+
+    stats = tmp_path / "dist.json"
+    llm = LLM(str(variant_dir("v3")), device="cpu", progress=False, record_expert_distribution=str(stats))
+    llm.generate(input_ids=list(range(20)), sampling_params={"temperature": 0, "max_new_tokens": 5, "ignore_eos": True})
+    llm.shutdown()
+    counts = json.loads(stats.read_text())["counts"]
+    assert sorted(counts) == ["1", "2"]  # first_k_dense_replace = 1 of 3 layers
+    assert all(sum(c) == 3 * (20 + 4) for c in counts.values())  # top-3, the prompt and 4 decode steps
+
+
 def test_unsupported_routing_is_refused(tmp_path):
     path = make_tiny_model("deepseek_v2", tmp_path / "m", num_hidden_layers=3)
     import json
