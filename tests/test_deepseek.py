@@ -29,7 +29,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 
 # (base kind, overrides): together with and without q_lora_rank, n_group > 1 with topk_group <
 # n_group, 1 and 2 shared experts, first_k_dense_replace 1 and 2, YaRN on (and off), interleaved
-# rope on and off (V3)
+# rope on and off (V3), attention_bias (q_a_proj, kv_a_proj_with_mqa, o_proj)
 VARIANTS = {
     "v3": ("deepseek_v3", {}),
     "v3_nolora": ("deepseek_v3", dict(q_lora_rank=None, n_shared_experts=2, first_k_dense_replace=2,
@@ -37,7 +37,7 @@ VARIANTS = {
                                       norm_topk_prob=False, routed_scaling_factor=1.0)),
     "v2": ("deepseek_v2", {}),
     "v2_lora_greedy": ("deepseek_v2", dict(q_lora_rank=30, topk_method="greedy", n_group=None, topk_group=None,
-                                           n_shared_experts=1, first_k_dense_replace=1,
+                                           n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
@@ -194,6 +194,18 @@ def test_absorbed_decode_matches_the_expanded_form(page):
     buf = torch.empty_like(o)
     assert mla_decode_torch(q_lat, q_pe, cache, table, torch.tensor(lens, dtype=torch.int32), scale, out=buf) is buf
     assert torch.equal(buf, o)
+
+
+def test_torch_decode_matches_the_kernel_files_reference():
+    """Ours against mla_triton.py's pure-torch mla_decode_ref (same contract), once that file is here."""
+    mla_triton = pytest.importorskip("hybridmoe.layers.attention.mla_triton")
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(9, 4, 24 + 8, generator=g)
+    table = torch.tensor([[3, 5, 0], [1, 2, 7]], dtype=torch.int32)
+    lens = torch.tensor([6, 11], dtype=torch.int32)
+    q_lat, q_rope = torch.randn(2, 5, 24, generator=g), torch.randn(2, 5, 8, generator=g)
+    torch.testing.assert_close(mla_decode_torch(q_lat, q_rope, cache, table, lens, 0.2),
+                               mla_triton.mla_decode_ref(q_lat, q_rope, cache, table, lens, 0.2), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- whole models
