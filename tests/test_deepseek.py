@@ -273,22 +273,33 @@ import sys, torch
 from hybridmoe import LLM
 from hybridmoe.layers import fused_ops
 assert fused_ops.use_triton(torch.zeros(1)), "the Triton interpreter is not on"
+if sys.argv[4] == "kernel":  # the decode kernel as on CUDA (the interpreter runs it on CPU tensors)
+    from hybridmoe.layers.attention import mla, mla_triton
+    calls = []
+    mla._decode_kernel = lambda ctx, like: (calls.append(1), mla_triton.mla_decode)[1]
 llm = LLM(sys.argv[1], device="cpu", dtype="float32", progress=False, chunked_prefill_size=8, page_size=4)
 prompt = [int(t) for t in sys.argv[3].split(",")]
 out = llm.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+assert sys.argv[4] != "kernel" or calls, "the decode kernel did not run"
 torch.save({"logits": llm.prompt_logits(prompt), "tokens": out["output_ids"]}, sys.argv[2])
 """
 
 
+@pytest.mark.parametrize("decode", ["torch", "kernel"])
 @pytest.mark.parametrize("name", ["v3", "v2"])
-def test_triton_kernels_of_the_layer_under_the_interpreter(name, variant_dir, tmp_path):
-    """What runs on CUDA besides the attention math (the fused RMSNorm of the LoRA norms, the RoPE
-    kernel on the rope channels, R = 8 and 6) under the Triton interpreter (a subprocess: the
-    variable must be set before triton is imported): transformers' logits and tokens."""
+def test_triton_kernels_of_the_layer_under_the_interpreter(name, decode, variant_dir, tmp_path):
+    """What runs on CUDA (the fused RMSNorm of the LoRA norms, the RoPE kernel on the rope channels,
+    R = 8 and 6; with "kernel" also mla_triton's decode kernel, once that file is here) under the
+    Triton interpreter (a subprocess: the variable must be set before triton is imported):
+    transformers' logits and tokens."""
+    import importlib.util
     import os
     import subprocess
     import sys
     from pathlib import Path
+
+    if decode == "kernel" and importlib.util.find_spec("hybridmoe.layers.attention.mla_triton") is None:
+        pytest.skip("hybridmoe/layers/attention/mla_triton.py (the MLA decode kernel) is not on this branch")
 
     path = variant_dir(name)
     ref = hf_model(path)
@@ -296,7 +307,7 @@ def test_triton_kernels_of_the_layer_under_the_interpreter(name, variant_dir, tm
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
     res = tmp_path / "out.pt"
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED, str(path), str(res), ",".join(map(str, prompt))],
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED, str(path), str(res), ",".join(map(str, prompt)), decode],
                           env=env, cwd=repo, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(res)

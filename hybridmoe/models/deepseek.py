@@ -5,16 +5,20 @@ multi-head latent attention, the first `first_k_dense_replace` layers dense (the
 `mlp.gate` in float32 with, for V3, `e_score_correction_bias`.
 
 Routing follows transformers' modeling_deepseek_v3 / _v2: V3 sigmoid scores with noaux_tc grouped
-selection; V2 softmax with topk_method greedy or group_limited_greedy; both times
+selection (whatever topk_method / scoring_func say, as transformers); V2 softmax with topk_method greedy or group_limited_greedy; both times
 routed_scaling_factor. V3 renormalizes when norm_topk_prob. V2: transformers ignores norm_topk_prob
 (the published V2 configs set it false); here true renormalizes before the scaling, as for V3.
 """
 
 from __future__ import annotations
 
+import logging
+
 from hybridmoe.layers.attention.mla import MLAConfig
 from hybridmoe.models.base import ArchSpec
 from hybridmoe.moe.routing import RoutingConfig
+
+log = logging.getLogger(__name__)
 
 
 def _moe_layers(cfg) -> tuple[int, ...]:
@@ -61,8 +65,9 @@ def deepseek_v3_spec(cfg) -> ArchSpec:
     method = getattr(cfg, "topk_method", None) or "noaux_tc"
     scoring = getattr(cfg, "scoring_func", None) or "sigmoid"
     if method != "noaux_tc" or scoring != "sigmoid":
-        raise ValueError(f"deepseek_v3: topk_method {method!r} with scoring_func {scoring!r} is not supported "
-                         "(DeepseekV3ForCausalLM routes with noaux_tc over sigmoid scores)")
+        # not refused here: model_check reports a value outside the known ones, naming config.json
+        log.warning("deepseek_v3: topk_method %r / scoring_func %r ignored: DeepseekV3ForCausalLM routes with "
+                    "noaux_tc over sigmoid scores (as transformers does)", method, scoring)
     routing = RoutingConfig(top_k=cfg.num_experts_per_tok, scoring="sigmoid", method="noaux_tc",
                             renormalize=bool(getattr(cfg, "norm_topk_prob", True)),
                             n_group=getattr(cfg, "n_group", None) or 1, topk_group=getattr(cfg, "topk_group", None) or 1,

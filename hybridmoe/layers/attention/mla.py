@@ -74,6 +74,7 @@ def mla_decode_torch(
     seq_lens: torch.Tensor,  # [B] int32 (cached + new), >= 1
     scale: float,
     out: torch.Tensor | None = None,  # [B, H, Lkv]
+    **_: object,  # the kernel's tuning keywords (max_seq_len), ignored
 ) -> torch.Tensor:  # [B, H, Lkv], dtype of q_lat
     """Absorbed MLA decode over the paged latent cache, pure torch (the contract's mla_decode
     signature); softmax in fp32; only device tensors (capturable)."""
@@ -172,7 +173,9 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._w_kv_b()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, Lkv]
         kernel = _decode_kernel(ctx, q_lat)
-        o_lat = kernel(q_lat.contiguous(), q_pe.contiguous(), cache, meta.block_table, meta.seq_lens, self.scale)
+        # max_seq_len: a static bound (a graph's: the context length) the kernel picks its KV split count from
+        o_lat = kernel(q_lat.contiguous(), q_pe.contiguous(), cache, meta.block_table, meta.seq_lens, self.scale,
+                       max_seq_len=meta.max_seq_len)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
     def _extend(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H, Dv]
