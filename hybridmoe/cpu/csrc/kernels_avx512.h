@@ -8,5 +8,8 @@ namespace avx512 {
 int64_t act_row_bytes(int method, int Kdp);
 bool quant_row(int method, const void* src, int dt, int K, int Kdp, int G, uint8_t* dst, float* scale, int32_t* gsum);
 void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc, int G);
+// `steps` 32-byte fp8 steps -> the same steps as bf16 (64 bytes each; exact), e.g. one packed block
+// into the AMX B-tile layout.
+void fp8_to_bf16(const uint8_t* src, uint16_t* dst, int64_t steps);
 }  // namespace avx512
 }  // namespace hm

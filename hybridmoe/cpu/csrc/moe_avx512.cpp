@@ -1,6 +1,7 @@
 // AVX-512 kernels (F/BW/VL + VNNI + BF16). Activation formats: int8 method -> u8 = q + 128 per row
-// (dot = dpbusd(u8, w) - 128 * rowsum(w)); int4 -> s8 q (dpbusd(nibble, q)); BF16 -> bf16 rows
-// (dpbf16ps). q = round(x * 127/amax), scale = amax/127, exactly as the AVX2 path.
+// (dot = dpbusd(u8, w) - 128 * rowsum(w)); int4 -> s8 q (dpbusd(nibble, q)); BF16 and FP8 -> bf16
+// rows (dpbf16ps; FP8 widens its weights to bf16 in registers, fp8_to_bf16_32, and scales each K
+// group's partial dot). q = round(x * 127/amax), scale = amax/127, exactly as the AVX2 path.
 #include <immintrin.h>
 
 #include <cmath>
@@ -126,6 +127,44 @@ void blk_bf16(const uint8_t* wb, int Kd, const ActView& A, int m0, float* C, int
   for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, _mm512_add_ps(acc[0][t], acc[1][t]));
 }
 
+// e4m3 -> bf16, exact (every e4m3 value is a bf16 value). Normal codes: sign | (e + 120) << 7 | m << 4,
+// a shift and an exponent rebias; e == 0 (zero and the subnormals m * 2^-9) from a table. The NaN
+// codes (S.1111.111) are refused at packing (quant.py), so none reaches here.
+alignas(64) const uint16_t kFp8Sub[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+
+inline __m512i fp8_to_bf16_32(const uint8_t* p) {
+  const __m512i sx = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i t = _mm512_slli_epi16(sx, 4);  // bit 15 sign, 10..7 e, 6..4 m
+  __m512i mag = _mm512_add_epi16(_mm512_and_si512(t, _mm512_set1_epi16(0x07F0)), _mm512_set1_epi16(0x3C00));
+  const __mmask32 sub = _mm512_testn_epi16_mask(sx, _mm512_set1_epi16(0x78));  // e == 0
+  mag = _mm512_mask_permutexvar_epi16(mag, sub, sx, _mm512_load_si512(kFp8Sub));  // index: low 5 bits = m
+  return _mm512_ternarylogic_epi32(mag, t, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);  // mag | (t & sign)
+}
+
+// FP8 block: per K group (G values = G/2 steps of 32 bytes) a bf16 dot into acc, then facc += acc * s[g].
+template <int R>
+void blk_fp8(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C, int64_t ldc) {
+  __m512 facc[R];
+  for (int t = 0; t < R; ++t) facc[t] = _mm512_setzero_ps();
+  const uint8_t* x[R];
+  for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
+  const int spg = G / 2, pf = A.prefetch;
+  for (int g = 0; g < Kd / G; ++g) {
+    __m512 acc[2][R];
+    for (int t = 0; t < R; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+    for (int s = g * spg; s < (g + 1) * spg; s += 2) {  // one 64-byte line: two steps
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + s * 32 + pf), _MM_HINT_T0);
+      const __m512i w0 = fp8_to_bf16_32(wb + s * 32), w1 = fp8_to_bf16_32(wb + s * 32 + 32);
+      for (int t = 0; t < R; ++t) {
+        acc[0][t] = _mm512_dpbf16_ps(acc[0][t], (__m512bh)w0, (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * s)));
+        acc[1][t] = _mm512_dpbf16_ps(acc[1][t], (__m512bh)w1, (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * s + 4)));
+      }
+    }
+    const __m512 vs = _mm512_set1_ps(sc[g]);
+    for (int t = 0; t < R; ++t) facc[t] = _mm512_fmadd_ps(_mm512_add_ps(acc[0][t], acc[1][t]), vs, facc[t]);
+  }
+  for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, facc[t]);
+}
 
 #define HM_SWITCH_R(n, CALL) \
   switch (n) {               \
@@ -141,7 +180,13 @@ void blk_bf16(const uint8_t* wb, int Kd, const ActView& A, int m0, float* C, int
 
 }  // namespace
 
-int64_t act_row_bytes(int method, int Kdp) { return method == M_BF16 ? int64_t(Kdp) * 2 : int64_t(Kdp); }
+int64_t act_row_bytes(int method, int Kdp) {
+  return method == M_BF16 || method == M_FP8 ? int64_t(Kdp) * 2 : int64_t(Kdp);
+}
+
+void fp8_to_bf16(const uint8_t* src, uint16_t* dst, int64_t steps) {
+  for (int64_t s = 0; s < steps; ++s) _mm512_storeu_si512(dst + s * 32, fp8_to_bf16_32(src + s * 32));
+}
 
 bool quant_row(int method, const void* src, int dt, int K, int Kdp, int G, uint8_t* dst, float* scale,
                int32_t* gsum) {
@@ -154,7 +199,7 @@ bool quant_row(int method, const void* src, int dt, int K, int Kdp, int G, uint8
     bad = __mmask16(bad | _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ));
   }
   if (bad) return false;
-  if (method == M_BF16) {
+  if (method == M_BF16 || method == M_FP8) {
     for (int i = 0; i < Kdp; i += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i),
                           (__m256i)_mm512_cvtneps_pbh(load16(src, dt, i, tail_mask(K - i))));
@@ -207,6 +252,14 @@ void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb
           HM_SWITCH_R(imin(MT, M - m), HM_CALL)
 #undef HM_CALL
         }
+      }
+    } else if (method == M_FP8) {
+      const uint8_t* wb = base + int64_t(nb) * 16 * Kd;
+      const float* sc = W.scale + (int64_t(e) * NBT + nb) * (Kd / G);
+      for (int m = 0; m < M; m += MT) {
+#define HM_CALL(r) blk_fp8<r>(wb, Kd, G, A, m, sc, Cb + m * ldc, ldc)
+        HM_SWITCH_R(imin(MT, M - m), HM_CALL)
+#undef HM_CALL
       }
     } else {
       const uint8_t* wb = base + int64_t(nb) * 32 * Kd;
