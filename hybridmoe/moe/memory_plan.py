@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 GiB = 1 << 30
 
 # bytes per expert weight in host memory, per CPU method (scales included, approximately)
-_CPU_BYTES_PER_PARAM = {"AMXINT8": 1.0 + 4 / 2048, "AMXINT4": 0.5 + 4 / 64, "BF16": 2.0}
+_CPU_BYTES_PER_PARAM = {"AMXINT8": 1.0 + 4 / 2048, "AMXINT4": 0.5 + 4 / 64, "BF16": 2.0, "FP8": 1.0 + 4 / (16 * 128)}
 
 
 @dataclass
