@@ -79,9 +79,10 @@ def dequantize_packed(
         out.view(c, nb, 16, k // 2, 2).copy_(w)
     elif method == "FP8":
         g = group_size
-        w = data.view(torch.float8_e4m3fn).view(c, nb, k // 2, 16, 2).permute(0, 1, 3, 2, 4)  # [c, NB, 16, K/2, 2]
+        # line q, byte 16L + 8p + 2 i2 + kp = (row 4L + i2, k 4q + 2p + kp) of the block (quant.pack_pairs)
+        w = data.view(torch.float8_e4m3fn).view(c, nb, k // 4, 4, 2, 4, 2).permute(0, 1, 3, 5, 2, 4, 6)
         f = out if dtype == torch.float32 else torch.empty(c, n, k, dtype=torch.float32, device=data.device)
-        f.view(c, nb, 16, k // 2, 2).copy_(w)  # exact: every e4m3 value is a fp32 value
+        f.view(c, nb, 4, 4, k // 4, 2, 2).copy_(w)  # exact: every e4m3 value is a fp32 value
         f.view(c, nb, 16, k // g, g).mul_(scale.view(c, nb, 1, k // g, 1))  # fp32, one rounding, as the reference
         if f is not out:
             out.copy_(f)

@@ -18,9 +18,9 @@ scale = amax / 127 (`quantize_act_int8`, mirrored bit for bit by the kernels).
 Packed layout (see csrc/common.h): per expert, rows in blocks of 16; inside a block, 4-byte steps
 holding 4 bytes of each of the 16 rows = the AMX B-tile / AVX-512 VNNI layout. gate_up is packed
 as "w13" with gate and up rows interleaved every 16 rows so one block pair yields act(g) * u.
-FP8 keeps the bf16 block layout with 1 byte per value: per block [K/2 steps][16 rows][2] fp8 (32 bytes
-per step), so widening one step's bytes to 16-bit words gives exactly one bf16 step (one AVX-512 register,
-one AMX B-tile row); scales [E, N/16, K/G] f32.
+FP8 keeps the bf16 block layout with 1 byte per value (a step = 2 K values x 16 rows, 32 bytes; widened,
+one AVX-512 register, one AMX B-tile row), two steps per 64-byte line lane-interleaved for the AVX-512
+byte unpacks (pack_pairs); scales [E, N/16, K/G] f32.
 Everything here is torch on CPU, so `convert` can write the packed tensors and load them by mmap.
 """
 
@@ -174,15 +174,19 @@ def unpack_group_params(p: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pack_pairs(u: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] 1-byte values -> uint8 [E, N/16 * K/2 * 32]: [N/16][K/2][16 rows][2] (the bf16 block
-    layout with 1 byte per value: FP8)."""
+    """[E, N, K] 1-byte values (FP8) -> uint8 [E, N/16 * K/4 * 64]: per 16-row block, 64-byte lines of
+    two bf16-layout steps (step = K pair x 16 rows, value v = 2 * row + k parity) lane-interleaved:
+    line byte 16L + 8p + i = value 8L + i of step p (csrc/common.h), which the AVX-512 byte unpacks
+    widen back to the two steps in order."""
     e, n, k = u.shape
-    return u.reshape(e, n // 16, 16, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous().reshape(e, -1)
+    # (row = 4L + i2, k = 4q + 2p + kp) -> line q, byte 16L + 8p + 2 i2 + kp
+    v = u.reshape(e, n // 16, 4, 4, k // 4, 2, 2).permute(0, 1, 4, 2, 5, 3, 6)
+    return v.contiguous().reshape(e, -1)
 
 
 def unpack_pairs(p: torch.Tensor, n: int, k: int) -> torch.Tensor:
     e = p.shape[0]
-    return p.reshape(e, n // 16, k // 2, 16, 2).permute(0, 1, 3, 2, 4).reshape(e, n, k)
+    return p.reshape(e, n // 16, k // 4, 4, 2, 4, 2).permute(0, 1, 3, 5, 2, 4, 6).reshape(e, n, k)
 
 
 def fp8_row_block_scales(scale: torch.Tensor, rows: int, rows_pad: int, k_pad: int, block: tuple[int, int]):

@@ -323,3 +323,15 @@ def test_fp8_method_on_a_non_fp8_checkpoint_is_one_clear_error(tmp_path):
     path = make_tiny_model("qwen3_moe", tmp_path / "m")
     with pytest.raises(ConfigError, match=r"^--kt-method FP8: the checkpoint is not fp8"):
         LLM(str(path), device="cpu", progress=False, kt_method="FP8", kt_num_gpu_experts=0)
+
+
+def test_line_layout():
+    """Element (row n, k) of a block sits in line k // 4 at byte 16 L + 8 p + 2 i2 + kp, where
+    n % 16 = 4 L + i2 and k % 4 = 2 p + kp (csrc/common.h): two bf16-layout steps per line,
+    lane-interleaved for the AVX-512 byte unpacks."""
+    u = torch.randint(0, 120, (1, 32, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    p = quant.pack_pairs(u).reshape(2, 16, 64)  # [N/16, K/4 lines, 64]
+    for n, k in [(0, 0), (5, 7), (17, 63), (31, 12), (14, 3)]:
+        r = n % 16
+        assert p[n // 16, k // 4, 16 * (r // 4) + 8 * ((k % 4) // 2) + 2 * (r % 4) + k % 2] == u[0, n, k]
+    assert torch.equal(quant.unpack_pairs(quant.pack_pairs(u), 32, 64), u)

@@ -17,6 +17,7 @@ extern "C" int hm_isa_check(int isa, char* msg, int len);
 
 namespace hm {
 const Kernels* kernels_checked(int isa);
+bool cpu_has_vbmi();
 extern double g_profile[8];
 
 std::string check_settings(const HmPoolSettings& s) {
@@ -127,6 +128,12 @@ void* hm_layer_create(const hm::LayerDesc* d, int isa, char* err, int errlen) {
   if (!bad.empty()) {
     put(err, errlen, bad);
     return nullptr;
+  }
+  // the AVX-512/AMX FP8 widening needs AVX512-VBMI (every AVX-512 BF16 CPU but Cooper Lake has it):
+  // without it FP8 runs the AVX2 kernels (same results; hm_layer_kernel_name says "avx2")
+  if (d->method == hm::M_FP8 && isa >= hm::ISA_AVX512 && !hm::cpu_has_vbmi()) {
+    k = hm::kernels_checked(hm::ISA_AVX2);
+    isa = hm::ISA_AVX2;
   }
   return new hm::HmLayer{*d, k, isa, d->method == hm::M_BF16 ? hm::kernels_checked(hm::ISA_AVX2) : nullptr};
 }

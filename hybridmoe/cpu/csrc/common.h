@@ -13,8 +13,9 @@
 //          step 2u in its low nibble and of step 2u+1 in its high nibble; nibbles are unsigned
 //          q in [0,15], w = d*q + m; d,m [E][N/16][Kd/G][16] f32 (m absent when symmetric: m=-8d)
 //   bf16 : [N/16][Kd/2][16][2] bf16
-//   fp8  : [N/16][Kd/2][16][2] float8_e4m3fn bytes (the bf16 layout at 1 byte per value: widening one
-//          32-byte step to 16-bit words gives one bf16 step), scale [E][N/16][Kd/G] f32 (G = the
+//   fp8  : [N/16][Kd/4][64] float8_e4m3fn bytes: a 64-byte line holds two bf16-layout steps (32 values:
+//          [16 rows][2]) lane-interleaved, byte 16L + 8p + i = value 8L + i of step p (so AVX-512
+//          byte unpacks widen it to the two bf16 steps in order); scale [E][N/16][Kd/G] f32 (G = the
 //          checkpoint's block K), w = fp8 * scale; NaN bytes are refused at packing
 // w13 (gate_up) rows are interleaved per 16: block 2j = gate rows 16j.., block 2j+1 = up rows 16j..
 #pragma once

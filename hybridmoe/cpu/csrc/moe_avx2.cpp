@@ -219,7 +219,8 @@ inline __m256 fp8x8(const uint8_t* p, __m256 f) {
   return _mm256_mul_ps(_mm256_castsi256_ps(v), f);
 }
 
-// FP8 block x MT rows: per 32-byte step, 4 registers of (row, k parity) lanes: rows 4q..4q+3 x (k, k+1).
+// FP8 block x MT rows: per step, 4 registers of (row, k parity) lanes: rows 4q..4q+3 x (k, k+1), the
+// 8 bytes at line offset 16q + 8 * (step parity) (the lane-interleaved line of quant.py pack_pairs).
 template <int MT>
 void blk_fp8(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C, int64_t ldc) {
   __m256 acc[MT][4];
@@ -232,9 +233,9 @@ void blk_fp8(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const f
     const bool two = !(std::fabs(f) <= 3.0e38f);
     const __m256 vf = _mm256_set1_ps(two ? 0x1p120f : f), vs = _mm256_set1_ps(sc[g]);
     for (int s = g * spg; s < (g + 1) * spg; ++s) {
-      if (pf && !(s & 1)) _mm_prefetch(reinterpret_cast<const char*>(wb + s * 32 + pf), _MM_HINT_T0);
-      const uint8_t* w = wb + s * 32;
-      __m256 w0 = fp8x8(w, vf), w1 = fp8x8(w + 8, vf), w2 = fp8x8(w + 16, vf), w3 = fp8x8(w + 24, vf);
+      if (pf && !(s & 1)) _mm_prefetch(reinterpret_cast<const char*>(wb + s * 32 + pf), _MM_HINT_T0);  // per line
+      const uint8_t* w = wb + (s >> 1) * 64 + (s & 1) * 8;
+      __m256 w0 = fp8x8(w, vf), w1 = fp8x8(w + 16, vf), w2 = fp8x8(w + 32, vf), w3 = fp8x8(w + 48, vf);
       if (two) {
         w0 = _mm256_mul_ps(w0, vs);
         w1 = _mm256_mul_ps(w1, vs);

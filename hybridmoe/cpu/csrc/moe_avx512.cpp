@@ -1,6 +1,6 @@
 // AVX-512 kernels (F/BW/VL + VNNI + BF16). Activation formats: int8 method -> u8 = q + 128 per row
 // (dot = dpbusd(u8, w) - 128 * rowsum(w)); int4 -> s8 q (dpbusd(nibble, q)); BF16 and FP8 -> bf16
-// rows (dpbf16ps; FP8 widens its weights to bf16 in registers, fp8_to_bf16_32, and scales each K
+// rows (dpbf16ps; FP8 widens its weights to bf16 in registers, fp8_line_to_bf16, and scales each K
 // group's partial dot). q = round(x * 127/amax), scale = amax/127, exactly as the AVX2 path.
 #include <immintrin.h>
 
@@ -127,41 +127,82 @@ void blk_bf16(const uint8_t* wb, int Kd, const ActView& A, int m0, float* C, int
   for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, _mm512_add_ps(acc[0][t], acc[1][t]));
 }
 
-// e4m3 -> bf16, exact (every e4m3 value is a bf16 value). Normal codes: sign | (e + 120) << 7 | m << 4,
-// a shift and an exponent rebias; e == 0 (zero and the subnormals m * 2^-9) from a table. The NaN
-// codes (S.1111.111) are refused at packing (quant.py), so none reaches here.
-alignas(64) const uint16_t kFp8Sub[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+// e4m3 -> bf16, exact (every e4m3 value is a bf16 value), 64 at a time: the low and the high byte of
+// each bf16 are looked up in 128-entry tables by the code's low 7 bits (vpermi2b, AVX512-VBMI: zero,
+// subnormals m * 2^-9 and NaN included), the sign bit is or-ed into the high byte, and unpacking
+// low/high bytes gives the words. Unpacking works per 128-bit lane, so the packer stores each 64-byte
+// line (two 32-value steps) lane-interleaved: line byte 16L + 8p + i = value 8L + i of step p
+// (quant.py pack_pairs); the unpacks then return step 0 and step 1 in order.
+struct Fp8Tables {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  constexpr Fp8Tables() : lo(), hi() {
+    for (int c = 0; c < 128; ++c) {
+      const int e = c >> 3, m = c & 7;
+      int v = 0;  // bf16 bits of the magnitude
+      if (c == 127) {
+        v = 0x7FC0;  // NaN
+      } else if (e > 0) {
+        v = (e + 120) << 7 | m << 4;
+      } else if (m > 0) {  // m * 2^-9 = 2^(p - 9) * (m / 2^p), p = the top bit of m
+        const int p = m >= 4 ? 2 : m >= 2 ? 1 : 0;
+        v = (127 + p - 9) << 7 | (m - (1 << p)) << (7 - p);
+      }
+      lo[c] = uint8_t(v & 0xFF);
+      hi[c] = uint8_t(v >> 8);
+    }
+  }
+};
+constexpr Fp8Tables kFp8{};
 
-inline __m512i fp8_to_bf16_32(const uint8_t* p) {
-  const __m512i sx = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i t = _mm512_slli_epi16(sx, 4);  // bit 15 sign, 10..7 e, 6..4 m
-  __m512i mag = _mm512_add_epi16(_mm512_and_si512(t, _mm512_set1_epi16(0x07F0)), _mm512_set1_epi16(0x3C00));
-  const __mmask32 sub = _mm512_testn_epi16_mask(sx, _mm512_set1_epi16(0x78));  // e == 0
-  mag = _mm512_mask_permutexvar_epi16(mag, sub, sx, _mm512_load_si512(kFp8Sub));  // index: low 5 bits = m
-  return _mm512_ternarylogic_epi32(mag, t, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);  // mag | (t & sign)
+struct Fp8Regs {
+  __m512i lo0, lo1, hi0, hi1, sign;
+  Fp8Regs()
+      : lo0(_mm512_load_si512(kFp8.lo)), lo1(_mm512_load_si512(kFp8.lo + 64)), hi0(_mm512_load_si512(kFp8.hi)),
+        hi1(_mm512_load_si512(kFp8.hi + 64)), sign(_mm512_set1_epi8(char(0x80))) {}
+};
+
+// one packed 64-byte line -> its two steps as bf16 (w0: the even step, w1: the odd one)
+inline void fp8_line_to_bf16(const Fp8Regs& r, const uint8_t* p, __m512i& w0, __m512i& w1) {
+  const __m512i b = _mm512_loadu_si512(p);
+  const __m512i lo = _mm512_permutex2var_epi8(r.lo0, b, r.lo1);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(r.hi0, b, r.hi1), b, r.sign, 0xF8);
+  w0 = _mm512_unpacklo_epi8(lo, hi);
+  w1 = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// FP8 block: per K group (G values = G/2 steps of 32 bytes) a bf16 dot into acc, then facc += acc * s[g].
+// FP8 block: per K group (G values = G/2 steps) a bf16 dot into acc, then facc += acc * s[g]; one line
+// (two steps, two dot chains) per iteration. (Four chains over two lines for 1-2 rows measured the
+// same here: the widening, not the dot latency, bounds few rows.)
 template <int R>
 void blk_fp8(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C, int64_t ldc) {
+  constexpr int CH = 2;  // dot chains per row (steps per iteration, 2 per line)
   __m512 facc[R];
   for (int t = 0; t < R; ++t) facc[t] = _mm512_setzero_ps();
   const uint8_t* x[R];
   for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
   const int spg = G / 2, pf = A.prefetch;
+  const Fp8Regs tab;
   for (int g = 0; g < Kd / G; ++g) {
-    __m512 acc[2][R];
-    for (int t = 0; t < R; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
-    for (int s = g * spg; s < (g + 1) * spg; s += 2) {  // one 64-byte line: two steps
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + s * 32 + pf), _MM_HINT_T0);
-      const __m512i w0 = fp8_to_bf16_32(wb + s * 32), w1 = fp8_to_bf16_32(wb + s * 32 + 32);
-      for (int t = 0; t < R; ++t) {
-        acc[0][t] = _mm512_dpbf16_ps(acc[0][t], (__m512bh)w0, (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * s)));
-        acc[1][t] = _mm512_dpbf16_ps(acc[1][t], (__m512bh)w1, (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * s + 4)));
+    __m512 acc[CH][R];
+    for (int c = 0; c < CH; ++c)
+      for (int t = 0; t < R; ++t) acc[c][t] = _mm512_setzero_ps();
+    for (int s = g * spg; s < (g + 1) * spg; s += CH) {  // G % 32 == 0: whole iterations
+      __m512i w[CH];
+      for (int l = 0; l < CH / 2; ++l) {
+        if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + (s + 2 * l) * 32 + pf), _MM_HINT_T0);
+        fp8_line_to_bf16(tab, wb + (s + 2 * l) * 32, w[2 * l], w[2 * l + 1]);
       }
+      for (int c = 0; c < CH; ++c)
+        for (int t = 0; t < R; ++t)
+          acc[c][t] = _mm512_dpbf16_ps(acc[c][t], (__m512bh)w[c], (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * (s + c))));
     }
     const __m512 vs = _mm512_set1_ps(sc[g]);
-    for (int t = 0; t < R; ++t) facc[t] = _mm512_fmadd_ps(_mm512_add_ps(acc[0][t], acc[1][t]), vs, facc[t]);
+    for (int t = 0; t < R; ++t) {
+      __m512 sum = _mm512_add_ps(acc[0][t], acc[1][t]);
+      if (CH == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[CH - 2][t], acc[CH - 1][t]));
+      facc[t] = _mm512_fmadd_ps(sum, vs, facc[t]);
+    }
   }
   for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, facc[t]);
 }
@@ -185,7 +226,13 @@ int64_t act_row_bytes(int method, int Kdp) {
 }
 
 void fp8_to_bf16(const uint8_t* src, uint16_t* dst, int64_t steps) {
-  for (int64_t s = 0; s < steps; ++s) _mm512_storeu_si512(dst + s * 32, fp8_to_bf16_32(src + s * 32));
+  const Fp8Regs tab;
+  for (int64_t s = 0; s < steps; s += 2) {
+    __m512i w0, w1;
+    fp8_line_to_bf16(tab, src + s * 32, w0, w1);
+    _mm512_storeu_si512(dst + s * 32, w0);
+    _mm512_storeu_si512(dst + s * 32 + 32, w1);
+  }
 }
 
 bool quant_row(int method, const void* src, int dt, int K, int Kdp, int G, uint8_t* dst, float* scale,
