@@ -22,6 +22,9 @@ inline int imin(int a, int b) { return a < b ? a : b; }
 inline float fmaxf_(float a, float b) { return a > b ? a : b; }
 
 constexpr int AMX_MIN_ROWS = 16;  // fewer rows per expert: AVX-512 (memory bound anyway)
+// FP8 from this many rows: its AVX-512 kernel widens each weight for every 8 rows and is compute-bound
+// from 2-4 rows on; a widened tile pair serves up to 32 rows at tile speed
+constexpr int AMX_MIN_ROWS_FP8 = 4;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -99,37 +102,45 @@ void amx_fp8_pair(const uint16_t* b0, const uint16_t* b1, int Kd, int G, const A
                   const float* s0, const float* s1, float* C, int64_t ldc) {
   alignas(64) float cb[4][256];
   alignas(64) float acc[4][256];
-  std::memset(acc, 0, sizeof(acc));
+  std::memset(acc, 0, sizeof(acc));  // (rows past M are read from the workspace padding, never stored)
   const uint8_t* a0 = A.data + int64_t(m) * A.ld;
   const uint8_t* a1 = a0 + 16 * A.ld;
   const int kpg = G / 32;  // tile depths (32 bf16 values) per group
+  const int rows = imin(32, M - m);
+  const int nq = rows > 16 ? 4 : 2;  // rows 16..31 only when there are any
+  const int rows16 = rows > 16 ? 16 : rows;  // valid rows of the first tile row block
   for (int g = 0; g < Kd / G; ++g) {
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if (nq == 4) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
     for (int kt = g * kpg; kt < (g + 1) * kpg; ++kt) {
       _tile_loadd(4, a0 + kt * 64, A.ld);
-      _tile_loadd(5, a1 + kt * 64, A.ld);
       _tile_loadd(6, b0 + kt * 512, 64);
       _tile_loadd(7, b1 + kt * 512, 64);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      if (nq == 4) {
+        _tile_loadd(5, a1 + kt * 64, A.ld);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
     }
     _tile_stored(0, cb[0], 64);
     _tile_stored(1, cb[1], 64);
-    _tile_stored(2, cb[2], 64);
-    _tile_stored(3, cb[3], 64);
+    if (nq == 4) {
+      _tile_stored(2, cb[2], 64);
+      _tile_stored(3, cb[3], 64);
+    }
     const __m512 v0 = _mm512_set1_ps(s0[g]), v1 = _mm512_set1_ps(s1[g]);
-    for (int q = 0; q < 4; ++q) {
+    for (int q = 0; q < nq; ++q) {
       const __m512 vs = q & 1 ? v1 : v0;
-      for (int i = 0; i < 256; i += 16)
+      for (int i = 0; i < (q < 2 ? rows16 : rows - 16) * 16; i += 16)
         _mm512_store_ps(acc[q] + i, _mm512_fmadd_ps(_mm512_load_ps(cb[q] + i), vs, _mm512_load_ps(acc[q] + i)));
     }
   }
-  const int rows = imin(32, M - m);
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < 2; ++j)
       std::memcpy(C + int64_t(m + r) * ldc + j * 16, acc[(r / 16) * 2 + j] + (r % 16) * 16, 64);
@@ -166,7 +177,8 @@ void gemm_fp8(const PackedMat& W, int e, const ActView& A, int M, int nb0, int n
 
 void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc,
           int G) {
-  if (method == M_INT4 || M < AMX_MIN_ROWS) return avx512::gemm(method, W, e, A, M, nb0, nb1, C, ldc, G);
+  if (method == M_INT4 || M < (method == M_FP8 ? AMX_MIN_ROWS_FP8 : AMX_MIN_ROWS))
+    return avx512::gemm(method, W, e, A, M, nb0, nb1, C, ldc, G);
   configure_tiles();
   if (method == M_FP8) return gemm_fp8(W, e, A, M, nb0, nb1, C, ldc, G);
   const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
