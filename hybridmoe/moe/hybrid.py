@@ -51,6 +51,12 @@ def _rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return t[ids]
 
 
+def _span(ids: torch.Tensor) -> slice | torch.Tensor:
+    """ids as a slice when they are a contiguous range (ExpertWeights.select then gives views), else ids."""
+    n = len(ids)
+    return slice(int(ids[0]), int(ids[0]) + n) if n and int(ids[-1]) - int(ids[0]) == n - 1 else ids
+
+
 def _local_index(mask: torch.Tensor) -> torch.Tensor:
     """[E] int32: position of each expert among the selected ones, -1 for the others."""
     idx = torch.full(mask.shape, -1, dtype=torch.int32)
@@ -94,13 +100,14 @@ class HybridExperts(MoEExperts):
         self._stream_tasks: dict[int, tuple] = {}  # token capacity -> (now, deferred) StreamCPUTasks
         self._streamed: MoEExperts | None = None  # the GPU backend over the layerwise buffer
         self.cpu: CPUExperts | None = None
-        if len(gpu_ids):  # only these experts' weights go to the GPU
-            self.gpu_w = ExpertWeights(_rows(weights.gate_up, gpu_ids).to(dev).contiguous(),
-                                       _rows(weights.down, gpu_ids).to(dev).contiguous(), weights.activation)
+        if len(gpu_ids):  # only these experts' weights go to the GPU (fp8: with their block scales)
+            sel = weights.select(_span(gpu_ids))
+            on_dev = [None if t is None else t.to(dev).contiguous()
+                      for t in (sel.gate_up, sel.down, sel.gate_up_scale, sel.down_scale)]
+            self.gpu_w = ExpertWeights(*on_dev[:2], weights.activation, *on_dev[2:], block=sel.block)
             self.gpu = create_experts(placement.gpu_backend, self.gpu_w, layer_idx, options)
         if len(cpu_ids):  # only these stay in host memory, packed for the CPU kernels (all with dynamic update)
-            host = weights if self.full_cpu_layer else ExpertWeights(_rows(weights.gate_up, cpu_ids), _rows(weights.down, cpu_ids),
-                                                                     weights.activation)
+            host = weights if self.full_cpu_layer else weights.select(_span(cpu_ids))  # fp8: scales follow
             page_align = rt.layerwise is not None and dev.type == "cuda"  # page-locked in place below
             self.cpu = CPUExperts(host, layer_idx, dataclasses.replace(options, page_align=page_align))
             if rt.layerwise is not None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 GiB = 1 << 30
 
 # bytes per expert weight in host memory, per CPU method (scales included, approximately); FP8: the
-# checkpoint's fp8 bytes plus one float32 scale per 128x128 block
-_CPU_BYTES_PER_PARAM = {"AMXINT8": 1.0 + 4 / 2048, "AMXINT4": 0.5 + 4 / 64, "BF16": 2.0, "FP8": 1.0 + 4 / (128 * 128)}
+# checkpoint's fp8 bytes plus one float32 scale per 16 rows x 128 columns (the CPU engine's packing)
+_CPU_BYTES_PER_PARAM = {"AMXINT8": 1.0 + 4 / 2048, "AMXINT4": 0.5 + 4 / 64, "BF16": 2.0, "FP8": 1.0 + 4 / (16 * 128)}
 
 
 @dataclass
