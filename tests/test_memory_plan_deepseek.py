@@ -122,10 +122,11 @@ def test_fp8_cpu_method_and_prefill_buffers(model):
     experts, moe = SHAPES[name][2], 61 - SHAPES[name][3]
     plan, masks = _plan(cfg, spec, 32, method="FP8", prefill_threshold=1024)
     per = 3 * H * I_MOE
-    assert abs(plan.host["CPU experts"] - moe * (experts - 32) * per * (1 + 4 / 128**2)) < 1
-    # one layer's CPU experts streamed as fp8 to fp8 GPU experts: the GPU form + 2 staging slots, no dequant
+    # the CPU packing keeps a scale per 16 rows x 128 columns
+    assert abs(plan.host["CPU experts"] - moe * (experts - 32) * per * (1 + 4 / (16 * 128))) < 1
+    # one layer's CPU experts streamed as fp8 (in the CPU packing) to fp8 GPU experts: the GPU form + 2 staging slots
     ec = experts - 32
-    assert abs(plan.gpu["prefill buffers"] - (ec * plan.gpu_expert_bytes + 2 * ec * per * (1 + 4 / 128**2))) < 2
+    assert abs(plan.gpu["prefill buffers"] - (ec * plan.gpu_expert_bytes + 2 * ec * per * (1 + 4 / (16 * 128)))) < 2
     bf16_gpu, _ = _plan(cfg, spec, 32, method="FP8", prefill_threshold=1024, gpu_fp8=False)
     assert bf16_gpu.gpu["prefill buffers"] > plan.gpu["prefill buffers"] + ec * per  # bf16 buffer + dequant temps
 
