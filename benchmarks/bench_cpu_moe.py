@@ -6,7 +6,12 @@ TFLOP/s (2 * T * k * 3 * H * I / time), and the ratio to the stream-read bandwid
 same process with the library's own thread pool. Writes JSON with --out.
 
   python benchmarks/bench_cpu_moe.py --method AMXINT8 --out results.json
-  (default layer: Qwen3-30B-A3B, E=128 k=8 H=2048 I=768)
+  (default layer: Qwen3-30B-A3B, E=128 k=8 H=2048 I=768; --dummy-deepseek-v3: E=256 k=8 H=7168 I=2048,
+  --dummy-kimi-k2: E=384)
+
+--method FP8 runs the FP8 method (random weights block-quantized to e4m3 in --group-size square
+blocks, DeepSeek-V3's 128 x 128 by default). A comma list (--method FP8,BF16,AMXINT8) measures the
+methods interleaved: for each T every method in turn, against the same stream probe.
 
 --prefetch 0,512,2048 compares software prefetch distances (CPUEngineSettings.prefetch_bytes): a
 pool is created for each (the setting is fixed for a pool's life).
@@ -33,7 +38,11 @@ from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool  # noqa: E402
 from hybridmoe.cpu.quant import PackedLayer, PackedMatrix, pack_layer  # noqa: E402
 from hybridmoe.cpu.settings import CPUEngineSettings  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import add_dummy_flags, dummy_config, shape_flags  # noqa: E402
+
 DEFAULT_T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+METHODS = ("AMXINT8", "AMXINT4", "BF16", "FP8")
 
 
 def clone_layer(p: PackedLayer) -> PackedLayer:
@@ -62,10 +71,11 @@ def expert_bytes(p: PackedLayer) -> float:
     return sum(t.numel() * t.element_size() for t in p.tensors().values()) / p.num_experts
 
 
-def run_pool(args, pool: CPUThreadPool, layers: list[CPUMoELayer], stream: float, probes: list[float],
-             ebytes: float) -> list[dict]:
-    """The rows of every T on one pool (its settings fixed); appends its stream probes to `probes`."""
-    e, k, h, i = args.E, args.k, args.H, args.I
+def run_pool(args, pool: CPUThreadPool, sets: list[tuple[str, list[CPUMoELayer], float]], stream: float,
+             probes: list[float]) -> list[dict]:
+    """The rows of every T and method (sets: (method, layers, bytes per expert)) on one pool (its
+    settings fixed); appends its stream probes to `probes`."""
+    h = args.H
     pf = pool.settings.prefetch_bytes
     rows = []
     for t in args.T:
@@ -76,58 +86,65 @@ def run_pool(args, pool: CPUThreadPool, layers: list[CPUMoELayer], stream: float
         ref_bw = statistics.median([stream, probe])
         x = torch.randn(t, h).to(torch.bfloat16)
         out = torch.empty(t, h, dtype=torch.bfloat16)
-
-        def route(t=t, k=k):  # fresh random routing for every call
-            ids = torch.rand(t, e).topk(k, dim=-1).indices.to(torch.int32).contiguous()
-            return ids, torch.rand(t, k).contiguous()
-
-        for j in range(min(2, len(layers))):  # warm-up (page faults, workspace growth)
-            layers[j].forward(x, *route(), out=out)
-        # Tasks are built (and their routing drawn) before the clock starts, as the engine's CUDA
-        # path does (one HostCall per layer and size): the time is submit -> done, the native
-        # library's own latency, without Python argument checks or torch ops in between.
-        pending = []
-        for j in range(args.max_iters):
-            ids, w = route()
-            task, keep = layers[j % len(layers)].make_task(x, ids, w, out)
-            pending.append((task, keep, torch.unique(ids).numel() * ebytes))
-        native.profile(reset=True)
-        times, byts = [], []
-        deadline = time.time() + args.seconds
-        n = 0
-        while n < args.min_iters or (time.time() < deadline and n < args.max_iters):
-            task, keep, nbytes = pending[n % len(pending)]
-            s = time.perf_counter()
-            pool.sync(pool.submit(task, keep))
-            times.append(time.perf_counter() - s)
-            byts.append(nbytes)
-            n += 1
-        med = statistics.median(times)
-        bw = statistics.median(b / s for b, s in zip(byts, times)) / 1e9
-        tflops = 2.0 * t * k * 3 * h * i / med / 1e12
-        experts = statistics.mean(b / ebytes for b in byts)
-        prof = native.profile(reset=True)
-        phases = {k: v / max(1.0, prof["tasks"]) * 1e6 for k, v in prof.items() if k != "tasks"}
-        rows.append(
-            {
-                "T": t,
-                "prefetch": pf,
-                "phase_us": phases,
-                "us_per_layer": med * 1e6,
-                "eff_bw_gbps": bw,
-                "ratio_to_stream": bw / ref_bw,
-                "stream_read_gbps": ref_bw,
-                "tflops": tflops,
-                "distinct_experts": experts,
-                "iters": n,
-            }
-        )
-        ph = " ".join(f"{k}={v:.0f}" for k, v in phases.items()) if args.profile else ""
-        print(
-            f"{t:>6} {med * 1e6:>10.1f} {bw:>8.1f} {bw / ref_bw:>6.2f} {tflops:>8.2f} {experts:>8.1f} "
-            f"{ref_bw:>7.1f} {pf:>6}  {ph}", flush=True
-        )
+        for method, layers, ebytes in sets:
+            rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf))
     return rows
+
+
+def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf) -> dict:
+    """One method at one T: the median time of tasks with fresh random routing."""
+    e, k, h, i = args.E, args.k, args.H, args.I
+
+    def route(t=t, k=k):  # fresh random routing for every call
+        ids = torch.rand(t, e).topk(k, dim=-1).indices.to(torch.int32).contiguous()
+        return ids, torch.rand(t, k).contiguous()
+
+    for j in range(min(2, len(layers))):  # warm-up (page faults, workspace growth)
+        layers[j].forward(x, *route(), out=out)
+    # Tasks are built (and their routing drawn) before the clock starts, as the engine's CUDA
+    # path does (one HostCall per layer and size): the time is submit -> done, the native
+    # library's own latency, without Python argument checks or torch ops in between.
+    pending = []
+    for j in range(args.max_iters):
+        ids, w = route()
+        task, keep = layers[j % len(layers)].make_task(x, ids, w, out)
+        pending.append((task, keep, torch.unique(ids).numel() * ebytes))
+    native.profile(reset=True)
+    times, byts = [], []
+    deadline = time.time() + args.seconds
+    n = 0
+    while n < args.min_iters or (time.time() < deadline and n < args.max_iters):
+        task, keep, nbytes = pending[n % len(pending)]
+        s = time.perf_counter()
+        pool.sync(pool.submit(task, keep))
+        times.append(time.perf_counter() - s)
+        byts.append(nbytes)
+        n += 1
+    med = statistics.median(times)
+    bw = statistics.median(b / s for b, s in zip(byts, times)) / 1e9
+    tflops = 2.0 * t * k * 3 * h * i / med / 1e12
+    experts = statistics.mean(b / ebytes for b in byts)
+    prof = native.profile(reset=True)
+    phases = {k: v / max(1.0, prof["tasks"]) * 1e6 for k, v in prof.items() if k != "tasks"}
+    row = {
+        "method": method,
+        "T": t,
+        "prefetch": pf,
+        "phase_us": phases,
+        "us_per_layer": med * 1e6,
+        "eff_bw_gbps": bw,
+        "ratio_to_stream": bw / ref_bw,
+        "stream_read_gbps": ref_bw,
+        "tflops": tflops,
+        "distinct_experts": experts,
+        "iters": n,
+    }
+    ph = " ".join(f"{k}={v:.0f}" for k, v in phases.items()) if args.profile else ""
+    print(
+        f"{method:>8} {t:>6} {med * 1e6:>10.1f} {bw:>8.1f} {bw / ref_bw:>6.2f} {tflops:>8.2f} {experts:>8.1f} "
+        f"{ref_bw:>7.1f} {pf:>6}  {ph}", flush=True
+    )
+    return row
 
 
 def run(args) -> dict:
@@ -139,40 +156,54 @@ def run(args) -> dict:
     t0 = time.time()
     gu = torch.randn(e, 2 * i, h) / h**0.5
     dn = torch.randn(e, h, i) / i**0.5
-    base = pack_layer(gu, dn, args.method, group_size=args.group_size, symmetric=not args.asym)
+    methods = args.method.upper().split(",")
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise SystemExit(f"--method: unknown {bad}; choose from {METHODS}")
+    packs = {}
+    for m in methods:
+        base = pack_layer(gu, dn, m, group_size=args.group_size, symmetric=not args.asym)
+        packs[m] = [base] + [clone_layer(base) for _ in range(args.layers - 1)]
     del gu, dn
-    packs = [base] + [clone_layer(base) for _ in range(args.layers - 1)]
-    layers = [CPUMoELayer(p, isa=args.isa, pool=pool) for p in packs]
+
+    def layer_sets():
+        return [(m, [CPUMoELayer(p, isa=args.isa, pool=pool) for p in ps], expert_bytes(ps[0]))
+                for m, ps in packs.items()]
+
+    sets = layer_sets()
+    layers = sets[0][1]
     prep_s = time.time() - t0
     torch.set_num_threads(1)  # torch's idle OpenMP workers must not spin on the pool's cores
-    ebytes = expert_bytes(base)
+    ebytes = sets[0][2]
     stream = pool.stream_read_gbps(args.stream_bytes, 10)
-    print(
-        f"# method={args.method} isa={layers[0].isa} threads={pool.threads} subpools={pool.subpools} "
-        f"E={e} k={k} H={h} I={i} layers={args.layers} expert={ebytes / 1e6:.2f} MB prep={prep_s:.1f}s"
-    )
-    print(f"# stream-read bandwidth (library pool, {args.stream_bytes >> 20} MiB): {stream:.1f} GB/s")
-    print(f"{'T':>6} {'us/layer':>10} {'GB/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'experts':>8} {'stream':>7} {'pf':>6}")
+    for m, ls, eb in sets:
+        print(f"# method={m} isa={ls[0].isa} kernel={ls[0].kernel_name} threads={pool.threads} "
+              f"subpools={pool.subpools} E={e} k={k} H={h} I={i} layers={args.layers} expert={eb / 1e6:.2f} MB")
+    print(f"# prep={prep_s:.1f}s; stream-read bandwidth (library pool, {args.stream_bytes >> 20} MiB): {stream:.1f} GB/s")
+    print(f"{'method':>8} {'T':>6} {'us/layer':>10} {'GB/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'experts':>8} "
+          f"{'stream':>7} {'pf':>6}")
     rows = []
     probes = [stream]
     for st in settings:
         if st is not settings[0]:  # another prefetch distance: a pool (and layers on it) of its own
-            del layers
+            del sets, layers
             pool.close()
             pool = CPUThreadPool(args.threads, args.threadpool_count, settings=st)
-            layers = [CPUMoELayer(p, isa=args.isa, pool=pool) for p in packs]
-        rows += run_pool(args, pool, layers, stream, probes, ebytes)
+            sets = layer_sets()
+            layers = sets[0][1]
+        rows += run_pool(args, pool, sets, stream, probes)
     # The machine's read bandwidth moved between probes of one run (82-150 GB/s seen on the H200
     # host): the conservative ceiling is the best any probe of the run saw.
     best = max(probes)
     for r in rows:
         r["ratio_to_best_probe"] = r["eff_bw_gbps"] / best
     print(f"# best stream probe of the run {best:.1f} GB/s (median {statistics.median(probes):.1f}); "
-          "effective bandwidth over it: " + ", ".join(f"T={r['T']}: {r['ratio_to_best_probe']:.2f}" for r in rows
-                                                     if r["T"] <= 64))
+          "effective bandwidth over it: " + ", ".join(f"{r['method']} T={r['T']}: {r['ratio_to_best_probe']:.2f}"
+                                                     for r in rows if r["T"] <= 64))
     return {
         "config": {
-            "method": args.method,
+        "method": args.method,
+            "methods": methods,
             "isa": layers[0].isa,
             "kernel": layers[0].kernel_name,
             "threads": pool.threads,
@@ -187,6 +218,7 @@ def run(args) -> dict:
             "layers": args.layers,
             "settings": [dataclasses.asdict(st) for st in settings],  # one pool each
             "expert_bytes": ebytes,
+            "expert_bytes_by_method": {m: eb for m, _, eb in sets},
             "host": platform.node(),
             "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
@@ -203,13 +235,15 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--H", type=int, default=2048)
     ap.add_argument("--I", type=int, default=768)
-    ap.add_argument("--method", default="AMXINT8", choices=["AMXINT8", "AMXINT4", "BF16"])
+    ap.add_argument("--method", default="AMXINT8", help=f"one of {METHODS}, or a comma list to interleave")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--asym", action="store_true", help="asymmetric int4")
     ap.add_argument("--threads", type=int, default=None, help="default: physical cores - 1")
     ap.add_argument("--threadpool-count", type=int, default=1)
     ap.add_argument("--isa", default=None, choices=[None, *native.ISAS])
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="distinct layer copies rotated over (default 8; 2 with --dummy-*: one is 11-17 GB at INT8)")
+    add_dummy_flags(ap)  # --dummy-deepseek-v3 / --dummy-kimi-k2: E, k, H, I of that model (shapes.py)
     ap.add_argument("--T", type=lambda s: [int(v) for v in s.split(",")], default=DEFAULT_T)
     ap.add_argument("--seconds", type=float, default=1.0, help="time budget per T")
     ap.add_argument("--min-iters", type=int, default=3)
@@ -220,6 +254,11 @@ def main(argv=None):
                     help="software prefetch distances (bytes) to compare, e.g. 0,512,2048 (default: CPUEngineSettings')")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
+    if args.dummy_model is not None:
+        shape = shape_flags(dummy_config(args.dummy_model))
+        args.E, args.k, args.H, args.I = shape["E"], shape["k"], shape["H"], shape["I"]
+    if args.layers is None:
+        args.layers = 2 if args.dummy_model is not None else 8
     res = run(args)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

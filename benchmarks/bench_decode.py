@@ -1,7 +1,8 @@
 """Decode throughput of a full-size MoE model with random weights, all experts on the GPU.
 
 Default shape: Qwen3-30B-A3B (48 layers, 128 experts, top-8, hidden 2048, expert intermediate 768,
-32 query / 4 kv heads of 128, vocabulary 151936). For each batch size and with CUDA graphs on and
+32 query / 4 kv heads of 128, vocabulary 151936); --dummy-deepseek-v3 / --dummy-kimi-k2 the published
+configs of those (shapes.py), --layers N cutting the depth. For each batch size and with CUDA graphs on and
 off, prints decode tokens/s; for batch 1 also the bound = bytes of weights read per token / the
 device-to-device copy bandwidth measured in the same run, and the ratio to it.
 
@@ -13,14 +14,25 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import add_dummy_flags, apply_dummy_shape  # noqa: E402
+
+QWEN3_30B_LAYERS = 48
+
 
 def write_config(d: Path, a: argparse.Namespace) -> None:
+    """config.json of the benchmark model: the --dummy-* model's (shapes.py), else a Qwen3-MoE of the
+    shape flags."""
+    if getattr(a, "dummy_config", None) is not None:
+        (d / "config.json").write_text(json.dumps(a.dummy_config))
+        return
     cfg = {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": a.vocab,
         "hidden_size": a.hidden, "intermediate_size": 6144, "moe_intermediate_size": a.inter,
@@ -33,8 +45,11 @@ def write_config(d: Path, a: argparse.Namespace) -> None:
 
 
 def add_shape_args(p: argparse.ArgumentParser) -> None:
-    """The model shape flags (default: Qwen3-30B-A3B), shared by the benchmarks that build one."""
-    p.add_argument("--layers", type=int, default=48)
+    """The model shape flags (default: Qwen3-30B-A3B), shared by the benchmarks that build one, and
+    --dummy-deepseek-v3 / --dummy-kimi-k2 (shapes.py: they set the other shape flags; --layers N cuts
+    the depth). Parse with parse_shape_args."""
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"decoder layers (default: {QWEN3_30B_LAYERS}, or all of the --dummy-* model's)")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
@@ -43,6 +58,14 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--vocab", type=int, default=151936)
+    add_dummy_flags(p)
+
+
+def parse_shape_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """parse_args, then the shape flags resolved (a --dummy-* model sets them from its config)."""
+    a = p.parse_args(argv)
+    apply_dummy_shape(a, QWEN3_30B_LAYERS)
+    return a
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
@@ -113,7 +136,7 @@ def main() -> None:
     p.add_argument("--moe-backend", default="triton")
     p.add_argument("--graphs", default="on,off")
     p.add_argument("--out", default=None)
-    a = p.parse_args()
+    a = parse_shape_args(p)
 
     from hybridmoe import LLM
 

@@ -1,5 +1,6 @@
 """Hybrid decode throughput: a full-size MoE model with random weights, N experts per layer on the
-GPU and the rest on the CPU engine (default: Qwen3-30B-A3B shape, 32 GPU experts, AMXINT8).
+GPU and the rest on the CPU engine (default: Qwen3-30B-A3B shape, 32 GPU experts, AMXINT8;
+--dummy-deepseek-v3 / --dummy-kimi-k2: those published configs, --layers N of them: shapes.py).
 
 For each deferral setting, CUDA graphs on and off, and each batch size, prints decode tokens/s and
 where a step's time goes: CPU busy (the CPU expert tasks' wall time, from the native profile) and
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import add_shape_args, start_decode, write_config  # noqa: E402
+from bench_decode import add_shape_args, parse_shape_args, start_decode, write_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridmoe.cpu.settings import CPUEngineSettings  # noqa: E402
@@ -103,7 +104,7 @@ def main() -> None:
                         "summary gives each setting's median")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tests), not a measurement")
     p.add_argument("--out", default=None)
-    a = p.parse_args()
+    a = parse_shape_args(p)
 
     from hybridmoe import LLM
     from hybridmoe.cpu.engine import default_pool

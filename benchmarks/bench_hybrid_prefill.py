@@ -1,6 +1,7 @@
 """Hybrid prefill of a long prompt, with and without layerwise GPU prefill, and the memory checks.
 
-A full-size MoE model with random weights (default: Qwen3-30B-A3B shape), N experts per layer on
+A full-size MoE model with random weights (default: Qwen3-30B-A3B shape; --dummy-deepseek-v3 /
+--dummy-kimi-k2 with --layers N: shapes.py), N experts per layer on
 the GPU and the rest on the CPU engine (AMXINT8). One prompt of --prompt-len tokens (one chunk):
   - threshold on (--threshold, default 1024): every layer's CPU-resident experts are streamed to
     the GPU through pinned buffers; bound = CPU-resident expert bytes of all layers / pinned
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import add_shape_args, write_config  # noqa: E402
+from bench_decode import add_shape_args, parse_shape_args, write_config  # noqa: E402
 
 GB = 1e9
 
@@ -76,7 +77,7 @@ def main() -> None:
     p.add_argument("--threshold", type=int, default=1024)
     p.add_argument("--skip-off", action="store_true", help="do not time the CPU path (threshold off)")
     p.add_argument("--out", default=None)
-    a = p.parse_args()
+    a = parse_shape_args(p)
 
     from hybridmoe import LLM
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import add_shape_args, write_config  # noqa: E402
+from bench_decode import add_shape_args, parse_shape_args, write_config  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
-    a = p.parse_args()
+    a = parse_shape_args(p)
 
     from torch.profiler import ProfilerActivity, profile
 

@@ -39,6 +39,21 @@ class ConfigError(ValueError):
     """A bad option value; the message names the option and what was expected."""
 
 
+def checkpoint_quant_method(hf_config: Any) -> str | None:
+    """config.json's quantization_config.quant_method ("fp8" for DeepSeek-V3's block-scaled fp8), or None."""
+    q = getattr(hf_config, "quantization_config", None)
+    if q is not None and not isinstance(q, dict):
+        q = q.to_dict() if hasattr(q, "to_dict") else vars(q)
+    return (q or {}).get("quant_method")
+
+
+def check_kt_method(method: str, hf_config: Any, source: str = "config.json") -> None:
+    """--kt-method FP8 computes the checkpoint's own fp8 experts: only an fp8 checkpoint has them."""
+    if method.upper() == "FP8" and checkpoint_quant_method(hf_config) != "fp8":
+        raise ConfigError(f"--kt-method FP8: the checkpoint is not fp8 ({source} quantization_config.quant_method is "
+                          f"{checkpoint_quant_method(hf_config)!r}, expected 'fp8'); use AMXINT8, AMXINT4 or BF16")
+
+
 @dataclass
 class EngineArgs:
     """All engine options (SGLang + kt names); the HTTP server's own are ServerConfig."""
@@ -137,6 +152,11 @@ class EngineArgs:
         need(self.attention_backend in (None, "torch", "triton"), "attention-backend", "torch or triton")
         need(self.kt_method.upper() in KT_METHODS, "kt-method", f"one of {KT_METHODS}")
         self.kt_method = self.kt_method.upper()
+        # FP8 reads the experts straight from the fp8 checkpoint: --kt-weight-path, if given, is the model
+        need(self.kt_method != "FP8" or self.kt_weight_path is None
+             or Path(self.kt_weight_path).resolve() == Path(self.model_path).resolve(), "kt-weight-path",
+             "the model directory (or no flag) with --kt-method FP8: the CPU experts are read from the fp8 "
+             "checkpoint, no conversion step")
         need(self.kt_expert_placement_strategy in PLACEMENT_STRATEGIES, "kt-expert-placement-strategy",
              f"one of {PLACEMENT_STRATEGIES}")
         need(self.kt_num_gpu_experts is None or self.kt_num_gpu_experts >= 0, "kt-num-gpu-experts",
@@ -265,7 +285,7 @@ class SchedulerConfig:
 class HybridConfig:
     """Every `--kt-*` option (KTransformers' names without the prefix) and the CPU engine settings."""
 
-    weight_path: str | None = None  # --kt-weight-path: CPU experts converted by `hybridmoe convert`
+    weight_path: str | None = None  # --kt-weight-path: CPU experts converted by `hybridmoe convert` (FP8: the model)
     method: str = "AMXINT8"
     cpuinfer: int | None = None  # CPU expert threads (None: physical cores - 1)
     threadpool_count: int = 1  # sub-pools (one per NUMA node)
@@ -283,6 +303,12 @@ class HybridConfig:
     blocking_sync: bool = True  # CUDA: read each step's result sleeping (a spinning thread takes a core)
     group_size: int = 128  # INT4 quantization group
     int4_symmetric: bool = True
+
+    @property
+    def converted_weights(self) -> str | None:
+        """The directory of `hybridmoe convert` output to load CPU experts from (None: quantize from the
+        checkpoint; FP8 always reads the checkpoint, --kt-weight-path being the model directory)."""
+        return None if self.method.upper() == "FP8" else self.weight_path
 
     @property
     def split_requested(self) -> bool:

@@ -81,16 +81,23 @@ def check_config(config, spec, raw: dict, path: Path) -> None:
     kv = count("num_key_value_heads", value=getattr(config, "num_key_value_heads", None) or heads)
     if heads % kv:
         raise bad("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is not None:
-        count("head_dim")
-    elif config.hidden_size % heads:
-        raise bad("num_attention_heads", f"a divisor of hidden_size ({config.hidden_size}) when head_dim is not given")
-    if (head_dim or config.hidden_size // heads) % 2:  # rotary embeddings rotate pairs of channels
-        raise bad("head_dim" if head_dim is not None else "num_attention_heads", "an even head size")
+    if is_mla_config(config):  # head sizes are qk_nope/qk_rope/v_head_dim (transformers' head_dim is derived)
+        check_mla(config, bad, count)
+    else:
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is not None:
+            count("head_dim")
+        elif config.hidden_size % heads:
+            raise bad("num_attention_heads",
+                      f"a divisor of hidden_size ({config.hidden_size}) when head_dim is not given")
+        if (head_dim or config.hidden_size // heads) % 2:  # rotary embeddings rotate pairs of channels
+            raise bad("head_dim" if head_dim is not None else "num_attention_heads", "an even head size")
     eps = getattr(config, "rms_norm_eps", None)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and 0 < eps < 1):
         raise bad("rms_norm_eps", "a small positive number")
+    check_fp8_quantization(config, path)
+    if getattr(config, "first_k_dense_replace", None) is not None:  # DeepSeek family: dense layers, then MoE
+        check_deepseek_moe(config, bad, count)
     if not spec.moe_layers:
         return
     experts_key = next((k for k in _EXPERT_KEYS if k in raw), _EXPERT_KEYS[0])
@@ -103,7 +110,8 @@ def check_config(config, spec, raw: dict, path: Path) -> None:
           value=spec.moe_intermediate)
     if len(spec.moe_layers) < config.num_hidden_layers:
         count("intermediate_size", value=spec.dense_intermediate)
-    count("shared_expert_intermediate_size", low=0, value=spec.shared_intermediate)
+    if getattr(config, "n_shared_experts", None) is None:  # DeepSeek's were checked as n_shared_experts
+        count("shared_expert_intermediate_size", low=0, value=spec.shared_intermediate)
     step = getattr(config, "decoder_sparse_step", 1)
     if step is not None:
         count("decoder_sparse_step", value=step)
@@ -117,6 +125,64 @@ def check_config(config, spec, raw: dict, path: Path) -> None:
         if top_k > topk_group * (n_exp // n_group):
             raise CheckpointError(f"{path}: num_experts_per_tok {top_k} is above the {topk_group * (n_exp // n_group)}"
                                   " experts of the topk_group selected groups")
+
+
+def is_mla_config(config) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the config has a KV latent rank."""
+    return getattr(config, "kv_lora_rank", None) is not None
+
+
+def check_mla(config, bad, count) -> None:
+    """MLA sizes: a latent of kv_lora_rank, a query low-rank of q_lora_rank (None: a full q_proj),
+    per-head nope/rope/value sizes; the rope part is rotated in pairs of channels."""
+    count("kv_lora_rank")
+    q_lora = getattr(config, "q_lora_rank", None)
+    if q_lora is not None:
+        count("q_lora_rank", value=q_lora)
+    count("qk_nope_head_dim")
+    if count("qk_rope_head_dim", low=2) % 2:
+        raise bad("qk_rope_head_dim", "an even size (rotary embeddings rotate pairs of channels)")
+    count("v_head_dim")
+
+
+DEEPSEEK_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")  # V2, V2 (grouped), V3 (bias, groups)
+DEEPSEEK_SCORING = ("softmax", "sigmoid")
+
+
+def check_deepseek_moe(config, bad, count) -> None:
+    """DeepSeek-family MoE fields: the dense layers before the first MoE one, the MoE layer period,
+    shared experts, the routing method, score function and scale."""
+    layers = config.num_hidden_layers
+    if count("first_k_dense_replace", low=0) > layers:
+        raise bad("first_k_dense_replace", f"at most num_hidden_layers ({layers})")
+    if getattr(config, "moe_layer_freq", None) is not None:
+        count("moe_layer_freq")
+    if getattr(config, "n_shared_experts", None) is not None:
+        count("n_shared_experts", low=0)
+    for key, allowed in (("topk_method", DEEPSEEK_TOPK_METHODS), ("scoring_func", DEEPSEEK_SCORING)):
+        v = getattr(config, key, None)
+        if v is not None and v not in allowed:
+            raise bad(key, f"one of {', '.join(allowed)}")
+    scale = getattr(config, "routed_scaling_factor", None)
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)
+                              or not (math.isfinite(scale) and scale > 0)):
+        raise bad("routed_scaling_factor", "a positive number")
+
+
+def check_fp8_quantization(config, path: Path) -> None:
+    """A block-scaled fp8 checkpoint (quant_method fp8) names its block: two positive sizes."""
+    q = getattr(config, "quantization_config", None)
+    if q is not None and not isinstance(q, dict):
+        q = q.to_dict() if hasattr(q, "to_dict") else vars(q)
+    if not q or q.get("quant_method") != "fp8":
+        return
+    block = q.get("weight_block_size")
+    if block is None:
+        return  # per-tensor fp8: nothing more to check here
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= INT_LIMIT for b in block)):
+        raise CheckpointError(f"{path}: quantization_config.weight_block_size is {block!r}, expected two positive integers "
+                              "(e.g. [128, 128])")
 
 
 def check_tokens(config, model_path: str | Path, tokenizer_path: str | Path, tokenizer_size: int | None) -> None:
@@ -134,9 +200,11 @@ def check_tokens(config, model_path: str | Path, tokenizer_path: str | Path, tok
                               f"model's vocab_size {vocab} (config.json): the last ids have no embedding")
 
 
-def check_tokenizer(path: str | Path) -> int | None:
+def check_tokenizer(path: str | Path, trust_remote_code: bool = False) -> int | None:
     """The tokenizer files of a directory parse; the tokenizer's size with added tokens (None without
-    tokenizer.json). A directory without tokenizer files is not an error (token-id input only)."""
+    tokenizer.json). A directory without tokenizer files is not an error (token-id input only). A
+    tokenizer that is the checkpoint's own code (Kimi-K2's tiktoken one) needs --trust-remote-code
+    and the packages its module imports."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"--tokenizer-path {root}: no such directory")
@@ -146,6 +214,7 @@ def check_tokenizer(path: str | Path) -> int | None:
             raise CheckpointError(f"{f}: expected a JSON object")
     f = root / "tokenizer.json"
     if not f.is_file():
+        check_remote_tokenizer(root, trust_remote_code)
         return None
     _read_json(f)  # names the line and column of a syntax error
     from tokenizers import Tokenizer
@@ -154,6 +223,60 @@ def check_tokenizer(path: str | Path) -> int | None:
         return Tokenizer.from_file(str(f)).get_vocab_size(with_added_tokens=True)
     except Exception as e:  # the Rust library raises a bare Exception
         raise CheckpointError(f"{f}: not a valid tokenizer: {one_line(str(e))}") from e
+
+
+def remote_tokenizer_module(root: Path) -> tuple[str, str] | None:
+    """(module file, class) of a tokenizer given as the checkpoint's own code: tokenizer_config.json's
+    auto_map.AutoTokenizer names a class transformers does not have (None otherwise)."""
+    f = root / "tokenizer_config.json"
+    if not f.is_file():
+        return None
+    cfg = _read_json(f)
+    ref = ((cfg.get("auto_map") or {}) if isinstance(cfg, dict) else {}).get("AutoTokenizer")
+    if isinstance(ref, (list, tuple)):  # [slow, fast]: the first one given
+        ref = next((r for r in ref if r), None)
+    if not isinstance(ref, str) or "." not in ref or "--" in ref:  # "repo--module.Class": another repo's code
+        return None
+    module, cls = ref.rsplit(".", 1)
+    import transformers
+
+    if hasattr(transformers, cls):
+        return None
+    return f"{module}.py", cls
+
+
+def check_remote_tokenizer(root: Path, trust_remote_code: bool) -> None:
+    """A remote-code tokenizer can load: --trust-remote-code given, its module present, the packages
+    it imports at the top level installed (e.g. tiktoken for Kimi-K2's tokenization_kimi.py)."""
+    import ast
+    import importlib.util
+
+    found = remote_tokenizer_module(root)
+    if found is None:
+        return
+    module, cls = found
+    cfg = root / "tokenizer_config.json"
+    if not trust_remote_code:
+        raise CheckpointError(f"{cfg}: the tokenizer {cls} is the checkpoint's own code ({module}): pass "
+                              "--trust-remote-code to run it (or --skip-tokenizer-init for token-id input only)")
+    src = root / module
+    if not src.is_file():
+        raise CheckpointError(f"{cfg}: auto_map names the tokenizer {cls} in {module}, which is missing from {root}")
+    try:
+        tree = ast.parse(src.read_text(), str(src))
+    except (OSError, SyntaxError, ValueError) as e:
+        raise CheckpointError(f"{src}: cannot be read as Python: {one_line(str(e))}") from e
+    needed = set()
+    for node in tree.body:  # top-level imports only: those inside try blocks or functions are optional
+        if isinstance(node, ast.Import):
+            needed.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            needed.add(node.module.split(".")[0])
+    missing = sorted(m for m in needed if importlib.util.find_spec(m) is None)
+    if missing:
+        hint = " (or `pip install hybridmoe[kimi]`)" if missing == ["tiktoken"] else ""
+        raise CheckpointError(f"{src}: the tokenizer needs the package(s) {', '.join(missing)}, not installed: "
+                              f"`pip install {' '.join(missing)}`{hint}")
 
 
 def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[str, TensorInfo]:
@@ -178,11 +301,38 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
         want.pop("lm_head.weight", None)
     if experts:
         want.update(expert_shapes(config, spec))
+    block = fp8_block_of(config)
     for name, shape in want.items():
         t = _present(tensors, name, shape, model_path)
-        if t.dtype not in LOADABLE_DTYPES:
-            raise CheckpointError(f"{t.file.name}: tensor {name!r} has dtype {t.dtype}; bf16, fp16 or fp32 expected")
+        if block is not None and t.dtype.startswith("F8") and len(shape) == 2:  # block-scaled fp8 (DeepSeek-V3)
+            _fp8_scale(tensors, name, t, block)
+        elif t.dtype not in LOADABLE_DTYPES:
+            raise CheckpointError(f"{t.file.name}: tensor {name!r} has dtype {t.dtype}; bf16, fp16 or fp32 expected"
+                                  + ("" if block is None else " (or fp8 with its block scale)"))
     return tensors
+
+
+def fp8_block_of(config) -> tuple[int, int] | None:
+    """[bn, bk] of a block-scaled fp8 checkpoint's config (quant_method fp8), else None."""
+    q = getattr(config, "quantization_config", None)
+    if q is not None and not isinstance(q, dict):
+        q = q.to_dict() if hasattr(q, "to_dict") else vars(q)
+    block = (q or {}).get("weight_block_size") if (q or {}).get("quant_method") == "fp8" else None
+    return (int(block[0]), int(block[1])) if block else None
+
+
+def _fp8_scale(tensors: dict[str, TensorInfo], name: str, t: TensorInfo, block: tuple[int, int]) -> TensorInfo:
+    """The block scale of fp8 tensor `name`: present, of shape [ceil(N/bn), ceil(K/bk)]."""
+    from hybridmoe.weights.fp8 import scale_name
+
+    s = tensors.get(scale_name(name))
+    if s is None:
+        raise CheckpointError(f"{t.file.name}: tensor {name!r} is fp8 without its block scale {scale_name(name)!r}")
+    want = tuple(-(-d // b) for d, b in zip(t.shape, block))
+    if s.shape != want:
+        raise CheckpointError(f"{s.file.name}: tensor {scale_name(name)!r} has shape {s.shape}, expected {want} "
+                              f"(the {block[0]}x{block[1]} blocks of {name!r} {t.shape})")
+    return s
 
 
 def _present(tensors: dict[str, TensorInfo], name: str, shape: tuple[int, ...], model_path: str) -> TensorInfo:
@@ -212,9 +362,13 @@ def check_expert_tensors(model_path: str, config, spec) -> dict[str, TensorInfo]
     from hybridmoe.weights.fp8 import scale_name
 
     tensors = scan_checkpoint(model_path)
+    block = fp8_block_of(config)
     for name, shape in expert_shapes(config, spec).items():
         t = _present(tensors, name, shape, model_path)
-        if t.dtype.startswith("F8") and scale_name(name) not in tensors:
-            raise CheckpointError(f"{t.file.name}: tensor {name!r} is fp8 without its block scale "
-                                  f"{scale_name(name)!r}")
+        if t.dtype.startswith("F8"):
+            if block is not None:
+                _fp8_scale(tensors, name, t, block)
+            elif scale_name(name) not in tensors:
+                raise CheckpointError(f"{t.file.name}: tensor {name!r} is fp8 without its block scale "
+                                      f"{scale_name(name)!r}")
     return tensors

@@ -16,7 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from hybridmoe.config import ConfigError, EngineArgs
+from hybridmoe.config import ConfigError, EngineArgs, check_kt_method
 from hybridmoe.model_check import check_tokenizer, check_tokens, check_weights, load_checked_config, one_line
 from hybridmoe.weights.loader import CheckpointError
 
@@ -131,11 +131,12 @@ def prepare(args: EngineArgs) -> EngineArgs:
     size = None
     tok_path = args.tokenizer_path or args.model_path
     if not args.skip_tokenizer_init:
-        size = check_tokenizer(tok_path)
+        size = check_tokenizer(tok_path, args.trust_remote_code)
     check_tokens(config, args.model_path, tok_path, size)
     if args.load_format != "dummy":
         check_weights(args.model_path, config, spec)
-    if args.kt_weight_path is not None:  # the manifest, the method and the expert fingerprint
+    check_kt_method(args.kt_method, config, f"{args.model_path}/config.json")
+    if args.kt_weight_path is not None and args.kt_method != "FP8":  # the manifest, the method, the fingerprint
         from hybridmoe.weights.cpu_format import CPUWeightDir
 
         CPUWeightDir(args.kt_weight_path).check_model(config, args.model_path, args.kt_method, spec)

@@ -1,10 +1,14 @@
 """bench_hybrid_decode.py runs end to end (a tiny model on the CPU, `--device cpu`): the script the
-H200 runs is not first exercised on the device. It checks the script, not the numbers."""
+H200 runs is not first exercised on the device. It checks the script, not the numbers. And the
+benchmark shapes of DeepSeek-V3 and Kimi-K2 (benchmarks/shapes.py): the published values, --layers
+cutting the depth, each script's flags."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,3 +43,95 @@ def test_bench_hybrid_decode_smoke(tmp_path):
         vals = sorted(r["tokens_per_s"] for r in rows if r["deferred"] == d)
         assert e["runs"] == 2 and e["median_tokens_per_s"] == (vals[0] + vals[1]) / 2
     assert "median" in proc.stdout
+
+
+# ---- --dummy-deepseek-v3 / --dummy-kimi-k2 (benchmarks/shapes.py) ------------------------------------
+SHAPE_SCRIPTS = ["bench_cpu_moe.py", "bench_decode.py", "bench_hybrid_decode.py", "bench_hybrid_prefill.py",
+                 "profile_decode.py"]
+
+
+def _shapes():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import shapes
+
+    return shapes
+
+
+def test_dummy_shapes_are_the_published_configs():
+    """The benchmark shapes equal the published configs kept as test fixtures, key by key (the
+    fixtures also carry auto_map and version fields the benchmarks do not need)."""
+    shapes = _shapes()
+    for name, fixture in (("deepseek-v3", "deepseek_v3"), ("kimi-k2", "kimi_k2")):
+        published = json.loads((REPO / "tests" / "fixtures" / "configs" / f"{fixture}.json").read_text())
+        cfg = shapes.dummy_config(name)
+        for key, value in cfg.items():
+            assert published[key] == value, (name, key, value, published[key])
+        assert not {"num_hidden_layers", "n_routed_experts", "kv_lora_rank", "q_lora_rank", "n_group", "topk_group",
+                    "first_k_dense_replace", "n_shared_experts", "rope_scaling", "quantization_config",
+                    "routed_scaling_factor", "topk_method", "scoring_func", "moe_intermediate_size"} - set(cfg)
+    flags = shapes.shape_flags(shapes.dummy_config("deepseek-v3"))
+    assert (flags["E"], flags["k"], flags["H"], flags["I"], flags["layers"]) == (256, 8, 7168, 2048, 61)
+    assert shapes.shape_flags(shapes.dummy_config("kimi-k2"))["E"] == 384
+
+
+@pytest.mark.parametrize("name,layers,dense", [("deepseek-v3", 61, 3), ("deepseek-v3", 5, 3), ("deepseek-v3", 3, 2),
+                                               ("deepseek-v3", 1, 0), ("kimi-k2", 4, 1), ("kimi-k2", 1, 0)])
+def test_layers_cut_the_depth_keeping_a_moe_layer(name, layers, dense):
+    shapes = _shapes()
+    cfg = shapes.dummy_config(name, layers)
+    assert cfg["num_hidden_layers"] == layers and cfg["first_k_dense_replace"] == dense
+    assert shapes.DUMMY_MODELS[name]["num_hidden_layers"] == 61  # the table itself is not changed
+    assert "quantization_config" not in shapes.dummy_config(name, layers, fp8=False)
+    with pytest.raises(ValueError, match="--layers 0"):
+        shapes.dummy_config(name, 0)
+
+
+def test_apply_dummy_shape_sets_the_scripts_flags():
+    import argparse
+
+    shapes = _shapes()
+    a = argparse.Namespace(dummy_model="kimi-k2", dummy_bf16=False, layers=4, experts=128, topk=8, hidden=2048,
+                           inter=768, heads=32, kv_heads=4, head_dim=128, vocab=151936)
+    cfg = shapes.apply_dummy_shape(a, 48)
+    assert a.dummy_config is cfg and cfg["num_hidden_layers"] == 4
+    assert (a.layers, a.experts, a.hidden, a.inter, a.heads, a.vocab) == (4, 384, 7168, 2048, 64, 163840)
+    plain = argparse.Namespace(dummy_model=None, layers=None, experts=128)
+    assert shapes.apply_dummy_shape(plain, 48) is None and plain.layers == 48 and plain.experts == 128
+
+
+def test_written_dummy_config_loads_and_plans(tmp_path):
+    """bench_decode.write_config of --dummy-deepseek-v3 --layers 5 loads through hybridmoe's config
+    path, passes the startup checks, and its memory plan has 2 MoE layers of 256 fp8 experts."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from hybridmoe.model_check import check_config
+    from hybridmoe.moe.memory_plan import plan_memory
+    from hybridmoe.moe.placement import place_experts
+    from hybridmoe.weights.loader import load_hf_config
+
+    from deepseek_fixtures import spec_for
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_decode import write_config
+
+    a = argparse.Namespace(dummy_model="deepseek-v3", dummy_bf16=False, layers=5)
+    _shapes().apply_dummy_shape(a, 48)
+    write_config(tmp_path, a)
+    cfg = load_hf_config(str(tmp_path))
+    spec = spec_for(cfg)
+    check_config(cfg, spec, json.loads((tmp_path / "config.json").read_text()), tmp_path / "config.json")
+    assert spec.moe_layers == (3, 4) and spec.num_experts == 256
+    masks = place_experts("uniform", list(spec.moe_layers), 256, 32)
+    plan = plan_memory(cfg, spec, masks, 2, "AMXINT8", 1024, 1)
+    assert plan.gpu["GPU experts"] == 2 * 32 * plan.gpu_expert_bytes
+    assert plan.gpu_expert_bytes == 3 * 7168 * 2048 + 4 * 3 * 16 * 56  # fp8 + a float32 scale per 128x128 block
+
+
+@pytest.mark.parametrize("script", SHAPE_SCRIPTS)
+def test_scripts_list_the_dummy_flags(script):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for flag in ("--dummy-deepseek-v3", "--dummy-kimi-k2", "--dummy-bf16", "--layers"):
+        assert flag in proc.stdout, (script, flag)

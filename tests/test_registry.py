@@ -133,15 +133,16 @@ def test_builtin_packages_register_without_importing_implementations():
         from hybridmoe.models.registry import ARCHITECTURES, arch_spec
         impl = ["hybridmoe.layers.attention.torch_backend", "hybridmoe.layers.attention.triton_backend",
                 "hybridmoe.moe.torch_experts", "hybridmoe.moe.triton_experts", "hybridmoe.moe.cpu_experts",
-                "hybridmoe.moe.hybrid", "hybridmoe.models.mixtral", "hybridmoe.models.qwen2_moe",
-                "hybridmoe.models.qwen3_moe", "triton"]
+                "hybridmoe.moe.hybrid", "hybridmoe.models.deepseek", "hybridmoe.models.mixtral",
+                "hybridmoe.models.qwen2_moe", "hybridmoe.models.qwen3_moe", "triton"]
         print("loaded", [m for m in impl if m in sys.modules])
         print("names", ATTENTION_BACKENDS.names(), EXPERTS_BACKENDS.names(), ARCHITECTURES.names())
     """)
     assert r.returncode == 0, r.stderr
     assert "loaded []" in r.stdout, r.stdout
     assert ("names ['torch', 'triton'] ['cpu', 'hybrid', 'torch', 'triton'] "
-            "['MixtralForCausalLM', 'Qwen2MoeForCausalLM', 'Qwen3MoeForCausalLM']") in r.stdout
+            "['DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM', 'MixtralForCausalLM', 'Qwen2MoeForCausalLM', "
+            "'Qwen3MoeForCausalLM']") in r.stdout
 
 
 def test_missing_triton_makes_only_the_triton_backends_unavailable():
@@ -204,5 +205,5 @@ def test_public_functions_keep_working():
     class Cfg:
         architectures = ["LlamaForCausalLM"]
 
-    with pytest.raises(ValueError, match="not supported; supported architectures: MixtralForCausalLM"):
+    with pytest.raises(ValueError, match="not supported; supported architectures: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Mixtral"):
         arch_spec(Cfg())

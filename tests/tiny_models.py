@@ -24,6 +24,29 @@ CONFIGS: dict[str, dict] = {
         moe_intermediate_size=24, shared_expert_intermediate_size=56, num_hidden_layers=3, num_attention_heads=5,
         num_key_value_heads=5, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=2,
         max_position_embeddings=1024, tie_word_embeddings=True),
+    # MLA with q_lora_rank, noaux_tc over 4 groups keeping 2 (biased sigmoid selection), 1 shared
+    # expert, 1 dense layer, YaRN with mscale != mscale_all_dim (cos/sin and softmax both scaled)
+    "deepseek_v3": dict(
+        cls="DeepseekV3ForCausalLM", cfg="DeepseekV3Config", vocab_size=197, hidden_size=60, intermediate_size=88,
+        moe_intermediate_size=28, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
+        q_lora_rank=36, kv_lora_rank=20, qk_nope_head_dim=10, qk_rope_head_dim=8, v_head_dim=12,
+        n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=256,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                             beta_fast=32, beta_slow=1, mscale=0.9, mscale_all_dim=0.7),
+        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None),
+    # V2-Lite style: no q_lora_rank, softmax group_limited_greedy over 3 groups keeping 2, 2 shared
+    # experts, 2 dense layers, routed scaling, YaRN (V2-Lite's mscale = mscale_all_dim)
+    "deepseek_v2": dict(
+        cls="DeepseekV2ForCausalLM", cfg="DeepseekV2Config", vocab_size=181, hidden_size=52, intermediate_size=76,
+        moe_intermediate_size=20, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+        n_routed_experts=9, num_experts_per_tok=3, n_group=3, topk_group=2, topk_method="group_limited_greedy",
+        n_shared_experts=2, first_k_dense_replace=2, routed_scaling_factor=1.5, norm_topk_prob=False,
+        max_position_embeddings=256,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32,
+                             beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None),
 }
 
 
@@ -44,6 +67,9 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, std: float = 0.2, head
                 p.normal_(0.0, head_std)
             else:
                 p.normal_(0.0, std)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a bias that changes the selection
+                b.normal_(0.0, 0.1)
     model.save_pretrained(str(path))
     return path
 

@@ -34,6 +34,7 @@ AVX512 = AVX2 + [
     "-mavx512vl",
     "-mavx512vnni",
     "-mavx512bf16",
+    "-mavx512vbmi",  # FP8 widening (vpermi2b); run only where the CPU has it (dispatch.cpp)
 ]
 AMX = AVX512 + ["-mamx-tile", "-mamx-int8", "-mamx-bf16"]
 

@@ -48,7 +48,7 @@ def packed_parts(p: PackedLayer) -> dict[str, torch.Tensor]:
 
 def dequantize_packed(
     data: torch.Tensor,  # uint8 [c, bytes per expert]
-    scale: torch.Tensor | None,  # int8: f32 [c, N]; int4: f32 [c, N/16, K/G, 16]
+    scale: torch.Tensor | None,  # int8: f32 [c, N]; int4: f32 [c, N/16, K/G, 16]; fp8: f32 [c, N/16, K/G]
     zero: torch.Tensor | None,  # int4 asymmetric: f32 [c, N/16, K/G, 16]
     method: str,
     n: int,
@@ -57,7 +57,8 @@ def dequantize_packed(
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [c, n, k] (padded), dtype
     """Packed block layout -> dense rows, with the reference's fp32 arithmetic (quant.py) rounded
-    once to `dtype`: int8 s[n] * q, int4 (d * u) + m (m = -8 d when symmetric), bf16 as is."""
+    once to `dtype`: int8 s[n] * q, int4 (d * u) + m (m = -8 d when symmetric), bf16 as is, fp8
+    (streamed as its bytes) fp8 * s of its 16-row block and K group."""
     c, nb = data.shape[0], n // 16
     out = torch.empty(c, n, k, dtype=dtype, device=data.device)
     if method == "AMXINT8":
@@ -76,6 +77,15 @@ def dequantize_packed(
     elif method == "BF16":
         w = data.view(torch.bfloat16).view(c, nb, k // 2, 16, 2).permute(0, 1, 3, 2, 4)  # [c, NB, 16, K/2, 2]
         out.view(c, nb, 16, k // 2, 2).copy_(w)
+    elif method == "FP8":
+        g = group_size
+        # line q, byte 16L + 8p + 2 i2 + kp = (row 4L + i2, k 4q + 2p + kp) of the block (quant.pack_pairs)
+        w = data.view(torch.float8_e4m3fn).view(c, nb, k // 4, 4, 2, 4, 2).permute(0, 1, 3, 5, 2, 4, 6)
+        f = out if dtype == torch.float32 else torch.empty(c, n, k, dtype=torch.float32, device=data.device)
+        f.view(c, nb, 4, 4, k // 4, 2, 2).copy_(w)  # exact: every e4m3 value is a fp32 value
+        f.view(c, nb, 16, k // g, g).mul_(scale.view(c, nb, 1, k // g, 1))  # fp32, one rounding, as the reference
+        if f is not out:
+            out.copy_(f)
     else:
         raise ValueError(f"unknown packed method {method!r}")
     return out

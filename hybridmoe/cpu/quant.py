@@ -8,24 +8,47 @@ Methods (names kept from KTransformers' --kt-method; none of them needs AMX):
   AMXINT4  int4 in groups of G along K (32, 64, 128): symmetric w = d * (u - 8), u in [0, 15]
            (d = amax/7, q clamped to [-8, 7]) or asymmetric w = d * u + m (m = group min)
   BF16     bf16 weights
+  FP8      float8_e4m3fn weights as the checkpoint stores them (DeepSeek-V3's block-scaled fp8), 1 byte
+           per weight, with one fp32 scale per (16-row block, K group of G = the checkpoint's bk):
+           w = fp8 * s. The kernels widen fp8 to bf16 in registers (exact: every e4m3 value is a bf16
+           value) and take bf16 activations on every ISA; the scale multiplies each K group's partial dot.
 The integer methods quantize activations per row on the fly: q = round(x * (127/amax)) in fp32,
 scale = amax / 127 (`quantize_act_int8`, mirrored bit for bit by the kernels).
 
 Packed layout (see csrc/common.h): per expert, rows in blocks of 16; inside a block, 4-byte steps
 holding 4 bytes of each of the 16 rows = the AMX B-tile / AVX-512 VNNI layout. gate_up is packed
 as "w13" with gate and up rows interleaved every 16 rows so one block pair yields act(g) * u.
+FP8 keeps the bf16 block layout with 1 byte per value (a step = 2 K values x 16 rows, 32 bytes; widened,
+one AVX-512 register, one AMX B-tile row), two steps per 64-byte line lane-interleaved for the AVX-512
+byte unpacks (pack_pairs); scales [E, N/16, K/G] f32.
 Everything here is torch on CPU, so `convert` can write the packed tensors and load them by mmap.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-METHODS = {"AMXINT8": 0, "AMXINT4": 1, "BF16": 2}
+from hybridmoe.weights.fp8 import FP8_DTYPES, block_dequant, block_quant
+
+METHODS = {"AMXINT8": 0, "AMXINT4": 1, "BF16": 2, "FP8": 3}
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 1, "swiglu_clamp": 2}
 GROUP_SIZES = (32, 64, 128)
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_NAN_BITS = 0x7F  # e4m3fn has no infinities; S.1111.111 is NaN
+
+
+def check_fp8_block(block: tuple[int, int]) -> tuple[int, int]:
+    """The (bn, bk) block sizes the FP8 kernels take: a scale per 16-row block and per K group that
+    is a whole number of AMX tile depths (32). DeepSeek-V3 / Kimi-K2 / Qwen3 fp8 use 128 x 128."""
+    bn, bk = int(block[0]), int(block[1])
+    if bn < 16 or bn % 16 or bk < 32 or bk % 32:
+        raise ValueError(f"--kt-method FP8 needs fp8 block sizes with bn a multiple of 16 and bk a multiple of 32 "
+                         f"(DeepSeek's [128, 128] is fine); the checkpoint has weight_block_size [{bn}, {bk}]: "
+                         "use another --kt-method (it dequantizes the fp8 weights)")
+    return bn, bk
 
 
 def method_code(method: str) -> int:
@@ -150,6 +173,39 @@ def unpack_group_params(p: torch.Tensor, n: int) -> torch.Tensor:
     return p.permute(0, 1, 3, 2).reshape(e, n, ng)
 
 
+def pack_pairs(u: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] 1-byte values (FP8) -> uint8 [E, N/16 * K/4 * 64]: per 16-row block, 64-byte lines of
+    two bf16-layout steps (step = K pair x 16 rows, value v = 2 * row + k parity) lane-interleaved:
+    line byte 16L + 8p + i = value 8L + i of step p (csrc/common.h), which the AVX-512 byte unpacks
+    widen back to the two steps in order."""
+    e, n, k = u.shape
+    # (row = 4L + i2, k = 4q + 2p + kp) -> line q, byte 16L + 8p + 2 i2 + kp
+    v = u.reshape(e, n // 16, 4, 4, k // 4, 2, 2).permute(0, 1, 4, 2, 5, 3, 6)
+    return v.contiguous().reshape(e, -1)
+
+
+def unpack_pairs(p: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    e = p.shape[0]
+    return p.reshape(e, n // 16, k // 4, 4, 2, 4, 2).permute(0, 1, 3, 5, 2, 4, 6).reshape(e, n, k)
+
+
+def fp8_row_block_scales(scale: torch.Tensor, rows: int, rows_pad: int, k_pad: int, block: tuple[int, int]):
+    """Checkpoint block scales [E, ceil(rows/bn), ceil(K/bk)] -> [E, rows_pad/16, k_pad/bk] f32: the scale
+    of each 16-row block (bn % 16 == 0: one checkpoint block row) and K group; padding gets 0."""
+    bn, bk = block
+    e, nb, kb = scale.shape
+    out = torch.zeros(e, rows_pad // 16, k_pad // bk, dtype=torch.float32, device=scale.device)
+    nr = -(-rows // 16)
+    out[:, :nr, :kb] = scale.float()[:, torch.arange(nr, device=scale.device) * 16 // bn]
+    return out
+
+
+def _check_fp8_finite(u: torch.Tensor, what: str) -> None:
+    """The kernels widen e4m3 without a NaN case (S.1111.111 would read as 480): refuse NaN weights."""
+    if bool(((u & 0x7F) == E4M3_NAN_BITS).any()):
+        raise ValueError(f"fp8 {what} weights hold NaN")
+
+
 @dataclass
 class PackedMatrix:
     """One stacked matrix [E, N, K] in kernel layout (N, K padded)."""
@@ -157,7 +213,7 @@ class PackedMatrix:
     data: torch.Tensor  # uint8 [E, bytes]
     n: int
     k: int
-    scale: torch.Tensor | None = None  # int8 [E, N] | int4 d [E, N/16, K/G, 16]
+    scale: torch.Tensor | None = None  # int8 [E, N] | int4 d [E, N/16, K/G, 16] | fp8 [E, N/16, K/G]
     zero: torch.Tensor | None = None  # int4 asymmetric m
     wsum: torch.Tensor | None = None  # int8 [E, N] int32 row sums
 
@@ -221,7 +277,8 @@ class PackedLayer:
 
 
 def pad_sizes(hidden: int, inter: int, method: str, group_size: int) -> tuple[int, int]:
-    mult = max(64, group_size) if method.upper() == "AMXINT4" else 64
+    m = method.upper()
+    mult = max(64, group_size) if m == "AMXINT4" else math.lcm(64, group_size) if m == "FP8" else 64
     return -(-hidden // mult) * mult, -(-inter // mult) * mult
 
 
@@ -238,6 +295,9 @@ def pack_matrix(w: torch.Tensor, method: str, group_size: int = 128, symmetric: 
         return PackedMatrix(pack_int4_blocks(u), n, k, scale=pack_group_params(d), zero=zero)
     if method == "BF16":
         return PackedMatrix(pack_blocks(w.to(torch.bfloat16), 2), n, k)
+    if method == "FP8":
+        raise ValueError("FP8 matrices are packed per layer (pack_layer / pack_fp8_matrices): gate and up are "
+                         "blocked separately")
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -250,6 +310,10 @@ def dequantize_matrix(p: PackedMatrix, method: str, group_size: int) -> torch.Te
         d = unpack_group_params(p.scale, p.n)
         m = unpack_group_params(p.zero, p.n) if p.zero is not None else -8.0 * d
         return dequantize_int4(u, d, m, group_size)
+    if method == "FP8":
+        w = unpack_pairs(p.data, p.n, p.k).view(FP8_DTYPE).float()
+        e, nb, ng = p.scale.shape
+        return (w.view(e, nb, 16, ng, p.k // ng) * p.scale.view(e, nb, 1, ng, 1)).view(e, p.n, p.k)
     return unpack_blocks(p.data, p.n, p.k, torch.bfloat16).float()
 
 
@@ -319,6 +383,52 @@ def _cat(parts: list[PackedMatrix], aligned: bool = False) -> PackedMatrix:
     return PackedMatrix(c("data"), parts[0].n, parts[0].k, c("scale"), c("zero"), c("wsum"))
 
 
+def _fp8_split(gate_up: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
+    """(gate, gate scales), (up, up scales) of a fp8 gate_up [E, 2I, H] (gate's scale rows first)."""
+    i = gate_up.shape[1] // 2
+    nbi = -(-i // block[0])
+    return (gate_up[:, :i], scale[:, :nbi]), (gate_up[:, i:], scale[:, nbi:])
+
+
+def _dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], device) -> torch.Tensor:
+    """fp8 [c, N, K] + block scales -> float32 [c, N, K] on device (one expert's matrix at a time)."""
+    out = torch.empty(w.shape, dtype=torch.float32, device=device)
+    for x in range(w.shape[0]):
+        block_dequant(w[x].to(device), scale[x].to(device), block, out=out[x])
+    return out
+
+
+def _quant_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [c, N, K] -> fp8 [c, N, K] and block scales [c, ceil(N/bn), ceil(K/bk)] (weights/fp8.block_quant)."""
+    parts = [block_quant(w[x], block) for x in range(w.shape[0])]
+    return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
+
+
+def pack_fp8_matrices(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor, down_scale: torch.Tensor,
+                      block: tuple[int, int], ip: int, hp: int) -> tuple[PackedMatrix, PackedMatrix]:
+    """fp8 experts (ExpertWeights' block-scaled form) -> the FP8 method's w13 / w2, bytes kept as they are."""
+    e, two_i, h = gate_up.shape
+    i = two_i // 2
+    bn, bk = block
+    nbi, nbh = -(-i // bn), -(-h // bn)
+    want = {"gate_up_scale": (e, 2 * nbi, -(-h // bk)), "down_scale": (e, nbh, -(-i // bk))}
+    for name, t in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want[name]} for {bn}x{bk} blocks")
+    if gate_up.dtype != FP8_DTYPE or down.dtype != FP8_DTYPE:
+        raise ValueError(f"--kt-method FP8 takes float8_e4m3fn weights, got {gate_up.dtype} / {down.dtype}")
+    gu, dn = gate_up.cpu().view(torch.uint8), down.cpu().view(torch.uint8)
+    _check_fp8_finite(gu, "gate_up")
+    _check_fp8_finite(dn, "down")
+    (_, sg), (_, su) = _fp8_split(gate_up, gate_up_scale.cpu(), block)
+    s13 = torch.stack([fp8_row_block_scales(sg, i, ip, hp, block), fp8_row_block_scales(su, i, ip, hp, block)], dim=2)
+    w13 = PackedMatrix(pack_pairs(interleave_w13(gu, ip, hp)), 2 * ip, hp,
+                       scale=s13.reshape(e, 2 * ip // 16, hp // bk).contiguous())
+    w2 = PackedMatrix(pack_pairs(_pad2(dn, hp, ip)), hp, ip,
+                      scale=fp8_row_block_scales(down_scale.cpu(), h, hp, ip, block).contiguous())
+    return w13, w2
+
+
 def pack_layer(
     gate_up: torch.Tensor,
     down: torch.Tensor,
@@ -329,11 +439,18 @@ def pack_layer(
     chunk: int = 8,
     device: torch.device | str | None = None,
     page_align: bool = False,
+    fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> PackedLayer:
     """Quantizes and packs one layer's experts (gate_up [E, 2I, H], down [E, H, I]); `chunk` experts at a
     time to bound the fp32 temporaries. `device`: where the packing arithmetic runs (default the CPU;
     a GPU packs random benchmark weights far faster); the result is always in host memory, in
-    tensors that own their pages with `page_align` (see page_aligned)."""
+    tensors that own their pages with `page_align` (see page_aligned).
+
+    Block-scaled fp8 weights (float8_e4m3fn with `fp8_scales` = (gate_up_scale, down_scale) and
+    `fp8_block` = (bn, bk), as in ExpertWeights): method FP8 keeps their bytes (group size = bk); any
+    other method dequantizes `chunk` experts at a time and quantizes those. Float weights with method
+    FP8 are block-quantized first, in group_size x group_size blocks (tests, benchmarks)."""
     method = method.upper()
     method_code(method)
     if activation not in ACTIVATIONS:
@@ -342,11 +459,37 @@ def pack_layer(
     i = two_i // 2
     if down.shape != (e, h, i):
         raise ValueError(f"down has shape {tuple(down.shape)}, expected {(e, h, i)}")
+    fp8_in = gate_up.dtype in FP8_DTYPES
+    if fp8_in and (fp8_scales is None or fp8_block is None):
+        raise ValueError("fp8 expert weights need their block scales (fp8_scales) and block size (fp8_block)")
+    if method == "FP8":
+        fp8_block = check_fp8_block(fp8_block if fp8_in else (group_size, group_size))
+        group_size = fp8_block[1]
     hp, ip = pad_sizes(h, i, method, group_size)
     w13, w2 = [], []
     for e0 in range(0, e, chunk):
-        gu = gate_up[e0 : e0 + chunk].detach().to(device or "cpu", torch.float32)
-        dn = down[e0 : e0 + chunk].detach().to(device or "cpu", torch.float32)
+        sl = slice(e0, e0 + chunk)
+        if method == "FP8":
+            if fp8_in:
+                parts = (gate_up[sl], down[sl], fp8_scales[0][sl], fp8_scales[1][sl])
+            else:
+                gu = gate_up[sl].detach().to(device or "cpu", torch.float32)
+                dn = down[sl].detach().to(device or "cpu", torch.float32)
+                (qg, sg), (qu, su) = _quant_fp8(gu[:, :i], fp8_block), _quant_fp8(gu[:, i:], fp8_block)
+                qd, sd = _quant_fp8(dn, fp8_block)
+                parts = (torch.cat([qg, qu], 1), qd, torch.cat([sg, su], 1), sd)
+            a, b = pack_fp8_matrices(*parts, fp8_block, ip, hp)
+            w13.append(_to_host(a))
+            w2.append(_to_host(b))
+            continue
+        if fp8_in:  # dequantized a chunk at a time: never the whole layer in fp32
+            (g8, sg), (u8, su) = _fp8_split(gate_up[sl], fp8_scales[0][sl], fp8_block)
+            dev = device or "cpu"
+            gu = torch.cat([_dequant_fp8(g8, sg, fp8_block, dev), _dequant_fp8(u8, su, fp8_block, dev)], dim=1)
+            dn = _dequant_fp8(down[sl], fp8_scales[1][sl], fp8_block, dev)
+        else:
+            gu = gate_up[sl].detach().to(device or "cpu", torch.float32)
+            dn = down[sl].detach().to(device or "cpu", torch.float32)
         w13.append(_to_host(pack_matrix(interleave_w13(gu, ip, hp), method, group_size, symmetric)))
         w2.append(_to_host(pack_matrix(_pad2(dn, hp, ip), method, group_size, symmetric)))
     return PackedLayer(method, e, h, i, hp, ip, group_size, symmetric, activation, _cat(w13, page_align),

@@ -2,7 +2,7 @@
 decode CUDA graphs.
 
 Legend: T new tokens, B sequences, P pages per sequence in the block table, V vocabulary,
-L layers, N pages, S page size, Hkv kv heads, D head dim.
+L layers, N pages, S page size, Hkv kv heads, D head dim; MLA: Lkv kv_lora_rank, R qk_rope_head_dim.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class ModelRunner:
         )
         self.moe.finish()
         self._alloc_kv_cache()
-        self.moe.note_kv_cache(sum(k.nbytes + v.nbytes for k, v in self.kv_caches))
+        self.moe.note_kv_cache(sum(t.nbytes for layer in self.kv_caches for t in layer))
         self.vocab_size = model_cfg.vocab_size
         self.graphs: DecodeGraphs | None = None
         use_graphs = not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph()
@@ -113,8 +113,8 @@ class ModelRunner:
 
     def _alloc_kv_cache(self) -> None:
         m = self.model_cfg
-        head_dim, hkv, layers = m.head_dim, m.num_kv_heads, m.num_layers
-        bytes_per_token = 2 * layers * hkv * head_dim * torch.finfo(self.dtype).bits // 8
+        layers = m.num_layers
+        bytes_per_token = layers * m.kv_elements_per_token() * torch.finfo(self.dtype).bits // 8
         if self.cache_cfg.max_total_tokens is not None:
             tokens = self.cache_cfg.max_total_tokens
         elif self.device.type == "cuda":
@@ -131,9 +131,14 @@ class ModelRunner:
                 f"no memory left for the KV cache ({tokens} tokens fit after loading the weights); "
                 "lower the model size, raise --mem-fraction-static, or set --max-total-tokens")
         num_pages = -(-tokens // self.page_size) + 1  # +1: page 0 is the scratch page
-        shape = (num_pages, self.page_size, hkv, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(layers)]
+        self.kv_caches: list[tuple[torch.Tensor, ...]]
+        if m.is_mla:  # one latent entry per token, shared by the heads: [N, S, Lkv + R]
+            shape = (num_pages, self.page_size, m.kv_elements_per_token())
+            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) for _ in range(layers)]
+        else:  # K and V: [N, S, Hkv, D] each
+            shape = (num_pages, self.page_size, m.num_kv_heads, m.head_dim)
+            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                               torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(layers)]
         self.num_pages = num_pages
         self.context_len = min(self.context_len, (num_pages - 1) * self.page_size)
         self.max_pages_per_seq = -(-self.context_len // self.page_size)

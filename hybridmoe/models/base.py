@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from hybridmoe.layers.attention.layer import Attention, ForwardContext
+from hybridmoe.layers.attention.mla import MLAAttention, MLAConfig
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.norm import RMSNorm
-from hybridmoe.layers.rotary import RotaryEmbedding, rope_theta_of
+from hybridmoe.layers.rotary import RotaryEmbedding, rope_params_of
 from hybridmoe.moe.layer import SparseMoEBlock
+from hybridmoe.moe.routing import RoutingConfig
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,24 @@ class ArchSpec:
     top_k: int = 0
     moe_intermediate: int = 0
     dense_intermediate: int = 0
-    shared_intermediate: int = 0
+    shared_intermediate: int = 0  # all shared experts together (DeepSeek: n_shared_experts * moe_intermediate)
     moe_layers: tuple[int, ...] = ()
+    shared_name: str = "shared_expert"  # module name of the shared experts' MLP ("shared_experts": DeepSeek)
+    shared_gated: bool = True  # the shared output is scaled by sigmoid(shared_expert_gate x) (Qwen2-MoE)
+    routing: RoutingConfig | None = None  # None: softmax top-k, renormalized when `renormalize`
+    router_fp32: bool = False  # router weight kept and computed in float32 (DeepSeek)
+    score_bias: bool = False  # router has e_score_correction_bias (DeepSeek-V3 noaux_tc)
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek); None: standard GQA attention
+
+    @property
+    def attention(self) -> str:
+        """The attention kind: "mla" or "standard"."""
+        return "mla" if self.mla is not None else "standard"
+
+    @property
+    def rotary_dim(self) -> int | None:
+        """Channels the rotary embedding turns (None: the head dim)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else None
 
     def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         prefix = f"model.layers.{layer}.{self.moe_module}.experts.{expert}"
@@ -49,15 +67,22 @@ class DecoderLayer(nn.Module):
     def __init__(self, idx: int, cfg, spec: ArchSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         h = cfg.hidden_size
-        head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = Attention(idx, h, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, rotary,
-                                   qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, rms_eps=cfg.rms_norm_eps)
+        self.self_attn: Attention | MLAAttention
+        if spec.mla is not None:
+            scale = spec.mla.qk_head_dim**-0.5 * rotary.params.softmax_mscale()
+            self.self_attn = MLAAttention(idx, h, cfg.num_attention_heads, spec.mla, rotary, scale)
+        else:
+            head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+            self.self_attn = Attention(idx, h, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, rotary,
+                                       qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, rms_eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.is_moe = idx in spec.moe_layers
         if self.is_moe:
             block = SparseMoEBlock(idx, h, spec.num_experts, spec.top_k, spec.moe_intermediate, spec.renormalize,
-                                   spec.shared_intermediate, spec.gate_name)
+                                   spec.shared_intermediate, spec.gate_name, routing=spec.routing,
+                                   shared_name=spec.shared_name, shared_gated=spec.shared_gated,
+                                   router_fp32=spec.router_fp32, score_bias=spec.score_bias)
             self.add_module(spec.moe_module, block)
         else:
             self.mlp = GatedMLP(h, spec.dense_intermediate, cfg.hidden_act)
@@ -80,8 +105,8 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, cfg, spec: ArchSpec, max_position: int) -> None:
         super().__init__()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rotary = RotaryEmbedding(head_dim, max_position, rope_theta_of(cfg))
+        dim = spec.rotary_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary = RotaryEmbedding(dim, max_position, rope_params_of(cfg))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(i, cfg, spec, self.rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

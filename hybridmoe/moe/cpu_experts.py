@@ -2,13 +2,17 @@
 
 Legend: T tokens, H hidden, E experts, K top-k.
 
-Settings come typed (ExpertsOptions): hybrid.method (AMXINT8 | AMXINT4 | BF16), hybrid.cpuinfer
+Settings come typed (ExpertsOptions): hybrid.method (AMXINT8 | AMXINT4 | BF16 | FP8), hybrid.cpuinfer
 (threads; None = physical cores - 1), hybrid.threadpool_count (sub-pools, one per NUMA node),
 hybrid.numa_nodes (only those nodes' cores), hybrid.group_size / int4_symmetric (INT4), hybrid.cpu
 (CPUEngineSettings of the pool), pool (an existing pool; default: the process-wide one), packed (a
 PackedLayer loaded from --kt-weight-path instead of quantizing the given weights), pack_device
 (where quantization runs), page_align (every packed tensor on pages of its own, so it can be
 page-locked in place: the hybrid layer's layerwise GPU prefill), cpu_isa (force a kernel ISA).
+
+Block-scaled fp8 weights (ExpertWeights.is_fp8, a DeepSeek-V3 checkpoint): FP8 keeps their bytes (1 byte
+per weight plus block scales, no conversion step); the other methods dequantize them a few experts at
+a time and quantize those (never the whole layer in fp32).
 """
 
 from __future__ import annotations
@@ -38,16 +42,21 @@ class CPUExperts(MoEExperts):
         if packed is None:
             if weights is None:
                 raise ValueError("CPUExperts needs weights or a packed layer")
-            packed = pack_layer(
-                weights.gate_up,
-                weights.down,
-                cfg.method.upper(),
-                group_size=cfg.group_size,
-                symmetric=cfg.int4_symmetric,
-                activation=weights.activation,
-                device=options.pack_device,
-                page_align=options.page_align,
-            )
+            try:
+                packed = pack_layer(
+                    weights.gate_up,
+                    weights.down,
+                    cfg.method.upper(),
+                    group_size=cfg.group_size,
+                    symmetric=cfg.int4_symmetric,
+                    activation=weights.activation,
+                    device=options.pack_device,
+                    page_align=options.page_align,
+                    fp8_scales=(weights.gate_up_scale, weights.down_scale) if weights.is_fp8 else None,
+                    fp8_block=weights.block,
+                )
+            except ValueError as e:  # bad fp8 blocks or NaN weights: say which layer
+                raise ValueError(f"layer {layer_idx} routed experts: {e}") from e
         if options.page_align:  # to be page-locked in place for the layerwise GPU prefill
             packed = page_aligned_layer(packed)  # copies only tensors that do not own their pages yet
         pool = options.pool or cpu_pool_for(cfg)

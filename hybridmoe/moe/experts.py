@@ -98,6 +98,17 @@ class MoEExperts(ABC):
     ) -> torch.Tensor:  # [T, H], dtype of x
         """Weighted sum over each token's selected experts."""
 
+    def forward_with(
+        self,
+        x: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, K] int
+        topk_weights: torch.Tensor,  # [T, K] float32
+        extra: Callable[[], torch.Tensor],  # more GPU work of the layer: () -> [T, H] dtype of x
+    ) -> torch.Tensor:  # [T, H]: forward(...) + extra()
+        """forward plus `extra()` (the shared experts). A backend whose forward waits on other
+        hardware (hybrid: the CPU's task) runs `extra` in that window; this default runs it after."""
+        return self.forward(x, topk_ids, topk_weights) + extra()
+
 
 # factory(weights, layer_idx, options) -> backend; options: the typed engine-level settings
 # (moe/options.py ExpertsOptions).

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridmoe.config import ConfigError, EngineArgs, ModelConfig
+from hybridmoe.config import ConfigError, EngineArgs, ModelConfig, check_kt_method
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts
 from hybridmoe.moe.memory_plan import MemoryPlan, check_fits, host_available_bytes, plan_memory
 from hybridmoe.moe.options import ExpertsOptions
@@ -31,6 +31,7 @@ class ExpertsSetup:
                  context_len: int) -> None:
         self.args, self.model, self.device, self.dtype = args, model, device, dtype
         self.hybrid_cfg = cfg = args.hybrid_config()
+        check_kt_method(cfg.method, model.hf, model.source)
         self.placement: HybridPlacement | None = build_placement(cfg, model, device, args.moe_backend)
         self.runtime: HybridRuntime | None = None
         if self.placement is not None:
@@ -71,25 +72,23 @@ class ExpertsSetup:
     @property
     def reads_checkpoint_experts(self) -> bool:
         """False when every expert comes pre-converted from --kt-weight-path."""
-        return not (self.hybrid_cfg.weight_path is not None and self.placement is None)
+        return not (self.hybrid_cfg.converted_weights is not None and self.placement is None)
 
     def make(self, weights: ExpertWeights | None, layer_idx: int) -> MoEExperts:
         """One MoE layer's experts backend (the loader calls this once per MoE layer)."""
         options = self.options
-        if self.hybrid_cfg.weight_path is not None:  # packed by `hybridmoe convert`: read and verified
+        if self.hybrid_cfg.converted_weights is not None:  # packed by `hybridmoe convert`: read and verified
             from dataclasses import replace
 
             from hybridmoe.weights.cpu_format import open_cpu_weights
 
             if self.kt_weights is None:  # checked against --model and --kt-method once
-                self.kt_weights = open_cpu_weights(self.hybrid_cfg.weight_path, self.model.hf, self.args.model_path,
+                self.kt_weights = open_cpu_weights(self.hybrid_cfg.converted_weights, self.model.hf, self.args.model_path,
                                                     self.hybrid_cfg.method, spec=self.model.spec)
             p = self.placement
             cpu_ids = None if p is None or p.dynamic_update else (~p.masks[layer_idx]).nonzero().flatten()
             # only the CPU-resident ones (all of them with dynamic expert update)
             options = replace(options, packed=self.kt_weights.load_layer(layer_idx, experts=cpu_ids))
-        if weights is not None and weights.is_fp8 and self.backend == "cpu" and self.hybrid_cfg.method != "FP8":
-            weights = weights.dequantized(self.dtype)  # an fp8 checkpoint: the other CPU methods quantize real weights
         experts = self._built[layer_idx] = create_experts(self.backend, weights, layer_idx, options)
         if self.recorder is not None:
             return RecordingExperts(experts, self.recorder, layer_idx)
@@ -123,6 +122,6 @@ class ExpertsSetup:
                              * (self.args.mem_fraction_static or 0.85))
         n_gpu = max(int(mask.sum()) for mask in p.masks.values())
         reason = check_fits(plan, gpu_budget, host_available_bytes(),
-                            3 * m.hidden_size * m.spec.moe_intermediate * elt, len(m.spec.moe_layers), n_gpu)
+                            plan.gpu_expert_bytes, len(m.spec.moe_layers), n_gpu)
         if reason:
             raise ConfigError(reason)

@@ -4,8 +4,8 @@ to the next MoE layer.
 
 Legend: T tokens, H hidden, E experts of the layer, K top-k, Eg/Ec GPU/CPU experts.
 
-Per forward: the CPU task is submitted first (returns at once), the GPU experts run meanwhile,
-then the CPU result is waited for and added. With deferral d > 0, each token's d lowest-weight
+Per forward: the CPU task is submitted first (returns at once), the GPU experts (and, through
+`forward_with`, the layer's shared experts) run meanwhile, then the CPU result is waited for and added. With deferral d > 0, each token's d lowest-weight
 CPU experts go into a second CPU task, queued after the first; its output is added to the next
 MoE layer's output, so the CPU works through the next attention. The last MoE layer defers
 nothing and collects what the one before it deferred. The state layers share (the deferral
@@ -29,6 +29,7 @@ the least-used GPU ones (in place: weights, index tensors and masks).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -41,21 +42,10 @@ from hybridmoe.moe.options import ExpertsOptions
 from hybridmoe.moe.runtime import HostDeferred, HybridRuntime, StreamDeferred
 
 
-def _select(w: ExpertWeights, ids: torch.Tensor) -> ExpertWeights:
-    """The experts `ids` of w, fp8 block scales included; views (no copy of gigabytes) when ids is a
-    contiguous range, as with the uniform and front-loading placements."""
+def _span(ids: torch.Tensor) -> slice | torch.Tensor:
+    """ids as a slice when they are a contiguous range (ExpertWeights.select then gives views), else ids."""
     n = len(ids)
-    if n and int(ids[-1]) - int(ids[0]) == n - 1:
-        return w.select(slice(int(ids[0]), int(ids[0]) + n))
-    return w.select(ids)
-
-
-def _to_device(w: ExpertWeights, dev: torch.device) -> ExpertWeights:
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(dev).contiguous()
-
-    return dataclasses.replace(w, gate_up=move(w.gate_up), down=move(w.down), gate_up_scale=move(w.gate_up_scale),
-                               down_scale=move(w.down_scale))
+    return slice(int(ids[0]), int(ids[0]) + n) if n and int(ids[-1]) - int(ids[0]) == n - 1 else ids
 
 
 def _local_index(mask: torch.Tensor) -> torch.Tensor:
@@ -102,15 +92,16 @@ class HybridExperts(MoEExperts):
         self._stream_tasks: dict[int, tuple] = {}  # token capacity -> (now, deferred) StreamCPUTasks
         self._streamed: MoEExperts | None = None  # the GPU backend over the layerwise buffer
         self.cpu: CPUExperts | None = None
-        if len(gpu_ids):  # only these experts' weights go to the GPU
-            self.gpu_w = _to_device(_select(weights, gpu_ids), dev)
+        if len(gpu_ids):  # only these experts' weights go to the GPU (fp8: with their block scales)
+            sel = weights.select(_span(gpu_ids))
+            on_dev = [None if t is None else t.to(dev).contiguous()
+                      for t in (sel.gate_up, sel.down, sel.gate_up_scale, sel.down_scale)]
+            self.gpu_w = ExpertWeights(*on_dev[:2], weights.activation, *on_dev[2:], block=sel.block)
             if self.gpu_w.is_fp8 and self.full_cpu_layer:  # dynamic update swaps rows with the model-dtype buffer
                 self.gpu_w = self.gpu_w.dequantized(self.dtype)
             self.gpu = create_experts(placement.gpu_backend, self.gpu_w, layer_idx, options)
         if len(cpu_ids):  # only these stay in host memory, packed for the CPU kernels (all with dynamic update)
-            host = weights if self.full_cpu_layer else _select(weights, cpu_ids)
-            if host.is_fp8 and options.hybrid.method != "FP8":  # the other CPU methods quantize real weights
-                host = host.dequantized(self.dtype)
+            host = weights if self.full_cpu_layer else weights.select(_span(cpu_ids))  # fp8: scales follow
             page_align = rt.layerwise is not None and dev.type == "cuda"  # page-locked in place below
             self.cpu = CPUExperts(host, layer_idx, dataclasses.replace(options, page_align=page_align))
             if rt.layerwise is not None:
@@ -148,7 +139,8 @@ class HybridExperts(MoEExperts):
         # pairs of CPU experts: expert 0 with weight 0 (cheaper than a ragged batch on the GPU)
         return self.gpu.forward(x, torch.where(valid, gid, 0), torch.where(valid, topk_weights, 0.0)).float()
 
-    def _forward_stream(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def _forward_stream(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
+                        extra: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """CUDA: the CPU side as stream host functions (capturable)."""
         from hybridmoe.moe.cuda_bridge import StreamCPUTask
 
@@ -174,6 +166,7 @@ class HybridExperts(MoEExperts):
             else:  # both tasks queued by one host function
                 tasks[0].enqueue_submit_with(tasks[1], x, now.int(), later.int(), w)
         out = self._gpu_part(x, ids, topk_weights)  # runs while the CPU works
+        side = extra() if extra is not None else None  # the shared experts: also while the CPU works
         pending = rt.pending
         assert pending is None or isinstance(pending, StreamDeferred)
         if tasks is not None and pending is not None and pending.t == t:
@@ -187,7 +180,7 @@ class HybridExperts(MoEExperts):
             if pending is not None:
                 out += pending.collect(x.device)
         rt.pending = StreamDeferred(tasks[1], t) if tasks is not None and self.defer else None
-        return out.to(x.dtype)
+        return _plus(out.to(x.dtype), side)
 
     def _forward_layerwise(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Every expert on the GPU side: the resident ones, and the CPU-resident ones streamed in and
@@ -227,7 +220,18 @@ class HybridExperts(MoEExperts):
             return self._forward_stream(x, topk_ids.long(), topk_weights)
         return self._forward_host(x, topk_ids.long(), topk_weights)
 
-    def _forward_host(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward_with(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     extra: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """forward + extra(), extra (the shared experts) issued after the CPU task was submitted and
+        before it is waited for, so that it runs while the CPU computes."""
+        if self.runtime.layerwise_active:  # no CPU task to overlap with
+            return self._forward_layerwise(x, topk_ids.long(), topk_weights) + extra()
+        if _use_stream(x):
+            return self._forward_stream(x, topk_ids.long(), topk_weights, extra)
+        return self._forward_host(x, topk_ids.long(), topk_weights, extra)
+
+    def _forward_host(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
+                      extra: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """The CPU device: the CPU side submitted and waited for from Python."""
         rt = self.runtime
         if self.is_first and rt.pending is not None:  # left over by an interrupted forward
@@ -245,13 +249,20 @@ class HybridExperts(MoEExperts):
                 task_later = self.cpu.submit(x_h, later.to("cpu", torch.int32).contiguous(), w_h, later_out)
                 deferred = HostDeferred(self.cpu, task_later, later_out)
         out = self._gpu_part(x, ids, topk_weights)
+        side = extra() if extra is not None else None  # the shared experts, while the CPU works
         if task is not None:
             self.cpu.sync(task)
             out += out_h.to(x.device)
         if rt.pending is not None:
             out += rt.pending.collect(x.device)
         rt.pending = deferred
-        return out.to(x.dtype)
+        return _plus(out.to(x.dtype), side)
+
+
+def _plus(out: torch.Tensor, side: torch.Tensor | None) -> torch.Tensor:
+    """The routed output plus the shared experts' (added in the model dtype, as the default
+    MoEExperts.forward_with does: the same rounding whichever backend ran)."""
+    return out if side is None else out + side
 
 
 def _use_stream(x: torch.Tensor) -> bool:

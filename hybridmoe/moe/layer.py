@@ -1,5 +1,7 @@
 """The sparse MoE block of a decoder layer: router, routed experts (through the MoEExperts
-interface), and an optional shared expert with a sigmoid gate (Qwen2-MoE style).
+interface), and optional shared experts: one dense MLP added to every token's output, scaled by a
+sigmoid gate (Qwen2-MoE's `shared_expert` + `shared_expert_gate`) or not (DeepSeek's
+`shared_experts`).
 
 Legend: T tokens, H hidden, E experts, K top-k.
 """
@@ -7,11 +9,31 @@ Legend: T tokens, H hidden, E experts, K top-k.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.moe.experts import MoEExperts
-from hybridmoe.moe.router import topk_softmax
+from hybridmoe.moe.routing import RoutingConfig, route
+
+
+class FP32Router(nn.Module):
+    """A router kept in float32 whatever the model dtype (DeepSeek: the checkpoint's reference
+    computes the router logits in fp32, and the bias-corrected selection is sensitive to them).
+
+    Parameters: weight [E, H] and, with `score_bias`, e_score_correction_bias [E] (checkpoint names)."""
+
+    def __init__(self, hidden: int, num_experts: int, score_bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                     requires_grad=False) if score_bias else None)
+
+    def _apply(self, fn, recurse=True):  # model.to(dtype) casts every parameter: these stay float32
+        return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] float32
+        return F.linear(x.float(), self.weight)
 
 
 class SparseMoEBlock(nn.Module):
@@ -25,24 +47,43 @@ class SparseMoEBlock(nn.Module):
         renormalize: bool,
         shared_intermediate: int = 0,
         gate_name: str = "gate",
+        routing: RoutingConfig | None = None,
+        shared_name: str = "shared_expert",
+        shared_gated: bool = True,
+        router_fp32: bool = False,
+        score_bias: bool = False,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_experts, self.top_k, self.intermediate = num_experts, top_k, intermediate
         self.renormalize = renormalize
+        self.routing = routing or RoutingConfig(top_k=top_k, renormalize=renormalize)
         self.gate_name = gate_name
-        self.add_module(gate_name, nn.Linear(hidden, num_experts, bias=False))
+        if router_fp32 or score_bias:
+            self.add_module(gate_name, FP32Router(hidden, num_experts, score_bias))
+        else:
+            self.add_module(gate_name, nn.Linear(hidden, num_experts, bias=False))
+        self.score_bias = score_bias
+        self.shared_name, self.shared_gated = shared_name, shared_gated
         if shared_intermediate > 0:
-            self.shared_expert = GatedMLP(hidden, shared_intermediate)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.add_module(shared_name, GatedMLP(hidden, shared_intermediate))
+            if shared_gated:
+                self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.has_shared = shared_intermediate > 0
         self.experts: MoEExperts | None = None  # set by the loader once the weights are read
 
+    def shared(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]: the shared experts' term
+        out = getattr(self, self.shared_name)(x)
+        if self.shared_gated:
+            out = torch.sigmoid(self.shared_expert_gate(x)) * out
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         assert self.experts is not None, "expert weights were not loaded"
-        logits = getattr(self, self.gate_name)(x)  # [T, E]
-        weights, ids = topk_softmax(logits, self.top_k, self.renormalize)  # [T, K]
-        out = self.experts.forward(x, ids, weights)
-        if self.has_shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        gate = getattr(self, self.gate_name)
+        logits = gate(x)  # [T, E]
+        bias = gate.e_score_correction_bias if self.score_bias else None
+        weights, ids = route(logits, self.routing, bias)  # [T, K]
+        if self.has_shared:  # a backend waiting on the CPU runs the shared experts in that window
+            return self.experts.forward_with(x, ids, weights, lambda: self.shared(x))
+        return self.experts.forward(x, ids, weights)

@@ -7,7 +7,7 @@ candidates per layer (min(Eg, Ec)).
 
 A forward with T >= threshold computes every routed expert on the GPU side. Per MoE layer:
   1. copy stream: the layer's CPU-resident experts' packed bytes (the CPU engine's PackedLayer:
-     int8/int4/bf16 blocks + scales, page-locked in place by `cuda_driver.page_lock`) -> staging slot
+     int8/int4/bf16/fp8 blocks + scales, page-locked in place by `cuda_driver.page_lock`) -> staging slot
      (moe index % 2) on the GPU; layer L+1's copy is issued when layer L starts (the first MoE
      layer's when the forward starts), after the event saying layer L-1 finished reading that slot;
   2. compute stream: wait for the copy, dequantize into one layer-sized buffer gate_up [Ec, 2I, H],
@@ -35,6 +35,7 @@ import torch
 
 from hybridmoe.cpu.dequant import dequantize_experts
 from hybridmoe.moe.experts import ExpertWeights
+from hybridmoe.weights.fp8 import FP8_DTYPES
 
 if TYPE_CHECKING:
     from hybridmoe.moe.hybrid import HybridExperts
@@ -97,6 +98,8 @@ class LayerwisePrefill:
         ec = max(lay.num_streamed for lay in layers)
         first = layers[0]
         fmt, dtype, dev = first.fmt, first.dtype, self.device
+        if dtype in FP8_DTYPES:  # fp8 experts (FP8 method) are streamed as fp8, computed on in bf16
+            dtype = torch.bfloat16
         with torch.inference_mode(False):  # ordinary tensors, usable inside and outside inference mode
             self.staging = [{k: torch.empty(ec, *t.shape[1:], dtype=t.dtype, device=dev)
                              for k, t in first.packed_parts.items()} for _ in range(2)]

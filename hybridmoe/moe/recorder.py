@@ -50,5 +50,9 @@ class RecordingExperts(MoEExperts):
         self.recorder.record(self.layer_idx, topk_ids)
         return self.inner.forward(x, topk_ids, topk_weights)
 
+    def forward_with(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, extra) -> torch.Tensor:
+        self.recorder.record(self.layer_idx, topk_ids)
+        return self.inner.forward_with(x, topk_ids, topk_weights, extra)
+
     def __getattr__(self, name: str):  # the wrapped backend's own attributes (tests, benchmarks)
         return getattr(self.__dict__["inner"], name)

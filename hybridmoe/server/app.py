@@ -287,13 +287,12 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] 
         state.engine.draining = True
         # each shutdown step runs even if one before it failed; a failure is one warning line (seen once
         # in CI: uvicorn's "Application shutdown failed" with a traceback after a SIGTERM mid-stream)
-        for name, step in (("abort the requests in flight", lambda: state.engine.abort_all("the server is shutting down")),
-                           ("stop the engine", None), ("stop the tokenizer workers", state.pool.close)):
+        # abort on the loop (request streams belong to it), then the blocking steps (joins) off it
+        steps = (("abort the requests in flight", False, lambda: state.engine.abort_all("the server is shutting down")),
+                 ("stop the engine", True, state.engine.stop), ("stop the tokenizer workers", True, state.pool.close))
+        for name, blocking, step in steps:
             try:
-                if step is None:
-                    await asyncio.to_thread(state.engine.stop)
-                else:
-                    step()
+                await asyncio.to_thread(step) if blocking else step()
             except Exception as e:  # noqa: BLE001  (shutdown goes on)
                 log.warning("shutdown: could not %s: %s: %s", name, type(e).__name__, e)
 

@@ -67,28 +67,26 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size like 16MiB or 1048576, got {text!r}") from None
 
 
+# (flag, type, help) of each limit flag; the default is the ServerLimits field of the flag's name
+_LIMIT_FLAGS: tuple[tuple[str, object, str], ...] = (
+    ("--max-request-body-size", _size, "largest request body, e.g. 16MiB (413 beyond)"),
+    ("--header-timeout", float, "seconds a connection may take to send a request's headers (then it is closed)"),
+    ("--body-timeout", float, "seconds a client may take to send a request body (408 beyond)"),
+    ("--timeout-keep-alive", float, "seconds an idle keep-alive connection stays open"),
+    ("--max-connections", int, "open connections beyond this get 503"),
+    ("--write-timeout", float,
+     "seconds a client may read nothing of a response before it is cut off and its request aborted"),
+    ("--tokenize-timeout", float, "seconds tokenizing or detokenizing one input may take (400 beyond)"),
+    ("--chat-template-timeout", float, "seconds rendering a chat template may take (400 beyond)"),
+    ("--tokenizer-workers", int, "processes that tokenize large inputs and render chat templates, off the event loop"),
+    ("--max-top-logprobs-num", int, "most top logprobs a request may ask for per token, on every route"),
+)
+
+
 def add_server_limit_args(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
     """The limit flags (defaults from ServerLimits)."""
     d = ServerLimits()
-    g = group.add_argument
-    g("--max-request-body-size", type=_size, default=d.max_request_body_size,
-      help="largest request body, e.g. 16MiB (413 beyond)")
-    g("--header-timeout", type=float, default=d.header_timeout,
-      help="seconds a connection may take to send a request's headers (then it is closed)")
-    g("--body-timeout", type=float, default=d.body_timeout,
-      help="seconds a client may take to send a request body (408 beyond)")
-    g("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
-      help="seconds an idle keep-alive connection stays open")
-    g("--max-connections", type=int, default=d.max_connections, help="open connections beyond this get 503")
-    g("--write-timeout", type=float, default=d.write_timeout,
-      help="seconds a client may read nothing of a response before it is cut off and its request aborted")
-    g("--tokenize-timeout", type=float, default=d.tokenize_timeout,
-      help="seconds tokenizing or detokenizing one input may take (400 beyond)")
-    g("--chat-template-timeout", type=float, default=d.chat_template_timeout,
-      help="seconds rendering a chat template may take (400 beyond)")
-    g("--tokenizer-workers", type=int, default=d.tokenizer_workers,
-      help="processes that tokenize large inputs and render chat templates, off the event loop")
-    g("--allow-client-chat-template", action="store_true",
-      help="accept a client's chat_template_kwargs.chat_template (rendered sandboxed, time-limited)")
-    g("--max-top-logprobs-num", type=int, default=d.max_top_logprobs_num,
-      help="most top logprobs a request may ask for per token, on every route")
+    for flag, typ, text in _LIMIT_FLAGS:
+        group.add_argument(flag, type=typ, default=getattr(d, flag[2:].replace("-", "_")), help=text)
+    group.add_argument("--allow-client-chat-template", action="store_true",
+                       help="accept a client's chat_template_kwargs.chat_template (rendered sandboxed, time-limited)")

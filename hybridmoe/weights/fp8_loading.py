@@ -13,7 +13,8 @@ is honoured by construction: those tensors are not fp8 in the file):
     dequantized with its own scales).
   - A module that reads a child linear's `.weight` itself (not only calls it: MLA's weight absorption
     of kv_b_proj, say) lists that child in a class attribute `fp8_dense_children = ("kv_b_proj",)`;
-    those children are always dequantized. (`layers.fp8_linear.dense_weight` gives any linear's
+    those children are always dequantized; without the attribute, `DENSE_CHILDREN` (MLA's
+    kv_b_proj) applies. (`layers.fp8_linear.dense_weight` gives any linear's
     weight in a dtype, Fp8Linear or not.)
   - Routed experts: kept in the fp8 ExpertWeights form (codes + block scales) unless
     `--fp8-dequantize`; backends that do not compute in fp8 dequantize them (ExpertWeights.dequantized).
@@ -35,6 +36,9 @@ from hybridmoe.weights.fp8 import FP8_DTYPES, block_dequant, scale_name
 
 log = logging.getLogger(__name__)
 
+# children dequantized when their parent declares no fp8_dense_children: MLA's kv_b_proj, whose weight
+# layers/attention/mla.py reads for the absorbed decode (W_UK, W_UV)
+DENSE_CHILDREN = ("kv_b_proj",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -192,7 +196,7 @@ def swap_fp8_linears(model: nn.Module, reader, block: tuple[int, int], dtype: to
         if type(mod) is not nn.Linear:
             continue
         parent, _, child = name.rpartition(".")
-        if child in getattr(model.get_submodule(parent), "fp8_dense_children", ()):
+        if child in getattr(model.get_submodule(parent), "fp8_dense_children", DENSE_CHILDREN):
             continue  # its weight is read directly (not only called), e.g. absorbed into another: dequantized
         parts = parts_of(f"{name}.weight", mod.weight)
         fp8 = [reader.is_fp8(src) for src, _ in parts]

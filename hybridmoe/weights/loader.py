@@ -38,13 +38,13 @@ class CheckpointError(ValueError):
 
 def load_hf_config(model_path: str, trust_remote_code: bool = False):
     """The transformers config of a local model directory."""
-    from transformers import AutoConfig
+    from hybridmoe.models.hf_config import load_config
 
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
     try:
-        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        return load_config(path, trust_remote_code)  # models/hf_config.py: transformers' class, aliases
     except Exception as e:  # transformers raises many types; name the file
         raise CheckpointError(f"{path / 'config.json'}: cannot be read: {e}") from e
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from convert_helpers import run_convert
 from tiny_models import hf_model, make_tiny_model
 
 
@@ -24,3 +25,13 @@ def bf16_checkpoint(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def converted(bf16_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, its int8 conversion) of a tiny Qwen3-MoE, one per test module; tests copy the
+    conversion before damaging it."""
+    src = bf16_checkpoint("qwen3_moe")
+    out = tmp_path_factory.mktemp("conv") / "int8"
+    assert run_convert(src, out, "int8") == 0
+    return src, out

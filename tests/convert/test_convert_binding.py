@@ -28,15 +28,6 @@ from hybridmoe.weights.fingerprint import SCHEME, expert_fingerprint
 from convert_helpers import run_convert
 
 
-@pytest.fixture(scope="module")
-def converted(bf16_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
-    """(checkpoint, its int8 conversion) of a tiny Qwen3-MoE."""
-    src = bf16_checkpoint("qwen3_moe")
-    out = tmp_path_factory.mktemp("bind") / "int8"
-    assert run_convert(src, out, "int8") == 0
-    return src, out
-
-
 def _fine_tune(src: Path, dst: Path, only: str | None = None, scale: float = 0.05) -> Path:
     """A copy of `src` whose expert weights (or only tensor `only`) moved a little, config.json unchanged."""
     shutil.copytree(src, dst)

@@ -26,15 +26,6 @@ from hybridmoe.weights.cpu_format import CPUWeightsError
 from convert_helpers import dir_bytes, run_convert
 
 
-@pytest.fixture(scope="module")
-def converted(bf16_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
-    """(checkpoint, its int8 conversion) of a tiny Qwen3-MoE; tests copy the conversion before damaging it."""
-    src = bf16_checkpoint("qwen3_moe")
-    out = tmp_path_factory.mktemp("conv") / "int8"
-    assert run_convert(src, out, "int8") == 0
-    return src, out
-
-
 def _load(src: Path, out: Path, method: str = "AMXINT8") -> LLM:
     return LLM(str(src), device="cpu", progress=False, kt_num_gpu_experts=0, kt_method=method,
                kt_weight_path=str(out))

@@ -171,7 +171,7 @@ def test_numa_nodes_option():
             EngineArgs(kt_numa_nodes=bad).validate()
 
 
-@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16"])
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16", "FP8"])
 def test_prefetch_distance_changes_nothing_but_speed(method):
     """The few-row kernels' software prefetch (CPUEngineSettings.prefetch_bytes, given to the pool
     when it is created) reads ahead of, and past the end of, the weights: results are bit-identical

@@ -43,7 +43,7 @@ def test_act_quant_matches_formula():
     assert s[1].item() == 0
 
 
-@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16"])
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16", "FP8"])
 def test_pack_unpack_layer(method):
     torch.manual_seed(2)
     e, h, i = 3, 100, 40
@@ -52,7 +52,7 @@ def test_pack_unpack_layer(method):
     assert p.hidden_pad % 64 == 0 and p.inter_pad % 64 == 0
     g2, d2 = p.dequantized()
     assert g2.shape == gu.shape and d2.shape == dn.shape
-    tol = {"AMXINT8": 0.01, "AMXINT4": 0.12, "BF16": 0.005}[method]
+    tol = {"AMXINT8": 0.01, "AMXINT4": 0.12, "BF16": 0.005, "FP8": 0.04}[method]  # FP8: e4m3, 3 mantissa bits
     assert (g2 - gu).norm() / gu.norm() < tol and (d2 - dn).norm() / dn.norm() < tol
     # layout round trips exactly
     w13 = quant.interleave_w13(gu, p.inter_pad, p.hidden_pad)
@@ -98,7 +98,7 @@ def test_pack_layer_page_aligned_output_needs_no_copy():
 
     g = torch.Generator().manual_seed(3)
     gu, dn = torch.randn(5, 2 * 40, 72, generator=g), torch.randn(5, 72, 40, generator=g)
-    for method in ("AMXINT8", "AMXINT4", "BF16"):
+    for method in ("AMXINT8", "AMXINT4", "BF16", "FP8"):
         ref = quant.pack_layer(gu, dn, method, group_size=32, chunk=2)
         p = quant.pack_layer(gu, dn, method, group_size=32, chunk=2, page_align=True)
         for name, t in p.tensors().items():

@@ -77,7 +77,7 @@ def _masks(llm: LLM) -> dict[int, torch.Tensor]:
 
 
 # ---- (a) device-agnostic dequantization == quant.py's reference -----------------------------------
-CASES = [("AMXINT8", 128, True), ("BF16", 128, True)] + [
+CASES = [("AMXINT8", 128, True), ("BF16", 128, True), ("FP8", 32, True), ("FP8", 128, True)] + [
     ("AMXINT4", g, sym) for g in (32, 64, 128) for sym in (True, False)]
 
 
@@ -116,7 +116,7 @@ def _layer_setup(method: str, n_gpu_ids: list[int]):
     return plan, layer, w, mask
 
 
-@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "FP8"])
 def test_layerwise_layer_uses_the_dequantized_weights(method):
     """One layer: the streamed experts are exactly the packed weights dequantized (checked against
     a torch reference holding those weights), the resident ones the original weights."""

@@ -127,30 +127,28 @@ def test_prompt_too_long_names_the_context_length(c):
         assert f"context length is {ctx}" in r.json()["error"]["message"], (path, r.text)
 
 
-def test_header_timeout_closes_the_connection(srv):
-    for partial in (b"", b"POST /generate HTTP/1.1\r\nHost: x\r\n"):
-        s = _connect(srv)
-        s.sendall(partial)
-        t0 = time.time()
-        raw = _read_all(s)  # the server answers 408 and closes
-        waited = time.time() - t0
-        s.close()
-        assert HEADER_S * 0.8 < waited < HEADER_S + 5, waited
-        status, err = _status_and_json(raw)
-        assert status == 408 and "--header-timeout" in err["error"]["message"]
-
-
-def test_body_timeout_is_408_and_closes(srv):
+def _assert_408_after(srv, sent: bytes, limit_s: float, flag: str) -> None:
+    """Send `sent` and nothing more: the server answers 408 naming `flag` after about limit_s, and closes."""
     s = _connect(srv)
-    s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-              b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"text\": ")
+    s.sendall(sent)
     t0 = time.time()
     raw = _read_all(s)
     waited = time.time() - t0
     s.close()
-    assert BODY_S * 0.8 < waited < BODY_S + 5, waited
+    assert limit_s * 0.8 < waited < limit_s + 5, waited
     status, err = _status_and_json(raw)
-    assert status == 408 and "--body-timeout" in err["error"]["message"]
+    assert status == 408 and flag in err["error"]["message"]
+
+
+def test_header_timeout_closes_the_connection(srv):
+    for partial in (b"", b"POST /generate HTTP/1.1\r\nHost: x\r\n"):
+        _assert_408_after(srv, partial, HEADER_S, "--header-timeout")
+
+
+def test_body_timeout_is_408_and_closes(srv):
+    _assert_408_after(srv, b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                      b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"text\": ",
+                      BODY_S, "--body-timeout")
 
 
 def test_connection_limit_gives_503(srv):

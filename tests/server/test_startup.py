@@ -30,3 +30,26 @@ def test_503_while_starting_then_load_error():
         r = client.get("/health")
         assert r.status_code == 503 and "no weights here" in r.json()["error"]["message"]
     assert app.state.hybridmoe.exit_code == 1
+
+
+def test_a_failed_shutdown_step_is_one_warning_and_the_later_steps_still_run(caplog):
+    app = create_app(EngineArgs(device="cpu", log_level="warning"))
+    state = app.state.hybridmoe
+    real_stop, real_close, calls = state.engine.stop, state.pool.close, []
+
+    def failing_stop(*a, **k):
+        calls.append("stop")
+        raise RuntimeError("boom")
+
+    def close():
+        calls.append("close")
+        real_close()
+
+    with TestClient(app) as client:
+        assert state.engine.wait_loaded(120)
+        assert client.get("/health").status_code == 200
+        state.engine.stop, state.pool.close = failing_stop, close
+    real_stop()  # the engine thread the failing step left running
+    assert calls == ["stop", "close"]
+    lines = [r.getMessage() for r in caplog.records if "shutdown:" in r.getMessage()]
+    assert lines == ["shutdown: could not stop the engine: RuntimeError: boom"], lines

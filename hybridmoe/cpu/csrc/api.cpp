@@ -17,6 +17,7 @@ extern "C" int hm_isa_check(int isa, char* msg, int len);
 
 namespace hm {
 const Kernels* kernels_checked(int isa);
+bool cpu_has_vbmi();
 extern double g_profile[8];
 
 std::string check_settings(const HmPoolSettings& s) {
@@ -74,7 +75,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 9; }
+int hm_abi_version() { return 10; }
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];
@@ -113,11 +114,13 @@ void* hm_layer_create(const hm::LayerDesc* d, int isa, char* err, int errlen) {
   }
   const hm::Kernels* k = hm::kernels_checked(isa);
   std::string bad;
-  if (d->method < hm::M_INT8 || d->method > hm::M_BF16) bad = "unknown method";
+  if (d->method < hm::M_INT8 || d->method > hm::M_FP8) bad = "unknown method";
   else if (d->method == hm::M_INT4 && d->group != 32 && d->group != 64 && d->group != 128) bad = "int4 group must be 32, 64 or 128";
   else if (d->Hp % 64 || d->Ip % 64 || d->Hp < d->H || d->Ip < d->I || d->H < 1 || d->I < 1 || d->E < 1) bad = "bad padded sizes";
   else if (d->w13.N != 2 * d->Ip || d->w13.Kd != d->Hp || d->w2.N != d->Hp || d->w2.Kd != d->Ip) bad = "matrix shapes disagree with sizes";
-  else if (d->method == hm::M_INT4 && (d->Hp % d->group || d->Ip % d->group)) bad = "padded sizes not a multiple of the group";
+  else if (d->method == hm::M_FP8 && (d->group < 32 || d->group % 32)) bad = "fp8 block K (group) must be a multiple of 32";
+  else if ((d->method == hm::M_INT4 || d->method == hm::M_FP8) && (d->Hp % d->group || d->Ip % d->group))
+    bad = "padded sizes not a multiple of the group";
   else if (!d->w13.data || !d->w2.data || (d->method != hm::M_BF16 && (!d->w13.scale || !d->w2.scale)) ||
            (d->method == hm::M_INT8 && (!d->w13.wsum || !d->w2.wsum)))
     bad = "null weight pointer";
@@ -125,6 +128,12 @@ void* hm_layer_create(const hm::LayerDesc* d, int isa, char* err, int errlen) {
   if (!bad.empty()) {
     put(err, errlen, bad);
     return nullptr;
+  }
+  // the AVX-512/AMX FP8 widening needs AVX512-VBMI (every AVX-512 BF16 CPU but Cooper Lake has it):
+  // without it FP8 runs the AVX2 kernels (same results; hm_layer_kernel_name says "avx2")
+  if (d->method == hm::M_FP8 && isa >= hm::ISA_AVX512 && !hm::cpu_has_vbmi()) {
+    k = hm::kernels_checked(hm::ISA_AVX2);
+    isa = hm::ISA_AVX2;
   }
   return new hm::HmLayer{*d, k, isa, d->method == hm::M_BF16 ? hm::kernels_checked(hm::ISA_AVX2) : nullptr};
 }

@@ -13,6 +13,10 @@
 //          step 2u in its low nibble and of step 2u+1 in its high nibble; nibbles are unsigned
 //          q in [0,15], w = d*q + m; d,m [E][N/16][Kd/G][16] f32 (m absent when symmetric: m=-8d)
 //   bf16 : [N/16][Kd/2][16][2] bf16
+//   fp8  : [N/16][Kd/4][64] float8_e4m3fn bytes: a 64-byte line holds two bf16-layout steps (32 values:
+//          [16 rows][2]) lane-interleaved, byte 16L + 8p + i = value 8L + i of step p (so AVX-512
+//          byte unpacks widen it to the two bf16 steps in order); scale [E][N/16][Kd/G] f32 (G = the
+//          checkpoint's block K), w = fp8 * scale; NaN bytes are refused at packing
 // w13 (gate_up) rows are interleaved per 16: block 2j = gate rows 16j.., block 2j+1 = up rows 16j..
 #pragma once
 #include <cstddef>
@@ -20,7 +24,7 @@
 
 namespace hm {
 
-enum Method : int { M_INT8 = 0, M_INT4 = 1, M_BF16 = 2 };
+enum Method : int { M_INT8 = 0, M_INT4 = 1, M_BF16 = 2, M_FP8 = 3 };
 enum Isa : int { ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AMX = 2 };
 enum Act : int { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_SWIGLU_CLAMP = 2 };
 enum DType : int { DT_F32 = 0, DT_BF16 = 1 };
@@ -28,7 +32,7 @@ enum DType : int { DT_F32 = 0, DT_BF16 = 1 };
 struct PackedMat {
   const uint8_t* data;     // packed weights, all experts
   int64_t expert_stride;   // bytes per expert
-  const float* scale;      // int8: [E][N]; int4: d [E][N/16][Kd/G][16]
+  const float* scale;      // int8: [E][N]; int4: d [E][N/16][Kd/G][16]; fp8: [E][N/16][Kd/G]
   const float* zero;       // int4 asymmetric: m, same shape as d; else nullptr
   const int32_t* wsum;     // int8: [E][N] sum of the row's int8 values
   int N, Kd;               // padded sizes (N % 64 == 0, Kd % 64 == 0 and % G == 0)

@@ -27,6 +27,7 @@ enum Feature : unsigned {
   F_OS_AVX512 = 1u << 11,  // XCR0 has opmask + ZMM state
   F_OS_AMX = 1u << 12,     // XCR0 has tile state and Linux granted XTILEDATA
   F_F16C = 1u << 13,
+  F_AVX512VBMI = 1u << 14,  // not needed by an ISA level: the AVX-512/AMX FP8 kernels only (api.cpp)
 };
 
 uint64_t xgetbv0() {
@@ -61,6 +62,7 @@ unsigned detect() {
     if (b & (1u << 30)) f |= F_AVX512BW;
     if (b & (1u << 31)) f |= F_AVX512VL;
     if (c & (1u << 11)) f |= F_AVX512VNNI;
+    if (c & (1u << 1)) f |= F_AVX512VBMI;
     if (d & (1u << 24)) f |= F_AMX_TILE;
     if (d & (1u << 25)) f |= F_AMX_INT8;
     if (d & (1u << 22)) f |= F_AMX_BF16;
@@ -150,4 +152,5 @@ int hm_isa_best() {
 
 namespace hm {
 const Kernels* kernels_checked(int isa) { return hm_isa_check(isa, nullptr, 0) ? table_for(isa) : nullptr; }
+bool cpu_has_vbmi() { return (features() & F_AVX512VBMI) != 0; }
 }  // namespace hm

@@ -1,11 +1,15 @@
 // AMX kernels (tile + int8 + bf16) for many rows per expert; int4 and small row counts use the
-// AVX-512 kernels (same activation formats: u8 = q + 128 for int8, bf16 rows for BF16).
+// AVX-512 kernels (same activation formats: u8 = q + 128 for int8, bf16 rows for BF16 and FP8).
+// FP8: each block pair is widened to bf16 once per item (fp8_to_bf16: the B-tile layout, exact) and
+// reused by all its rows; each K group's tile dots are scaled by the group's scale into fp32 sums.
 // Tiles: C0..C3 = 32 rows x 32 outputs (int32 / fp32), A4/A5 = 2 x 16 activation rows,
 // B6/B7 = two N-blocks; the packed block layout is exactly the AMX B-tile (VNNI) layout, so a B
 // tile is 1 KiB of contiguous weights. Rows past M are read from the workspace padding and dropped.
 #include <immintrin.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "kernels_avx512.h"
 
@@ -18,6 +22,9 @@ inline int imin(int a, int b) { return a < b ? a : b; }
 inline float fmaxf_(float a, float b) { return a > b ? a : b; }
 
 constexpr int AMX_MIN_ROWS = 16;  // fewer rows per expert: AVX-512 (memory bound anyway)
+// FP8 from this many rows: its AVX-512 kernel widens each weight for every 8 rows and is compute-bound
+// from 2-4 rows on; a widened tile pair serves up to 32 rows at tile speed
+constexpr int AMX_MIN_ROWS_FP8 = 4;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -90,10 +97,90 @@ void amx_pair(const uint8_t* b0, const uint8_t* b1, int Kd, const ActView& A, in
     }
 }
 
+// One 32-row x 32-output tile of FP8: b0/b1 two widened bf16 blocks, s0/s1 their scales [Kd/G].
+void amx_fp8_pair(const uint16_t* b0, const uint16_t* b1, int Kd, int G, const ActView& A, int m, int M,
+                  const float* s0, const float* s1, float* C, int64_t ldc) {
+  alignas(64) float cb[4][256];
+  alignas(64) float acc[4][256];
+  std::memset(acc, 0, sizeof(acc));  // (rows past M are read from the workspace padding, never stored)
+  const uint8_t* a0 = A.data + int64_t(m) * A.ld;
+  const uint8_t* a1 = a0 + 16 * A.ld;
+  const int kpg = G / 32;  // tile depths (32 bf16 values) per group
+  const int rows = imin(32, M - m);
+  const int nq = rows > 16 ? 4 : 2;  // rows 16..31 only when there are any
+  const int rows16 = rows > 16 ? 16 : rows;  // valid rows of the first tile row block
+  for (int g = 0; g < Kd / G; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (nq == 4) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int kt = g * kpg; kt < (g + 1) * kpg; ++kt) {
+      _tile_loadd(4, a0 + kt * 64, A.ld);
+      _tile_loadd(6, b0 + kt * 512, 64);
+      _tile_loadd(7, b1 + kt * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (nq == 4) {
+        _tile_loadd(5, a1 + kt * 64, A.ld);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, cb[0], 64);
+    _tile_stored(1, cb[1], 64);
+    if (nq == 4) {
+      _tile_stored(2, cb[2], 64);
+      _tile_stored(3, cb[3], 64);
+    }
+    const __m512 v0 = _mm512_set1_ps(s0[g]), v1 = _mm512_set1_ps(s1[g]);
+    for (int q = 0; q < nq; ++q) {
+      const __m512 vs = q & 1 ? v1 : v0;
+      for (int i = 0; i < (q < 2 ? rows16 : rows - 16) * 16; i += 16)
+        _mm512_store_ps(acc[q] + i, _mm512_fmadd_ps(_mm512_load_ps(cb[q] + i), vs, _mm512_load_ps(acc[q] + i)));
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < 2; ++j)
+      std::memcpy(C + int64_t(m + r) * ldc + j * 16, acc[(r / 16) * 2 + j] + (r % 16) * 16, 64);
+}
+
+// The widened (bf16) copy of one item's block pair, per thread.
+struct Fp8Scratch {
+  uint16_t* p = nullptr;
+  size_t cap = 0;
+  ~Fp8Scratch() { std::free(p); }
+  uint16_t* get(size_t n) {
+    if (n > cap) {
+      std::free(p);
+      p = static_cast<uint16_t*>(std::aligned_alloc(64, (n * 2 + 63) / 64 * 64));
+      if (!p) throw std::bad_alloc();
+      cap = n;
+    }
+    return p;
+  }
+};
+thread_local Fp8Scratch t_fp8;
+
+void gemm_fp8(const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc, int G) {
+  const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
+  const int64_t steps = W.Kd / 2, ng = W.Kd / G;  // 32-byte steps per block, groups per row
+  uint16_t* wide = t_fp8.get(size_t(2 * steps * 32));
+  for (int nb = nb0; nb < nb1; nb += 2) {
+    avx512::fp8_to_bf16(base + int64_t(nb) * 16 * W.Kd, wide, 2 * steps);  // the two blocks are adjacent
+    const float* sc = W.scale + (int64_t(e) * (W.N / 16) + nb) * ng;
+    for (int m = 0; m < M; m += 32)
+      amx_fp8_pair(wide, wide + steps * 32, W.Kd, G, A, m, M, sc, sc + ng, C + (nb - nb0) * 16, ldc);
+  }
+}
+
 void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc,
           int G) {
-  if (method == M_INT4 || M < AMX_MIN_ROWS) return avx512::gemm(method, W, e, A, M, nb0, nb1, C, ldc, G);
+  if (method == M_INT4 || M < (method == M_FP8 ? AMX_MIN_ROWS_FP8 : AMX_MIN_ROWS))
+    return avx512::gemm(method, W, e, A, M, nb0, nb1, C, ldc, G);
   configure_tiles();
+  if (method == M_FP8) return gemm_fp8(W, e, A, M, nb0, nb1, C, ldc, G);
   const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
   const int64_t bbytes = method == M_INT8 ? int64_t(16) * W.Kd : int64_t(32) * W.Kd;
   // rows outer, block pairs inner: the 32 activation rows stay in L1/L2 across the item's blocks

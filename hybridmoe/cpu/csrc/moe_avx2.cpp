@@ -1,5 +1,7 @@
 // AVX2 + FMA kernels (baseline path). Activation formats: int8/int4 methods -> int8 q per row
-// (scale = amax/127, q = round(x * 127/amax)); BF16 method -> fp32 rows.
+// (scale = amax/127, q = round(x * 127/amax)); BF16 method -> fp32 rows; FP8 -> fp32 rows rounded
+// to bf16 (the AVX-512/AMX FP8 kernels' activations, so every ISA computes the same products).
+// FP8 weights are widened to fp32 and scaled in one multiply (fp8x8), then fp32 FMA.
 // int8 dot: maddubs(|x|, sign(w, x)) (no saturation: |w|, |x| <= 127); int4: maddubs(nibble, x).
 #include <immintrin.h>
 
@@ -36,7 +38,25 @@ inline int32_t load_i32(const uint8_t* p) {
   return v;
 }
 
-int64_t act_row_bytes(int method, int Kdp) { return method == M_BF16 ? int64_t(Kdp) * 4 : int64_t(Kdp); }
+int64_t act_row_bytes(int method, int Kdp) {
+  return method == M_BF16 || method == M_FP8 ? int64_t(Kdp) * 4 : int64_t(Kdp);
+}
+
+// fp32 -> the nearest bf16 (ties to even), kept as fp32; finite inputs
+inline __m256 round_bf16_8(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+inline float round_bf16_1(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 
 bool quant_row(int method, const void* src, int dt, int K, int Kdp, int G, uint8_t* dst, float* scale,
                int32_t* gsum) {
@@ -63,6 +83,13 @@ bool quant_row(int method, const void* src, int dt, int K, int Kdp, int G, uint8
     float* o = reinterpret_cast<float*>(dst);
     for (i = 0; i + 8 <= K; i += 8) _mm256_storeu_ps(o + i, load8(src, dt, i));
     for (; i < K; ++i) o[i] = load1(src, dt, i);
+    for (; i < Kdp; ++i) o[i] = 0.0f;
+    return true;
+  }
+  if (method == M_FP8) {
+    float* o = reinterpret_cast<float*>(dst);
+    for (i = 0; i + 8 <= K; i += 8) _mm256_storeu_ps(o + i, round_bf16_8(load8(src, dt, i)));
+    for (; i < K; ++i) o[i] = round_bf16_1(load1(src, dt, i));
     for (; i < Kdp; ++i) o[i] = 0.0f;
     return true;
   }
@@ -181,8 +208,78 @@ void blk_bf16(const uint8_t* wb, int Kd, const ActView& A, int m0, float* C, int
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(C + t * ldc + 8 * h, acc[t][h]);
 }
 
+// 8 e4m3 bytes -> 8 fp32 times f. The byte's bits placed in a fp32 (sign at 31, exponent field e in
+// 0..15, mantissa m << 20) read 2^(e-127) (1 + m/8) for e > 0 and the fp32 subnormal m * 2^-129 for
+// e == 0: both the e4m3 value times 2^-120, so f = scale * 2^120 widens, rebiases and scales in one
+// exact-then-rounded multiply (the reference's fp8 * scale in fp32). Needs denormal inputs honoured
+// (MXCSR DAZ off: gemm_fp8 makes sure). The NaN codes are refused at packing.
+inline __m256 fp8x8(const uint8_t* p, __m256 f) {
+  __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  v = _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(int(0x87F00000u)));
+  return _mm256_mul_ps(_mm256_castsi256_ps(v), f);
+}
+
+// FP8 block x MT rows: per step, 4 registers of (row, k parity) lanes: rows 4q..4q+3 x (k, k+1), the
+// 8 bytes at line offset 16q + 8 * (step parity) (the lane-interleaved line of quant.py pack_pairs).
+template <int MT>
+void blk_fp8(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C, int64_t ldc) {
+  __m256 acc[MT][4];
+  for (int t = 0; t < MT; ++t)
+    for (int q = 0; q < 4; ++q) acc[t][q] = _mm256_setzero_ps();
+  const int spg = G / 2, pf = A.prefetch;
+  for (int g = 0; g < Kd / G; ++g) {
+    // scale * 2^120 overflows for scales >= 2^8 (weights beyond 2^16, never seen): two multiplies then
+    const float f = sc[g] * 0x1p120f;
+    const bool two = !(std::fabs(f) <= 3.0e38f);
+    const __m256 vf = _mm256_set1_ps(two ? 0x1p120f : f), vs = _mm256_set1_ps(sc[g]);
+    for (int s = g * spg; s < (g + 1) * spg; ++s) {
+      if (pf && !(s & 1)) _mm_prefetch(reinterpret_cast<const char*>(wb + s * 32 + pf), _MM_HINT_T0);  // per line
+      const uint8_t* w = wb + (s >> 1) * 64 + (s & 1) * 8;
+      __m256 w0 = fp8x8(w, vf), w1 = fp8x8(w + 16, vf), w2 = fp8x8(w + 32, vf), w3 = fp8x8(w + 48, vf);
+      if (two) {
+        w0 = _mm256_mul_ps(w0, vs);
+        w1 = _mm256_mul_ps(w1, vs);
+        w2 = _mm256_mul_ps(w2, vs);
+        w3 = _mm256_mul_ps(w3, vs);
+      }
+      for (int t = 0; t < MT; ++t) {  // x pair (2s, 2s+1) in every lane pair
+        const __m256 x = _mm256_castpd_ps(
+            _mm256_broadcast_sd(reinterpret_cast<const double*>(A.data + (m0 + t) * A.ld + 8 * s)));
+        acc[t][0] = _mm256_fmadd_ps(w0, x, acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(w1, x, acc[t][1]);
+        acc[t][2] = _mm256_fmadd_ps(w2, x, acc[t][2]);
+        acc[t][3] = _mm256_fmadd_ps(w3, x, acc[t][3]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t)
+    for (int h = 0; h < 2; ++h) {  // hadd: rows 0,1,4,5,2,3,6,7 (of the half) -> in order
+      __m256 r = _mm256_hadd_ps(acc[t][2 * h], acc[t][2 * h + 1]);
+      _mm256_storeu_ps(C + t * ldc + 8 * h, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(r), 0xD8)));
+    }
+}
+
+void gemm_fp8(const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc, int G) {
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr & ~0x8040u);  // DAZ (bit 6) and FTZ (bit 15) off: fp8x8 reads fp32 subnormals
+  const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
+  const int NBT = W.N / 16, Kd = W.Kd;
+  for (int nb = nb0; nb < nb1; ++nb) {
+    const uint8_t* wb = base + int64_t(nb) * 16 * Kd;
+    const float* sc = W.scale + (int64_t(e) * NBT + nb) * (Kd / G);
+    for (int m = 0; m < M; m += 2) {
+      if (M - m >= 2)
+        blk_fp8<2>(wb, Kd, G, A, m, sc, C + (nb - nb0) * 16 + m * ldc, ldc);
+      else
+        blk_fp8<1>(wb, Kd, G, A, m, sc, C + (nb - nb0) * 16 + m * ldc, ldc);
+    }
+  }
+  _mm_setcsr(csr);
+}
+
 void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc,
           int G) {
+  if (method == M_FP8) return gemm_fp8(W, e, A, M, nb0, nb1, C, ldc, G);
   const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
   const int NBT = W.N / 16, Kd = W.Kd;
   for (int nb = nb0; nb < nb1; ++nb) {

@@ -1,6 +1,7 @@
 // AVX-512 kernels (F/BW/VL + VNNI + BF16). Activation formats: int8 method -> u8 = q + 128 per row
-// (dot = dpbusd(u8, w) - 128 * rowsum(w)); int4 -> s8 q (dpbusd(nibble, q)); BF16 -> bf16 rows
-// (dpbf16ps). q = round(x * 127/amax), scale = amax/127, exactly as the AVX2 path.
+// (dot = dpbusd(u8, w) - 128 * rowsum(w)); int4 -> s8 q (dpbusd(nibble, q)); BF16 and FP8 -> bf16
+// rows (dpbf16ps; FP8 widens its weights to bf16 in registers, fp8_line_to_bf16, and scales each K
+// group's partial dot). q = round(x * 127/amax), scale = amax/127, exactly as the AVX2 path.
 #include <immintrin.h>
 
 #include <cmath>
@@ -126,6 +127,85 @@ void blk_bf16(const uint8_t* wb, int Kd, const ActView& A, int m0, float* C, int
   for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, _mm512_add_ps(acc[0][t], acc[1][t]));
 }
 
+// e4m3 -> bf16, exact (every e4m3 value is a bf16 value), 64 at a time: the low and the high byte of
+// each bf16 are looked up in 128-entry tables by the code's low 7 bits (vpermi2b, AVX512-VBMI: zero,
+// subnormals m * 2^-9 and NaN included), the sign bit is or-ed into the high byte, and unpacking
+// low/high bytes gives the words. Unpacking works per 128-bit lane, so the packer stores each 64-byte
+// line (two 32-value steps) lane-interleaved: line byte 16L + 8p + i = value 8L + i of step p
+// (quant.py pack_pairs); the unpacks then return step 0 and step 1 in order.
+struct Fp8Tables {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  constexpr Fp8Tables() : lo(), hi() {
+    for (int c = 0; c < 128; ++c) {
+      const int e = c >> 3, m = c & 7;
+      int v = 0;  // bf16 bits of the magnitude
+      if (c == 127) {
+        v = 0x7FC0;  // NaN
+      } else if (e > 0) {
+        v = (e + 120) << 7 | m << 4;
+      } else if (m > 0) {  // m * 2^-9 = 2^(p - 9) * (m / 2^p), p = the top bit of m
+        const int p = m >= 4 ? 2 : m >= 2 ? 1 : 0;
+        v = (127 + p - 9) << 7 | (m - (1 << p)) << (7 - p);
+      }
+      lo[c] = uint8_t(v & 0xFF);
+      hi[c] = uint8_t(v >> 8);
+    }
+  }
+};
+constexpr Fp8Tables kFp8{};
+
+struct Fp8Regs {
+  __m512i lo0, lo1, hi0, hi1, sign;
+  Fp8Regs()
+      : lo0(_mm512_load_si512(kFp8.lo)), lo1(_mm512_load_si512(kFp8.lo + 64)), hi0(_mm512_load_si512(kFp8.hi)),
+        hi1(_mm512_load_si512(kFp8.hi + 64)), sign(_mm512_set1_epi8(char(0x80))) {}
+};
+
+// one packed 64-byte line -> its two steps as bf16 (w0: the even step, w1: the odd one)
+inline void fp8_line_to_bf16(const Fp8Regs& r, const uint8_t* p, __m512i& w0, __m512i& w1) {
+  const __m512i b = _mm512_loadu_si512(p);
+  const __m512i lo = _mm512_permutex2var_epi8(r.lo0, b, r.lo1);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(r.hi0, b, r.hi1), b, r.sign, 0xF8);
+  w0 = _mm512_unpacklo_epi8(lo, hi);
+  w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// FP8 block: per K group (G values = G/2 steps) a bf16 dot into acc, then facc += acc * s[g]; one line
+// (two steps, two dot chains) per iteration. (Four chains over two lines for 1-2 rows measured the
+// same here: the widening, not the dot latency, bounds few rows.)
+template <int R>
+void blk_fp8(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C, int64_t ldc) {
+  constexpr int CH = 2;  // dot chains per row (steps per iteration, 2 per line)
+  __m512 facc[R];
+  for (int t = 0; t < R; ++t) facc[t] = _mm512_setzero_ps();
+  const uint8_t* x[R];
+  for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
+  const int spg = G / 2, pf = A.prefetch;
+  const Fp8Regs tab;
+  for (int g = 0; g < Kd / G; ++g) {
+    __m512 acc[CH][R];
+    for (int c = 0; c < CH; ++c)
+      for (int t = 0; t < R; ++t) acc[c][t] = _mm512_setzero_ps();
+    for (int s = g * spg; s < (g + 1) * spg; s += CH) {  // G % 32 == 0: whole iterations
+      __m512i w[CH];
+      for (int l = 0; l < CH / 2; ++l) {
+        if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + (s + 2 * l) * 32 + pf), _MM_HINT_T0);
+        fp8_line_to_bf16(tab, wb + (s + 2 * l) * 32, w[2 * l], w[2 * l + 1]);
+      }
+      for (int c = 0; c < CH; ++c)
+        for (int t = 0; t < R; ++t)
+          acc[c][t] = _mm512_dpbf16_ps(acc[c][t], (__m512bh)w[c], (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * (s + c))));
+    }
+    const __m512 vs = _mm512_set1_ps(sc[g]);
+    for (int t = 0; t < R; ++t) {
+      __m512 sum = _mm512_add_ps(acc[0][t], acc[1][t]);
+      if (CH == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[CH - 2][t], acc[CH - 1][t]));
+      facc[t] = _mm512_fmadd_ps(sum, vs, facc[t]);
+    }
+  }
+  for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, facc[t]);
+}
 
 #define HM_SWITCH_R(n, CALL) \
   switch (n) {               \
@@ -141,7 +221,19 @@ void blk_bf16(const uint8_t* wb, int Kd, const ActView& A, int m0, float* C, int
 
 }  // namespace
 
-int64_t act_row_bytes(int method, int Kdp) { return method == M_BF16 ? int64_t(Kdp) * 2 : int64_t(Kdp); }
+int64_t act_row_bytes(int method, int Kdp) {
+  return method == M_BF16 || method == M_FP8 ? int64_t(Kdp) * 2 : int64_t(Kdp);
+}
+
+void fp8_to_bf16(const uint8_t* src, uint16_t* dst, int64_t steps) {
+  const Fp8Regs tab;
+  for (int64_t s = 0; s < steps; s += 2) {
+    __m512i w0, w1;
+    fp8_line_to_bf16(tab, src + s * 32, w0, w1);
+    _mm512_storeu_si512(dst + s * 32, w0);
+    _mm512_storeu_si512(dst + s * 32 + 32, w1);
+  }
+}
 
 bool quant_row(int method, const void* src, int dt, int K, int Kdp, int G, uint8_t* dst, float* scale,
                int32_t* gsum) {
@@ -154,7 +246,7 @@ bool quant_row(int method, const void* src, int dt, int K, int Kdp, int G, uint8
     bad = __mmask16(bad | _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ));
   }
   if (bad) return false;
-  if (method == M_BF16) {
+  if (method == M_BF16 || method == M_FP8) {
     for (int i = 0; i < Kdp; i += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i),
                           (__m256i)_mm512_cvtneps_pbh(load16(src, dt, i, tail_mask(K - i))));
@@ -207,6 +299,14 @@ void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb
           HM_SWITCH_R(imin(MT, M - m), HM_CALL)
 #undef HM_CALL
         }
+      }
+    } else if (method == M_FP8) {
+      const uint8_t* wb = base + int64_t(nb) * 16 * Kd;
+      const float* sc = W.scale + (int64_t(e) * NBT + nb) * (Kd / G);
+      for (int m = 0; m < M; m += MT) {
+#define HM_CALL(r) blk_fp8<r>(wb, Kd, G, A, m, sc, Cb + m * ldc, ldc)
+        HM_SWITCH_R(imin(MT, M - m), HM_CALL)
+#undef HM_CALL
       }
     } else {
       const uint8_t* wb = base + int64_t(nb) * 32 * Kd;

@@ -22,7 +22,8 @@ class ForwardContext:
     """What every layer needs for one forward pass besides its input."""
 
     attn_meta: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k_cache, v_cache [N, S, Hkv, D]
+    # per layer: (k_cache, v_cache) [N, S, Hkv, D]; MLA (attention/mla.py): (latent cache,) [N, S, Lkv + R]
+    kv_caches: list[tuple[torch.Tensor, ...]]
     backend: AttentionBackend
 
 
