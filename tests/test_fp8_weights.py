@@ -100,7 +100,7 @@ def _model(llm):
     return llm.engine.runner.model
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v2"])
 def test_fp8_checkpoint_on_cpu_equals_dequantized(tmp_path, kind):
     fp8, deq = _fp8(tmp_path, kind)
     a = LLM(str(fp8), device="cpu", progress=False)
@@ -169,7 +169,7 @@ def _force_fp8_linears(monkeypatch):
     monkeypatch.setattr(loader, "fp8_gemm_supported", lambda device: True)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_fp8_linears_weights_only_equal_dequantized(tmp_path, kind, monkeypatch):
     """Fp8Linear with its activation quantization taken out is the dequantized model exactly: the
     swap, the fused qkv's parts and their stacked scale rows are right. qwen3_moe: q/k/v rows are
@@ -182,15 +182,18 @@ def test_fp8_linears_weights_only_equal_dequantized(tmp_path, kind, monkeypatch)
     model = _model(a)
     fp8_mods = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
     attn = model.model.layers[0].self_attn
-    assert ("model.layers.0.self_attn.qkv_proj" in fp8_mods) == (kind == "qwen3_moe")
     assert isinstance(attn.o_proj, Fp8Linear) and not isinstance(model.lm_head, Fp8Linear)
+    if kind == "deepseek_v3":  # MLA reads kv_b_proj's weight (absorbed decode): kept dense
+        assert type(attn.kv_b_proj) is torch.nn.Linear and isinstance(attn.kv_a_proj_with_mqa, Fp8Linear)
+    else:
+        assert ("model.layers.0.self_attn.qkv_proj" in fp8_mods) == (kind == "qwen3_moe")
     if kind == "qwen3_moe":
         assert attn.qkv_proj.parts is not None and len(attn.qkv_proj.parts) == 3
     b = LLM(str(deq), device="cpu", progress=False)
     assert torch.equal(a.prompt_logits(PROMPT), b.prompt_logits(PROMPT))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_linears_with_activation_quant_close(tmp_path, monkeypatch, kind, dtype):
     """The kept-fp8 path (activations quantized per token group, the kernel's torch reference) on the
@@ -331,7 +334,7 @@ def test_fp8_linear_keeps_dtypes_on_conversion():
 
 # ---------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3"])
 def test_gpu_fp8_model_vs_dequantized(tmp_path, kind):
     """CUDA, bf16: Fp8Linear (Triton W8A8 block GEMM) and fp8 experts against --fp8-dequantize of the
     same checkpoint; criterion: assert_close_to_dequantized (as on the CPU, where it was measured)."""
