@@ -63,6 +63,23 @@ def variant_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def gpu_variant_dir(tmp_path_factory):
+    """The variants with weights of std 0.1 (bf16 GPU tests): at the default 0.2 the V3 variant is
+    chaotic in bf16; transformers' own bf16 run is 4.3 logits off the fp32 argmax at the first
+    generated token (15% relative error of the prompt logits; ours: the same, measured on the CPU),
+    so a bf16 tolerance would test the model's conditioning, not our kernels. At 0.1: 1-5%."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            kind, overrides = VARIANTS[name]
+            cache[name] = make_tiny_model(kind, tmp_path_factory.mktemp(name + "_gpu"), std=0.1, **overrides)
+        return cache[name]
+
+    return get
+
+
 # ---------------------------------------------------------------- routing
 def _router_case(version: int, e: int, k: int, n_group, topk_group, norm: bool, scale: float, method=None):
     if version == 3:
@@ -345,14 +362,14 @@ def test_unsupported_routing_is_refused(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_gpu_bf16_graphs_and_prefix_cache(name, attention_backend, variant_dir):
+def test_gpu_bf16_graphs_and_prefix_cache(name, attention_backend, gpu_variant_dir):
     """bf16 on the GPU: CUDA graphs on and off give identical greedy tokens (same kernels, same
     shapes), through chunked prefill and a prefix-cache hit; the tokens are the fp32 reference's
     argmax or within 1.0 logit of it (bf16 near-ties, as tests/test_parity.py::test_gpu_bf16_parity
     states), and at least 80% are exactly the argmax."""
     import gc
 
-    path = variant_dir(name)
+    path = gpu_variant_dir(name)
     ref32 = hf_model(path)
     vocab = ref32.config.vocab_size
     prompt = _prompt(vocab, 45, 11)

@@ -285,7 +285,11 @@ def test_gpu_group_quant_exact(m, k):
     x = mixed_input(m, k, 3, torch.bfloat16).cuda()
     q, s = per_token_group_quant(x, 128)
     qr, sr = per_token_group_quant_ref(x, 128)
-    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    # equal values; the sign of a zero code may differ (seen on the H200: the hardware cast gives +0
+    # where the reference's gives -0 for tiny negative inputs), which the GEMM cannot tell apart
+    assert torch.equal(q.float(), qr.float()) and torch.equal(s, sr)
+    nonzero = qr.float() != 0
+    assert torch.equal(q.view(torch.uint8)[nonzero], qr.view(torch.uint8)[nonzero])
 
 
 # DeepSeek-V3 shapes (q_a_proj 7168 -> 1536, kv_a 7168 -> 576, o_proj 16384 -> 7168) and odd ones

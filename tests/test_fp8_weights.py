@@ -341,11 +341,11 @@ def test_gpu_fp8_model_vs_dequantized(tmp_path, kind):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMM needs sm_89+")
     fp8, _ = _fp8(tmp_path, kind, std=CLOSE_STD)
-    a = LLM(str(fp8), device="cuda", dtype="bfloat16", progress=False)
+    a = LLM(str(fp8), device="cuda", dtype="bfloat16", progress=False, max_total_tokens=4096)
     assert any(isinstance(m, Fp8Linear) for m in _model(a).modules())
-    b = LLM(str(fp8), device="cuda", dtype="bfloat16", progress=False, fp8_dequantize=True)
+    b = LLM(str(fp8), device="cuda", dtype="bfloat16", progress=False, max_total_tokens=4096, fp8_dequantize=True)
     assert not any(isinstance(m, Fp8Linear) for m in _model(b).modules())
-    orig = LLM(str(tmp_path / "src"), device="cuda", dtype="bfloat16", progress=False)
+    orig = LLM(str(tmp_path / "src"), device="cuda", dtype="bfloat16", progress=False, max_total_tokens=4096)
     assert_close_to_dequantized(a.prompt_logits(PROMPT), b.prompt_logits(PROMPT), orig.prompt_logits(PROMPT),
                                 a.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"],
                                 b.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"])
@@ -356,6 +356,6 @@ def test_gpu_fp8_dequantize_equals_dequantized_checkpoint(tmp_path):
     """CUDA, bf16: --fp8-dequantize gives the dequantized checkpoint's logits exactly (same weights,
     same kernels)."""
     fp8, deq = _fp8(tmp_path, "qwen3_moe")
-    a = LLM(str(fp8), device="cuda", dtype="bfloat16", progress=False, fp8_dequantize=True)
-    b = LLM(str(deq), device="cuda", dtype="bfloat16", progress=False)
+    a = LLM(str(fp8), device="cuda", dtype="bfloat16", progress=False, max_total_tokens=4096, fp8_dequantize=True)
+    b = LLM(str(deq), device="cuda", dtype="bfloat16", progress=False, max_total_tokens=4096)
     assert torch.equal(a.prompt_logits(PROMPT), b.prompt_logits(PROMPT))
