@@ -23,12 +23,11 @@ dequantized matmul, and CUDA-graph capture.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,7 +41,8 @@ from hybridmoe.layers.fp8_kernels import (
 )
 from hybridmoe.weights.fp8 import block_dequant, block_quant
 
-REPO = Path(__file__).resolve().parents[1]
+from interpreter import case_result, collect, json_results
+
 TIGHT_INTERP = 1e-5
 TIGHT_GPU = 2e-3
 LOOSE_RMS = 0.05
@@ -200,28 +200,19 @@ def _moe_case(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, __file__, "--interp"], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """All interpreter cases, run once in a subprocess with TRITON_INTERPRET=1."""
+    return json_results(__file__)
 
 
 @pytest.mark.parametrize("name", list(QUANT_CASES))
 def test_interpreter_group_quant_exact(interp_results, name):
-    if "_skip" in interp_results:
-        pytest.skip(interp_results["_skip"])
-    res = interp_results[f"quant:{name}"]
-    assert "error" not in res, res.get("error")
+    res = case_result(interp_results, f"quant:{name}")
     assert res["shape_ok"] and res["mismatch_q"] == 0 and res["mismatch_s"] == 0, res
 
 
 @pytest.mark.parametrize("name", [*GEMM_CASES, "fp8_linear_3d"])
 def test_interpreter_gemm(interp_results, name):
-    if "_skip" in interp_results:
-        pytest.skip(interp_results["_skip"])
-    res = interp_results[f"gemm:{name}"]
-    assert "error" not in res, res.get("error")
+    res = case_result(interp_results, f"gemm:{name}")
     assert res["shape_ok"], res
     assert res["tight"] <= TIGHT_INTERP, res
     assert res["loose"] <= LOOSE_RMS, res
@@ -229,10 +220,7 @@ def test_interpreter_gemm(interp_results, name):
 
 @pytest.mark.parametrize("name", list(MOE_CASES))
 def test_interpreter_fused_moe_fp8(interp_results, name):
-    if "_skip" in interp_results:
-        pytest.skip(interp_results["_skip"])
-    res = interp_results[f"moe:{name}"]
-    assert "error" not in res, res.get("error")
+    res = case_result(interp_results, f"moe:{name}")
     assert res["shape_ok"], res
     assert res["vs_dequant"] <= res["tol"] and res["vs_ref"] <= res["tol"], res
 
@@ -391,27 +379,13 @@ def _interp_main() -> None:
     except ImportError:
         print(json.dumps({"_skip": "triton is not installed"}))
         return
-    out: dict = {}
-    for name in QUANT_CASES:
-        try:
-            out[f"quant:{name}"] = _quant_case(name)
-        except Exception as e:  # report per case
-            out[f"quant:{name}"] = {"error": repr(e)}
-    for name in GEMM_CASES:
-        try:
-            out[f"gemm:{name}"] = _gemm_case(name)
-        except Exception as e:
-            out[f"gemm:{name}"] = {"error": repr(e)}
-    for name in MOE_CASES:
-        try:
-            out[f"moe:{name}"] = _moe_case(name)
-        except Exception as e:
-            out[f"moe:{name}"] = {"error": repr(e)}
-    try:
-        out["gemm:fp8_linear_3d"] = _fp8_linear_case()
-    except Exception as e:
-        out["gemm:fp8_linear_3d"] = {"error": repr(e)}
-    print(json.dumps(out))
+    cases = {
+        **{f"quant:{n}": functools.partial(_quant_case, n) for n in QUANT_CASES},
+        **{f"gemm:{n}": functools.partial(_gemm_case, n) for n in GEMM_CASES},
+        **{f"moe:{n}": functools.partial(_moe_case, n) for n in MOE_CASES},
+        "gemm:fp8_linear_3d": _fp8_linear_case,
+    }
+    print(json.dumps(collect(cases)))
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from interpreter import REPO, assert_interpreted, report, run_seeded_cases, script_main
+
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -156,10 +157,8 @@ def run_empty_sequence(device: str) -> list[str]:
         ok = torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
         x1 = {k: (v[1:2] if torch.is_tensor(v) and k != "kv_cache" else v) for k, v in x.items()}
         err = rel_err(out[1:2], naive_mla(**x1))
-        ok = ok and err <= TOL[torch.float32]
-        print(("ok   " if ok else "FAIL ") + f"empty sequence splits={splits}: neighbour rel err {err:.2e}", flush=True)
-        if not ok:
-            failures.append(f"empty sequence splits={splits}")
+        report(ok and err <= TOL[torch.float32], f"empty sequence splits={splits}: neighbour rel err {err:.2e}",
+               failures)
     return failures
 
 
@@ -168,30 +167,7 @@ def run_group(group: str, device: str) -> list[str]:
     if group == "edge":
         return run_empty_sequence(device)
     cases, dtypes = GROUPS[group]
-    failures = []
-    for dt in dtypes.split(","):
-        dtype = DTYPES[dt]
-        for case in cases:
-            for seed in (0, 1):
-                try:
-                    err = run_case(case, dtype, device, seed)
-                    ok = err <= TOL[dtype]
-                    msg = f"{group} {dt} {case[0]} seed={seed}: rel err {err:.2e} (tol {TOL[dtype]:.0e})"
-                except Exception as e:  # report every case, not only the first failure
-                    ok, msg = False, f"{group} {dt} {case[0]} seed={seed}: {type(e).__name__}: {e}"
-                print(("ok   " if ok else "FAIL ") + msg, flush=True)
-                if not ok:
-                    failures.append(msg)
-    return failures
-
-
-def _run_interpreted(group: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), group], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    print(proc.stdout)
-    assert proc.returncode == 0, f"interpreter run of {group} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return run_seeded_cases(group, cases, dtypes.split(","), DTYPES, TOL, run_case, device)
 
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -300,7 +276,7 @@ def test_mla_kernels_compile_sm90(shape: tuple, split: bool) -> None:
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_mla_decode_interpreter(group: str) -> None:
     """Every case (fp32; fp16 and bf16 for some) under the Triton interpreter, in a subprocess."""
-    _run_interpreted(group)
+    assert_interpreted(__file__, group)
 
 
 # ---- the benchmark script -----------------------------------------------------------------------
@@ -363,7 +339,4 @@ def test_bench_mla_decode_cpu_smoke(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":  # interpreter entry point: python tests/test_mla_triton.py GROUP [GROUP ...]
-    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 (before triton is imported)"
-    sys.path.insert(0, str(REPO))
-    bad = [f for g in (sys.argv[1:] or sorted(GROUPS)) for f in run_group(g, "cpu")]
-    sys.exit(1 if bad else 0)
+    script_main(GROUPS, run_group)

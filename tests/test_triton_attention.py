@@ -15,15 +15,12 @@ the kernels use IEEE fp32 dots for fp32 inputs), fp16 5e-3, bf16 2e-2.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from interpreter import assert_interpreted, run_seeded_cases, script_main
+
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -177,36 +174,7 @@ def run_case(case: tuple, dtype: torch.dtype, device: str, seed: int = 0) -> flo
 def run_group(group: str, device: str) -> list[str]:
     """Run every case of a group; returns the failure messages (empty when all pass)."""
     cases, decode, dtypes = GROUPS[group]
-    failures = []
-    for dt in dtypes.split(","):
-        dtype = DTYPES[dt]
-        for case in cases:
-            for seed in (0, 1):
-                try:
-                    err = run_case(case, dtype, device, seed)
-                    ok = err <= TOL[dtype]
-                    msg = f"{group} {dt} {case[0]} seed={seed}: rel err {err:.2e} (tol {TOL[dtype]:.0e})"
-                except Exception as e:  # report every case, not only the first failure
-                    ok, msg = False, f"{group} {dt} {case[0]} seed={seed}: {type(e).__name__}: {e}"
-                print(("ok   " if ok else "FAIL ") + msg, flush=True)
-                if not ok:
-                    failures.append(msg)
-    return failures
-
-
-def _run_interpreted(group: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), group],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    print(proc.stdout)
-    assert proc.returncode == 0, f"interpreter run of {group} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return run_seeded_cases(group, cases, dtypes.split(","), DTYPES, TOL, run_case, device)
 
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -217,7 +185,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_triton_attention_interpreter(group: str) -> None:
     """Decode, prefill and half-precision cases under the Triton interpreter on CPU (subprocess)."""
-    _run_interpreted(group)
+    assert_interpreted(__file__, group)
 
 
 def test_registered() -> None:
@@ -290,7 +258,4 @@ def test_triton_decode_cuda_graph() -> None:
 
 
 if __name__ == "__main__":  # interpreter entry point: python tests/test_triton_attention.py GROUP [GROUP ...]
-    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 (before triton is imported)"
-    sys.path.insert(0, str(REPO))
-    bad = [f for g in (sys.argv[1:] or sorted(GROUPS)) for f in run_group(g, "cpu")]
-    sys.exit(1 if bad else 0)
+    script_main(GROUPS, run_group)

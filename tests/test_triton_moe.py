@@ -11,17 +11,17 @@ GPU (`-m gpu`, skipped without CUDA): bf16 on CUDA, no host sync, CUDA-graph cap
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from interpreter import case_result, collect, json_results
+
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
@@ -161,19 +161,12 @@ def _run_empty() -> dict:
 @pytest.fixture(scope="module")
 def interp_results() -> dict:
     """All interpreter cases, run once in a subprocess with TRITON_INTERPRET=1."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, __file__, "--interp"], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json_results(__file__)
 
 
 @pytest.mark.parametrize("name", [*CASES, "t0_empty", "align_triton_vs_torch"])
 def test_interpreter(interp_results: dict, name: str) -> None:
-    if "_skip" in interp_results:
-        pytest.skip(interp_results["_skip"])
-    res = interp_results[name]
-    assert "error" not in res, res.get("error")
+    res = case_result(interp_results, name)
     assert res["shape_ok"], res
     assert res["err"] <= res["tol"], f"{name}: rel err {res['err']:.2e} > {res['tol']:.0e}"
 
@@ -282,13 +275,9 @@ if __name__ == "__main__" and "--interp" in sys.argv:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     broken = _interpreter_broken()
     results: dict = {"_skip": broken} if broken else {}
-    special = {"t0_empty": _run_empty, "align_triton_vs_torch": _run_align}
-    for case in [] if broken else [*CASES, *special]:
-        try:
-            results[case] = special[case]() if case in special else _run_case(case)
-        except Exception as exc:  # reported per case by the parent test
-            results[case] = {"error": f"{type(exc).__name__}: {exc}"}
-    print(json.dumps(results))
+    cases = {**{c: functools.partial(_run_case, c) for c in CASES}, "t0_empty": _run_empty,
+             "align_triton_vs_torch": _run_align}
+    print(json.dumps(collect({} if broken else cases, results)))
 
 
 def test_tuned_config_table(tmp_path, monkeypatch):

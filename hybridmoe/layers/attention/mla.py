@@ -11,7 +11,7 @@ W_kv_b viewed [H, Dn + Dv, Lkv] = [W_UK | W_UV].
 - Decode (one new token per sequence): the weight-absorbed form, attention in the latent space:
   q_lat = q_nope W_UK [B, H, Lkv], scores q_lat . c_kv + q_pe . k_pe, o_lat = softmax . c_kv,
   out = o_lat W_UV^T. Reads only device tensors of the metadata (CUDA-graph capturable); the
-  Triton kernel of mla_triton.py with the triton backend on CUDA, the torch reference below otherwise.
+  Triton kernel of mla_triton.py with the triton backend on CUDA, mla_ref.mla_decode_ref otherwise.
 - Prefill / extend over a cached prefix (chunked prefill, prefix-cache hits): each sequence's
   latents are gathered from its pages and expanded with kv_b_proj, then causal SDPA.
 
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe.layers.attention.mla_ref import mla_decode_ref
 from hybridmoe.layers.fused_ops import qk_norm_rope
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding
@@ -66,32 +67,6 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-def mla_decode_torch(
-    q_lat: torch.Tensor,  # [B, H, Lkv]
-    q_rope: torch.Tensor,  # [B, H, R]
-    kv_cache: torch.Tensor,  # [N, S, Lkv + R]
-    block_table: torch.Tensor,  # [B, P] int32
-    seq_lens: torch.Tensor,  # [B] int32 (cached + new), >= 1
-    scale: float,
-    out: torch.Tensor | None = None,  # [B, H, Lkv]
-    **_: object,  # the kernel's tuning keywords (max_seq_len), ignored
-) -> torch.Tensor:  # [B, H, Lkv], dtype of q_lat
-    """Absorbed MLA decode over the paged latent cache, pure torch (the contract's mla_decode
-    signature); softmax in fp32; only device tensors (capturable)."""
-    lkv = q_lat.shape[-1]
-    ent = kv_cache[block_table.long()].flatten(1, 2).float()  # [B, P*S, Lkv + R]
-    c_kv, k_pe = ent[..., :lkv], ent[..., lkv:]
-    scores = (torch.einsum("bhl,bjl->bhj", q_lat.float(), c_kv)
-              + torch.einsum("bhr,bjr->bhj", q_rope.float(), k_pe)) * scale  # [B, H, P*S]
-    valid = torch.arange(ent.shape[1], device=ent.device)[None, :] < seq_lens[:, None].long()  # [B, P*S]
-    probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
-    o = torch.einsum("bhj,bjl->bhl", probs, c_kv).to(q_lat.dtype)
-    if out is not None:
-        out.copy_(o)
-        return out
-    return o
-
-
 _kernel_missing_logged = False
 
 
@@ -107,7 +82,7 @@ def _decode_kernel(ctx: ForwardContext, like: torch.Tensor):
             if not _kernel_missing_logged:
                 log.warning("MLA decode: the Triton kernel is unavailable (%s); using the torch reference", e)
                 _kernel_missing_logged = True
-    return mla_decode_torch
+    return mla_decode_ref
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:  # [..., R] (x0, x1, x2, ...) -> [..., R] (x0, x2, ... | x1, x3, ...)

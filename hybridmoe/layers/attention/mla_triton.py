@@ -1,4 +1,5 @@
-"""MLA decode in the weight-absorbed form over the paged latent cache: a Triton kernel and its torch reference.
+"""MLA decode in the weight-absorbed form over the paged latent cache: a Triton kernel; its torch reference
+(mla_decode_ref, in mla_ref.py: no triton import there) is re-exported here.
 
 Legend: B sequences (one new token each), H query heads, Lkv latent width (kv_lora_rank, 512 for
 DeepSeek-V3), R rope width (qk_rope_head_dim, 64), N pages in the pool, S page size, P pages per
@@ -30,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridmoe.layers.attention.mla_ref import check_decode_inputs, mla_decode_ref
 from hybridmoe.layers.attention.triton_kernels import _LOG2E, _dot, _dot_fp32, _num_sms
 
 # Kernel signatures and launches keep several arguments a line (denser than the formatter's one a line).
@@ -212,16 +214,6 @@ def choose_num_splits(num_seqs: int, num_heads: int, lkv: int, rope: int, max_to
     return best
 
 
-def _check_inputs(q_lat, q_rope, kv_cache, block_table, seq_lens) -> tuple[int, int, int, int]:
-    assert q_lat.dim() == 3 and q_rope.dim() == 3 and kv_cache.dim() == 3, "q_lat [B,H,Lkv], q_rope [B,H,R], kv [N,S,Lkv+R]"
-    bsz, heads, lkv = q_lat.shape
-    rope = q_rope.shape[2]
-    assert q_rope.shape[:2] == (bsz, heads), f"q_rope {tuple(q_rope.shape)} vs q_lat {tuple(q_lat.shape)}"
-    assert kv_cache.shape[2] == lkv + rope, f"kv_cache rows {kv_cache.shape[2]} != Lkv {lkv} + R {rope}"
-    assert block_table.dim() == 2 and block_table.shape[0] == bsz and seq_lens.shape == (bsz,)
-    return bsz, heads, lkv, rope
-
-
 def mla_decode(
     q_lat: torch.Tensor,  # [B, H, Lkv]
     q_rope: torch.Tensor,  # [B, H, R]
@@ -245,7 +237,7 @@ def mla_decode(
         num_splits: force the split count X (tests, tuning).
         config: force the tile (tests, tuning); default `decode_config`.
     """
-    bsz, heads, lkv, rope = _check_inputs(q_lat, q_rope, kv_cache, block_table, seq_lens)
+    bsz, heads, lkv, rope = check_decode_inputs(q_lat, q_rope, kv_cache, block_table, seq_lens)
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
     assert kv_cache.stride(-1) == 1, "kv_cache rows must be contiguous"
@@ -283,38 +275,6 @@ def mla_decode(
             NUM_HEADS=heads, LKV=lkv, BLOCK_L=block_l, num_warps=4,
         )
     # fmt: on
-    return out
-
-
-def mla_decode_ref(
-    q_lat: torch.Tensor,  # [B, H, Lkv]
-    q_rope: torch.Tensor,  # [B, H, R]
-    kv_cache: torch.Tensor,  # [N, S, Lkv + R]
-    block_table: torch.Tensor,  # [B, P] int32
-    seq_lens: torch.Tensor,  # [B] int32, >= 1 (a sequence of length 0 gets zeros)
-    scale: float,
-    out: torch.Tensor | None = None,  # [B, H, Lkv]
-    **_: object,  # mla_decode's tuning keywords, ignored
-) -> torch.Tensor:  # [B, H, Lkv], dtype of q_lat
-    """Pure-torch absorbed MLA decode: a batched masked gather of the whole block table, fp32 math.
-
-    Only device tensors are read (no .item(), no host lengths), so it is graph-capturable too; it
-    is the CPU path of the model and the kernel's reference. Memory: the gathered rows
-    [B, P * S, Lkv + R] in fp32 and the scores [B, H, P * S].
-    """
-    bsz, heads, lkv, rope = _check_inputs(q_lat, q_rope, kv_cache, block_table, seq_lens)
-    rows = kv_cache[block_table.long()].flatten(1, 2).float()  # [B, P*S, Lkv+R]
-    c_kv = rows[..., :lkv]
-    scores = torch.einsum("bhl,btl->bht", q_lat.float(), c_kv)
-    scores = scores + torch.einsum("bhr,btr->bht", q_rope.float(), rows[..., lkv:])
-    pos = torch.arange(rows.shape[1], device=q_lat.device)
-    valid = pos[None, :] < seq_lens[:, None].long()  # [B, P*S]
-    probs = torch.softmax((scores * scale).masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
-    o = torch.einsum("bht,btl->bhl", probs, c_kv)
-    o = torch.where((seq_lens > 0)[:, None, None], o, 0.0)  # softmax of no token is NaN
-    if out is None:
-        return o.to(q_lat.dtype)
-    out.copy_(o)
     return out
 
 

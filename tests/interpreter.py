@@ -1,0 +1,101 @@
+"""Running a test file's Triton kernels under the Triton interpreter on the CPU, in a subprocess.
+
+TRITON_INTERPRET must be set before triton is imported, and other tests in the same pytest process
+may import triton first, so a test file runs itself as a script in a subprocess with the variable set.
+Two forms, by what the script prints:
+- lines: one "ok   ..." / "FAIL ..." line a case (`report`, `run_seeded_cases`, `script_main`), exit
+  status 1 on any failure; the parent test asserts the status (`assert_interpreted`).
+- json: one JSON object {case: result} as the last line (`collect`); the parent test reads it once
+  (`json_results`) and checks each case in its own test (`case_result`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(script: str | Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python script args...` with TRITON_INTERPRET=1 and the repository first on PYTHONPATH."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(Path(script).resolve()), *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_interpreted(script: str | Path, group: str) -> None:
+    """Runs one group of a lines-form script; prints its report and fails when the script did."""
+    proc = run_interpreted(script, group)
+    print(proc.stdout)
+    assert proc.returncode == 0, f"interpreter run of {group} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+def report(ok: bool, msg: str, failures: list[str]) -> None:
+    """Prints a case's line; appends msg to failures when it failed."""
+    print(("ok   " if ok else "FAIL ") + msg, flush=True)
+    if not ok:
+        failures.append(msg)
+
+
+def run_seeded_cases(group: str, cases: Iterable[tuple], dtypes: Iterable[str], dtype_of: dict[str, torch.dtype],
+                     tol: dict[torch.dtype, float], run_case: Callable[..., float], device: str) -> list[str]:
+    """Every case in every dtype with seeds 0 and 1: run_case(case, dtype, device, seed) returns a relative
+    error, checked against tol[dtype]. An exception fails its case only. Returns the failure messages."""
+    failures: list[str] = []
+    cases = list(cases)
+    for dt in dtypes:
+        dtype = dtype_of[dt]
+        for case in cases:
+            for seed in (0, 1):
+                try:
+                    err = run_case(case, dtype, device, seed)
+                    ok = err <= tol[dtype]
+                    msg = f"{group} {dt} {case[0]} seed={seed}: rel err {err:.2e} (tol {tol[dtype]:.0e})"
+                except Exception as e:  # report every case, not only the first failure
+                    ok, msg = False, f"{group} {dt} {case[0]} seed={seed}: {type(e).__name__}: {e}"
+                report(ok, msg, failures)
+    return failures
+
+
+def script_main(groups: Iterable[str], run_group: Callable[[str, str], list[str]]) -> None:
+    """A lines-form script's entry point: the groups named in argv (default all) on the CPU; exits 1 on a failure."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 (before triton is imported)"
+    sys.path.insert(0, str(REPO))
+    bad = [f for g in (sys.argv[1:] or sorted(groups)) for f in run_group(g, "cpu")]
+    sys.exit(1 if bad else 0)
+
+
+def collect(cases: dict[str, Callable[[], dict]], results: dict | None = None) -> dict:
+    """{name: fn()} for a json-form script; an exception becomes that case's {"error": ...} (reported per case)."""
+    results = {} if results is None else results
+    for name, fn in cases.items():
+        try:
+            results[name] = fn()
+        except Exception as e:
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+    return results
+
+
+def json_results(script: str | Path) -> dict:
+    """The JSON object a json-form script prints last, run with --interp under the interpreter."""
+    proc = run_interpreted(script, "--interp")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def case_result(results: dict, name: str) -> dict:
+    """One case's result: skips the test where the script reported `_skip`, fails it on an error."""
+    if "_skip" in results:
+        pytest.skip(results["_skip"])
+    res = results[name]
+    assert "error" not in res, res.get("error")
+    return res
