@@ -27,6 +27,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,13 +126,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def run_case(case: tuple, dtype: torch.dtype, device: str, seed: int = 0) -> float:
     """The kernel on one case, in three call forms (plain; `out=` with q_lat a transposed view; the same grid
     with other lengths). Returns the largest relative error against the naive formulation."""
-    from hybridmoe.layers.attention.mla_triton import mla_decode
+    from hybridmoe.layers.attention.mla_triton import decode_config, mla_decode
 
     name, lens, heads, lkv, rope, page, splits = case
     x = make_case(lens, heads, lkv, rope, page, dtype, device, seed)
     out = mla_decode(**x, num_splits=splits)
     assert out.shape == (len(lens), heads, lkv) and out.dtype == dtype, name
     errs = [rel_err(out, naive_mla(**x))]
+    # the transposed form of the kernel (TRANS), same tile
+    cfg = replace(decode_config(dtype, lkv, heads, device != "cuda"), transposed=True)
+    errs.append(rel_err(mla_decode(**x, num_splits=splits, config=cfg), naive_mla(**x)))
     # q_lat as the model makes it (bmm over heads, then transposed: strided), written into a given `out`.
     q_hb = x["q_lat"].transpose(0, 1).contiguous()  # [H, B, Lkv]
     given = torch.full_like(out, float("nan"))
@@ -241,9 +245,10 @@ COMPILE_SHAPES = [("bf16", 128, 512, 64, 16), ("bf16", 128, 512, 64, 1), ("fp16"
 
 
 @needs_triton
+@pytest.mark.parametrize("trans", [False, True])
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("shape", COMPILE_SHAPES, ids=str)
-def test_mla_kernels_compile_sm90(shape: tuple, split: bool) -> None:
+def test_mla_kernels_compile_sm90(shape: tuple, split: bool, trans: bool) -> None:
     """What only the compiler rejects shows up here, not first on the GPU machine (like test_triton_compile.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -257,7 +262,8 @@ def test_mla_kernels_compile_sm90(shape: tuple, split: bool) -> None:
     ptrs = dict(q_lat_ptr=f"*{dt}", q_rope_ptr=f"*{dt}", kv_ptr=f"*{dt}", block_table_ptr="*i32", seq_lens_ptr="*i32",
                 out_ptr=f"*{dt}", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2e="fp32")
     consts = dict(NUM_HEADS=heads, LKV=lkv, ROPE=rope, PAGE_SIZE=page, SPLIT=split, BLOCK_H=cfg.block_h,
-                  BLOCK_N=cfg.block_n, BLOCK_L=M._pad(lkv), BLOCK_R=M._pad(rope), DOT_FP32=torch_dt == torch.float32)
+                  BLOCK_N=cfg.block_n, BLOCK_L=M._pad(lkv), BLOCK_R=M._pad(rope), DOT_FP32=torch_dt == torch.float32,
+                  TRANS=trans)
     kernels = [(M._mla_decode_kernel, ptrs, consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))]
     if split:
         kernels.append((M._mla_reduce_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=f"*{dt}"),

@@ -77,3 +77,24 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, std: float = 0.2, head
 def hf_model(path: Path, **kwargs):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
     return model.eval()
+
+
+def assert_greedy_agrees(got: list[int], ref: list[int], ref_margins: torch.Tensor, tie: float) -> int:
+    """bf16 greedy tokens against a reference's: identical up to the first step whose reference
+    top-1/top-2 logit margin is below `tie` (there the two numerics may pick either token, and the
+    sequences may part from then on). Returns how many tokens were compared.
+
+    ref_margins [len(ref)]: top-1 minus top-2 of the reference logits that chose each ref token."""
+    n = len(ref)
+    near = (ref_margins < tie).nonzero()
+    upto = int(near[0]) + 1 if len(near) else n  # the near-tie step itself may go either way
+    assert got[: upto - 1] == ref[: upto - 1] and len(got) == n, (got, ref, upto, ref_margins.tolist())
+    return upto
+
+
+def greedy_margins(prompt_logits, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Top-1 minus top-2 logits at the steps that chose `tokens` after `prompt` (teacher forcing):
+    prompt_logits is a callable giving [len, V] logits for a token list."""
+    logits = prompt_logits(prompt + tokens[:-1])[len(prompt) - 1:].float()  # [len(tokens), V]
+    top = logits.topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]

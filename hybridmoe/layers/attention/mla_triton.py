@@ -45,9 +45,15 @@ def _mla_decode_kernel(
     stride_qb, stride_qh, stride_rb, stride_rh, stride_kn, stride_ks, stride_bt, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, LKV: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, TRANS: tl.constexpr,
 ):
     """One program: sequence b, heads hb * BLOCK_H ..., context split `split` of X.
+
+    TRANS computes the transposed products, scores^T [BLOCK_N, BLOCK_H] = c_kv . q^T and
+    o^T [BLOCK_L, BLOCK_H] += c_kv^T . p^T, with the softmax along axis 0: the tokens are the M of the
+    score dot and the latent width the M of the value dot, so the warps split both along M (the
+    untransposed chain has M = heads for both dots, and with 64 heads both warpgroups compute the same
+    score tile). Same arithmetic, same results up to summation order.
 
     The split covers tokens [split * split_len, (split + 1) * split_len) clipped to seq_lens[b], with
     split_len = ceil(seq_len / X) rounded up to BLOCK_N, so a sequence's work spreads over all X
@@ -78,7 +84,12 @@ def _mla_decode_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    if TRANS:
+        acc = tl.zeros([BLOCK_L, BLOCK_H], tl.float32)  # o_lat^T
+        q_t = tl.trans(q)  # [BLOCK_L, BLOCK_H]
+        q_pe_t = tl.trans(q_pe)  # [BLOCK_R, BLOCK_H]
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         tok = start + offs_n  # [BLOCK_N]
         tok_mask = tok < hi
@@ -89,15 +100,26 @@ def _mla_decode_kernel(
                        mask=tok_mask[:, None] & l_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_L]
         k_pe = tl.load(kv_ptr + row[:, None] + LKV + offs_r[None, :],
                        mask=tok_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-        s = _dot(q, tl.trans(c_kv), DOT_FP32) + _dot(q_pe, tl.trans(k_pe), DOT_FP32)  # [BLOCK_H, BLOCK_N]
-        s = tl.where(tok_mask[None, :], s * scale_log2e, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), c_kv, DOT_FP32)  # the values are the latent itself
+        if TRANS:
+            s = _dot(c_kv, q_t, DOT_FP32) + _dot(k_pe, q_pe_t, DOT_FP32)  # [BLOCK_N, BLOCK_H]
+            s = tl.where(tok_mask[:, None], s * scale_log2e, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :] + _dot(tl.trans(c_kv), p.to(q.dtype), DOT_FP32)
+        else:
+            s = _dot(q, tl.trans(c_kv), DOT_FP32) + _dot(q_pe, tl.trans(k_pe), DOT_FP32)  # [BLOCK_H, BLOCK_N]
+            s = tl.where(tok_mask[None, :], s * scale_log2e, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(q.dtype), c_kv, DOT_FP32)  # the values are the latent itself
         m_i = m_new
 
+    if TRANS:
+        acc = tl.trans(acc)  # [BLOCK_H, BLOCK_L]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or seq_len 0) leaves zeros
     io_mask = h_mask[:, None] & l_mask[None, :]
     if not SPLIT:
@@ -148,6 +170,7 @@ class MLADecodeConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    transposed: bool = False  # the kernel's TRANS form
 
 
 # Keyed by (element bytes, padded latent width >= 256). bf16/fp16 at Lkv 512: the kernel is tensor-core
@@ -173,7 +196,7 @@ def decode_config(dtype: torch.dtype, lkv: int, num_heads: int, interpret: bool)
     """The default tile for these sizes; block_h shrinks to the head count (at least 16, tl.dot's minimum)."""
     cfg = _INTERPRET_CONFIG if interpret else _CONFIGS[(4 if dtype == torch.float32 else 2, _pad(lkv) >= 256)]
     block_h = min(cfg.block_h, _pad(num_heads))
-    return MLADecodeConfig(block_h, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    return MLADecodeConfig(block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.transposed)
 
 
 def _pad(n: int) -> int:
@@ -267,6 +290,7 @@ def mla_decode(
         block_table.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=heads, LKV=lkv, ROPE=rope, PAGE_SIZE=page, SPLIT=num_splits > 1,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_L=block_l, BLOCK_R=_pad(rope), DOT_FP32=_dot_fp32(q_lat),
+        TRANS=cfg.transposed,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
