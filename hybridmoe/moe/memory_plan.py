@@ -106,6 +106,11 @@ def non_expert_bytes(cfg, spec, wb: WeightBytes) -> dict[str, int]:
     h, v, dt = cfg.hidden_size, cfg.vocab_size, wb.dtype_bytes
     attn_linears, attn_norms = attention_shapes(cfg)
     attn = sum(wb.linear(n, k) for n, k in attn_linears)
+    if is_mla(cfg) and wb.block is not None:
+        # kv_b_proj is dequantized to the model dtype at load even in fp8 (weights/fp8_loading.py
+        # DENSE_CHILDREN: the absorbed decode reads it as W_UK / W_UV per head)
+        n, k = attn_linears[-2]
+        attn += n * k * dt - wb.linear(n, k)
     out = {"embeddings": (1 if getattr(cfg, "tie_word_embeddings", False) else 2) * v * h * dt,
            "attention": 0, "dense MLPs": 0, "shared experts": 0, "routers and norms": h * dt}  # the final norm
     shared_gate = hasattr(cfg, "shared_expert_intermediate_size")  # Qwen2-MoE gates its shared expert
