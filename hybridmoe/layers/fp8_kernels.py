@@ -59,7 +59,10 @@ def per_token_group_quant_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor
     m, k = x.shape
     kb = -(-k // group)
     xp = torch.nn.functional.pad(x.float(), (0, kb * group - k)).view(m, kb, group)
-    s = xp.abs().amax(dim=-1).clamp(min=EPS) / E4M3_MAX  # [M, Kb]
+    amax = xp.abs().amax(dim=-1).clamp(min=EPS)  # [M, Kb]
+    # a tensor divisor: torch on CUDA turns division by a Python scalar into a multiplication by its
+    # reciprocal (an ulp off at times); this way s is amax / 448 correctly rounded on every device
+    s = amax / torch.full_like(amax, E4M3_MAX)
     q = (xp / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(m, kb * group)[:, :k].contiguous(), s
 

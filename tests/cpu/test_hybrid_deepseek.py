@@ -117,6 +117,6 @@ def test_deepseek_split_on_cuda_matches_all_on_gpu(ds_model, kind, part):
         # a flip is allowed only at a near tie: twice the largest logit difference seen on the prompt
         tie = 2 * float((logits.float() - ref_logits.float()).abs().max())
         got = llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
-        assert assert_greedy_agrees(got, ref_tokens, margins, tie) >= 4
+        assert_greedy_agrees(got, ref_tokens, margins, tie)
     finally:
         llm.shutdown()
