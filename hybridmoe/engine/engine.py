@@ -54,7 +54,12 @@ def _load_tokenizer(args: EngineArgs):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    if args.chat_template:  # --chat-template replaces the tokenizer's (every route and worker reads this one)
+        from hybridmoe.chat_templates import load_chat_template
+
+        tokenizer.chat_template = load_chat_template(args.chat_template)
+    return tokenizer
 
 
 def _eos_ids(model_path: str, hf_config, tokenizer) -> list[int]:
