@@ -14,12 +14,7 @@ from hybridmoe.sglang_compat import ATTENTION_BACKEND_ALIASES, KV_CACHE_DTYPES, 
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line naming the flag (no usage block), exit code 2, and
-    whose --help shows every flag's default."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
+    """An ArgumentParser whose errors are one line naming the flag (no usage block), exit code 2."""
 
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)", file=sys.stderr)

@@ -30,7 +30,7 @@ def _have(p: argparse.ArgumentParser, flag: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     """The serve parser: the engine flags of args.py plus the server's own."""
-    p = OneLineParser(prog="hybridmoe serve", allow_abbrev=False,
+    p = OneLineParser(prog="hybridmoe serve", allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                       description="HTTP server with SGLang's native API and the OpenAI API; takes the flags of "
                                   "`python -m sglang.launch_server` (those it cannot honour are refused, saying why).")
     add_engine_args(p)

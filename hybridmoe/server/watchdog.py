@@ -58,7 +58,7 @@ class StepWatchdog:
                 continue
             frame = sys._current_frames().get(self._engine_thread or -1)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(not available)\n"
-            log.error("watchdog: an engine step has run for more than %.0f s (--watchdog-timeout); the engine "
+            log.error("watchdog: an engine step has run for more than %g s (--watchdog-timeout); the engine "
                       "hangs, exiting. The engine thread's stack:\n%s", self.timeout, stack.rstrip())
             self.fired = True
             self.on_timeout()
