@@ -85,7 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--allow-auto-truncate", action="store_true",
                    help="cut prompts longer than the context to fit (their first tokens kept) instead of refusing")
     r.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
-                   help="seconds one engine step may take; beyond, the server logs the engine's stack and exits")
+                   help="seconds one engine step may take; beyond, the server logs the engine's stack and exits "
+                        "(status 1); --device cpu with a large model and long prefill chunks may need more")
     r.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
                    help="logging level")
     r.add_argument("--log-requests", action="store_true", help="one log line per request received and finished")
