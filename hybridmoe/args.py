@@ -8,7 +8,9 @@ import dataclasses
 import sys
 from typing import NoReturn
 
+from hybridmoe.chat_templates import BUILTIN_TEMPLATES
 from hybridmoe.config import DEMO_MODEL_PATH, DTYPES, KT_METHODS, PLACEMENT_STRATEGIES, EngineArgs
+from hybridmoe.sglang_compat import ATTENTION_BACKEND_ALIASES, KV_CACHE_DTYPES, SCHEDULE_POLICIES, add_compat_args
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -19,57 +21,109 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+KT_METHOD_HELP = (
+    "format and kernel of the CPU experts: AMXINT8 (int8, per-channel scales), AMXINT4 (int4, groups of 128), "
+    "BF16, FP8 (the checkpoint's own block-FP8 experts, no conversion), LLAMAFILE (GGUF blocks, with issue 18). "
+    "hybridmoe's default is AMXINT8 for accuracy; KTransformers' kt-sglang stack defaults to AMXINT4, which "
+    "halves the CPU expert memory and bandwidth at some accuracy: pass --kt-method AMXINT4 for its behaviour. "
+    "None needs AMX: the fastest ISA present (AMX, AVX-512, AVX2) is chosen at run time")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags (EngineArgs fields), each with help; shared by `serve` and `generate`."""
     d = EngineArgs()
     m = p.add_argument_group("model")
     m.add_argument("--model-path", "--model", dest="model_path", default=DEMO_MODEL_PATH,
-                   help="Hugging Face model directory (default: the bundled demo model)")
-    m.add_argument("--tokenizer-path", default=None)
-    m.add_argument("--served-model-name", default=None)
-    m.add_argument("--trust-remote-code", action="store_true")
-    m.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
-    m.add_argument("--dtype", default=d.dtype, choices=DTYPES)
-    m.add_argument("--context-length", type=int, default=None)
-    m.add_argument("--random-seed", type=int, default=d.random_seed)
-    m.add_argument("--skip-tokenizer-init", action="store_true")
+                   help="Hugging Face model directory, or a Hub id (org/name, downloaded through huggingface_hub); "
+                        "the default is the bundled demo model")
+    m.add_argument("--tokenizer-path", default=None, help="tokenizer directory; unset: --model-path")
+    m.add_argument("--revision", default=None, help="branch, tag or commit of a Hub id given as --model-path")
+    m.add_argument("--download-dir", default=None, help="cache directory for Hub downloads; unset: huggingface_hub's")
+    m.add_argument("--served-model-name", default=None, help="the model name of the OpenAI API; unset: --model-path")
+    m.add_argument("--trust-remote-code", action="store_true", help="run the model repository's own Python code")
+    m.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"],
+                   help="auto: cuda when a GPU is visible; cpu runs everything on the CPU")
+    m.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and activations; auto: the config's")
+    m.add_argument("--context-length", type=int, default=None, help="unset: the model's max_position_embeddings")
+    m.add_argument("--chat-template", default=None,
+                   help=f"a Jinja chat template file, or a built-in name ({', '.join(BUILTIN_TEMPLATES)}); "
+                        "unset: the tokenizer's")
+    m.add_argument("--random-seed", type=int, default=d.random_seed, help="torch seed and placement seed")
+    m.add_argument("--skip-tokenizer-init", action="store_true", help="no tokenizer: token ids in and out")
     m.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                    help="dummy: random weights (benchmarks without a checkpoint)")
     m.add_argument("--fp8-dequantize", action="store_true",
                    help="block-scaled FP8 checkpoints (DeepSeek-V3 style): dequantize every FP8 weight, routed "
-                        "experts included, to --dtype at load (default: linears stay FP8 with a Triton W8A8 GEMM "
+                        "experts included, to --dtype at load (unset: linears stay FP8 with a Triton W8A8 GEMM "
                         "on GPUs with FP8, sm_89+, and are dequantized elsewhere; experts stay FP8)")
     r = p.add_argument_group("runtime")
     r.add_argument("--mem-fraction-static", type=float, default=None,
-                   help="fraction of GPU memory for weights and KV cache (default 0.85)")
-    r.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
-    r.add_argument("--page-size", type=int, default=d.page_size)
-    r.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
-    r.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    r.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+                   help="fraction of GPU memory for weights and KV cache; unset: 0.85")
+    r.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV cache size in tokens; unset: what --mem-fraction-static leaves (CPU: 4x the context)")
+    r.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="auto: the model dtype; fp8_e4m3/fp8_e5m2 store K/V as unscaled FP8 (half the memory), "
+                        "upcast in the attention kernels (not for MLA models)")
+    r.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (SGLang's default is 1)")
+    r.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                   help="most prompt tokens per step; -1: no chunking")
+    r.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
+                   help="requests decoded together at most")
+    r.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens, help="prompt tokens per step")
+    r.add_argument("--schedule-policy", default=d.schedule_policy, choices=SCHEDULE_POLICIES,
+                   help="order of waiting requests: fcfs (arrival) or lpm (longest cached prefix first)")
     r.add_argument("--disable-radix-cache", action="store_true", help="turn prefix caching off")
-    r.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
-    r.add_argument("--moe-backend", default=None, choices=["torch", "triton", "cpu"])
-    r.add_argument("--disable-cuda-graph", action="store_true")
-    r.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
-    r.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    r.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKEND_ALIASES),
+                   help="torch or triton; SGLang's names run ours (torch_native: torch; flashinfer, fa3, flashmla, "
+                        "...: the device default), said in one log line; unset: triton on CUDA, torch on the CPU")
+    r.add_argument("--moe-backend", default=None, choices=["torch", "triton", "cpu"],
+                   help="routed experts' kernels; unset: from --device and the --kt-* flags")
+    r.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
+    r.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest captured batch size")
+    r.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                   help="a stream sends an update every this many new tokens (and the last one)")
+    r.add_argument("--allow-auto-truncate", action="store_true",
+                   help="cut prompts longer than the context to fit (their first tokens kept) instead of refusing")
+    r.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+                   help="seconds one engine step may take; beyond, the server logs the engine's stack and exits "
+                        "(status 1); --device cpu with a large model and long prefill chunks may need more")
+    r.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
+                   help="logging level")
+    r.add_argument("--log-requests", action="store_true", help="one log line per request received and finished")
+    r.add_argument("--log-requests-level", type=int, default=d.log_requests_level, choices=[0, 1, 2, 3],
+                   help="0: metadata; 1: + sampling parameters; 2: + the first and last characters of the input "
+                        "and output; 3: + all of them")
+    r.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
+                   help="decode steps between two progress log lines")
+    r.add_argument("--enable-cache-report", action="store_true",
+                   help="OpenAI responses carry usage.prompt_tokens_details.cached_tokens")
     k = p.add_argument_group("hybrid CPU/GPU experts (KTransformers-compatible)")
-    k.add_argument("--kt-weight-path", default=None, help="CPU expert weights written by `hybridmoe convert`")
-    k.add_argument("--kt-method", default=d.kt_method, type=str.upper, choices=KT_METHODS)
-    k.add_argument("--kt-cpuinfer", type=int, default=None, help="CPU expert threads")
-    k.add_argument("--kt-threadpool-count", type=int, default=d.kt_threadpool_count)
+    k.add_argument("--kt-weight-path", default=None,
+                   help="CPU expert weights written by `hybridmoe convert`; unset: quantized from the checkpoint")
+    k.add_argument("--kt-method", default=d.kt_method, type=str.upper, choices=KT_METHODS, help=KT_METHOD_HELP)
+    k.add_argument("--kt-cpuinfer", type=int, default=None, help="CPU expert threads; unset: physical cores - 1")
+    k.add_argument("--kt-threadpool-count", type=int, default=d.kt_threadpool_count,
+                   help="CPU thread sub-pools (one per NUMA node)")
     k.add_argument("--kt-numa-nodes", default=None,
-                   help="NUMA nodes whose cores run the CPU experts, e.g. 0,1 (one sub-pool per node)")
-    k.add_argument("--kt-num-gpu-experts", type=int, default=None, help="GPU-resident experts per MoE layer")
-    k.add_argument("--kt-gpu-experts-ratio", type=float, default=None)
+                   help="NUMA nodes whose cores run the CPU experts, e.g. 0,1 (one sub-pool per node); unset: all")
+    k.add_argument("--kt-num-gpu-experts", type=int, default=None,
+                   help="GPU-resident routed experts per MoE layer; unset (and no ratio): no GPU/CPU split, every "
+                        "expert on --device")
+    k.add_argument("--kt-gpu-experts-ratio", type=float, default=None,
+                   help="GPU-resident share of the routed experts per MoE layer (instead of a count)")
     k.add_argument("--kt-expert-placement-strategy", default=d.kt_expert_placement_strategy,
-                   choices=PLACEMENT_STRATEGIES)
-    k.add_argument("--init-expert-location", default=None)
-    k.add_argument("--kt-max-deferred-experts-per-token", type=int, default=d.kt_max_deferred_experts_per_token)
+                   choices=PLACEMENT_STRATEGIES, help="which experts go to the GPU")
+    k.add_argument("--init-expert-location", default=None,
+                   help="activation statistics file of the `frequency` strategy (from --record-expert-distribution)")
+    k.add_argument("--kt-max-deferred-experts-per-token", type=int, default=d.kt_max_deferred_experts_per_token,
+                   help="CPU experts per token whose result may join the next layer (overlap)")
     k.add_argument("--kt-gpu-prefill-token-threshold", type=int, default=None,
                    help="prefill chunks of at least this many tokens stream the CPU experts to the GPU layer by layer")
     k.add_argument("--kt-enable-dynamic-expert-update", action="store_true",
                    help="after a layerwise prefill, its most used experts take the least used GPU slots")
-    k.add_argument("--record-expert-distribution", default=None)
+    k.add_argument("--record-expert-distribution", default=None,
+                   help="write the routed experts' activation statistics to this file at shutdown")
+    add_compat_args(p)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -27,10 +27,15 @@ def _check_generate_flags(ns: argparse.Namespace) -> None:
 
 def _generate(ns: argparse.Namespace) -> int:
     from hybridmoe.engine.llm import LLM
+    from hybridmoe.hub import resolve_hub_paths
+    from hybridmoe.sglang_compat import refused
     from hybridmoe.startup import prepare
 
     _check_generate_flags(ns)
-    args = prepare(engine_args_from(ns))  # config, tokenizer, shards and flags: before loading anything
+    bad = refused(ns)
+    if bad:
+        raise ConfigError("; ".join(bad))
+    args = prepare(resolve_hub_paths(engine_args_from(ns)))  # config, tokenizer, shards and flags: before loading anything
     llm = LLM(**{k: v for k, v in vars(args).items() if k != "extra"})
     prompt = ns.prompt
     if ns.chat:
@@ -59,14 +64,15 @@ def _not_yet(name: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="hybridmoe", description="Serve MoE LLMs on one GPU plus a large CPU.")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a completion offline (no server)")
+    g = sub.add_parser("generate", help="generate a completion offline (no server)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(g)
-    g.add_argument("--prompt", default="The module provides")
+    g.add_argument("--prompt", default="The module provides", help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed; unset: random")
     sub.add_parser("serve", help="HTTP server (SGLang and OpenAI APIs); `hybridmoe serve --help` for its flags",
                    add_help=False)
     sub.add_parser("check", help="environment report and recommended flags", add_help=False)

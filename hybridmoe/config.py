@@ -12,15 +12,19 @@ config, built once by `models.registry.model_config`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridmoe.cpu.settings import CPUEngineSettings
+from hybridmoe.sglang_compat import ATTENTION_BACKEND_ALIASES, KV_CACHE_DTYPES, SCHEDULE_POLICIES
 
 if TYPE_CHECKING:
     from hybridmoe.models.base import ArchSpec
+
+log = logging.getLogger(__name__)
 
 DEMO_MODEL_PATH = str(Path(__file__).parent / "demo_model")
 
@@ -32,7 +36,7 @@ INT_MAX = 2**31 - 1  # counts and sizes beyond this are typos, and overflow int3
 _INT_FIELDS = ("context_length", "max_total_tokens", "page_size", "chunked_prefill_size", "max_running_requests",
                "max_prefill_tokens", "cuda_graph_max_bs", "kt_cpuinfer",
                "kt_threadpool_count", "kt_num_gpu_experts", "kt_max_deferred_experts_per_token",
-               "kt_gpu_prefill_token_threshold")
+               "kt_gpu_prefill_token_threshold", "stream_interval", "decode_log_interval", "log_requests_level")
 
 
 class ConfigError(ValueError):
@@ -52,6 +56,24 @@ def check_kt_method(method: str, hf_config: Any, source: str = "config.json") ->
     if method.upper() == "FP8" and checkpoint_quant_method(hf_config) != "fp8":
         raise ConfigError(f"--kt-method FP8: the checkpoint is not fp8 ({source} quantization_config.quant_method is "
                           f"{checkpoint_quant_method(hf_config)!r}, expected 'fp8'); use AMXINT8, AMXINT4 or BF16")
+
+
+def check_kv_cache_dtype(args: EngineArgs, hf_config: Any) -> None:
+    """--kv-cache-dtype against the model and the GPU: FP8 needs a standard-attention model (MLA's
+    latent cache stays in the model dtype) and, for e4m3, a GPU with FP8 conversions (sm_89+)."""
+    name = args.kv_cache_dtype
+    if not name.startswith("fp8"):
+        return
+    if getattr(hf_config, "kv_lora_rank", None):
+        raise ConfigError(f"--kv-cache-dtype {name}: not supported for MLA models (DeepSeek-V2/V3, Kimi-K2: the "
+                          "latent cache stays in the model dtype); leave it at auto")
+    import torch
+
+    if name == "fp8_e4m3" and args.device != "cpu" and torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        if cap < (8, 9):
+            raise ConfigError(f"--kv-cache-dtype fp8_e4m3: this GPU (sm_{cap[0]}{cap[1]}) has no e4m3 conversions "
+                              "(sm_89+ has); use fp8_e5m2")
 
 
 @dataclass
@@ -81,6 +103,19 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks)
     fp8_dequantize: bool = False  # block-scaled fp8 checkpoints: every fp8 weight in --dtype at load
+    kv_cache_dtype: str = "auto"  # auto (= the model dtype) | bf16 | fp8_e4m3 | fp8_e5m2 (unscaled fp8 K/V)
+    schedule_policy: str = "fcfs"  # fcfs | lpm (waiting requests with the longest cached prefix first)
+    chat_template: str | None = None  # a Jinja file or a built-in name (chat_templates.py); None: the tokenizer's
+    revision: str | None = None  # of a Hugging Face Hub id given as --model-path (hub.py)
+    download_dir: str | None = None  # Hub cache directory (None: huggingface_hub's default)
+    # serving (SGLang's ServerArgs names; read by the server and the engine loop)
+    stream_interval: int = 1  # a stream sends an update every this many new tokens (and at the end)
+    decode_log_interval: int = 40  # decode steps between two progress log lines
+    watchdog_timeout: float = 300.0  # a step running longer than this kills the server (seconds)
+    allow_auto_truncate: bool = False  # prompts longer than the context are cut to fit, not refused
+    log_requests: bool = False
+    log_requests_level: int = 2  # 0 metadata, 1 + sampling params, 2 + partial text, 3 + full text
+    enable_cache_report: bool = False  # usage.prompt_tokens_details.cached_tokens in OpenAI responses
     # hybrid (--kt-*)
     kt_weight_path: str | None = None
     kt_method: str = "AMXINT8"
@@ -149,7 +184,27 @@ class EngineArgs:
              "a fraction between 0 and 1")
         need(self.context_length is None or self.context_length >= 1, "context-length", "a positive integer")
         need(self.cuda_graph_max_bs >= 1, "cuda-graph-max-bs", "a positive integer")
-        need(self.attention_backend in (None, "torch", "triton"), "attention-backend", "torch or triton")
+        need(self.attention_backend in (None, *ATTENTION_BACKEND_ALIASES), "attention-backend",
+             f"one of {tuple(ATTENTION_BACKEND_ALIASES)}")
+        self._map_attention_backend()
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv-cache-dtype", f"one of {KV_CACHE_DTYPES}")
+        need(self.schedule_policy in SCHEDULE_POLICIES, "schedule-policy", f"one of {SCHEDULE_POLICIES}")
+        need(self.stream_interval >= 1, "stream-interval", "a positive integer (tokens per streamed update)")
+        need(self.decode_log_interval >= 1, "decode-log-interval", "a positive integer (decode steps)")
+        need(0 <= self.log_requests_level <= 3, "log-requests-level", "0, 1, 2 or 3")
+        need(isinstance(self.watchdog_timeout, (int, float)) and not isinstance(self.watchdog_timeout, bool)
+             and math.isfinite(self.watchdog_timeout) and self.watchdog_timeout > 0, "watchdog-timeout",
+             "a positive number of seconds")
+        for name in ("chat_template", "revision", "download_dir"):
+            need(getattr(self, name) is None or bool(getattr(self, name)), name.replace("_", "-"),
+                 "a non-empty value (or leave the flag out)")
+        if self.chat_template:
+            from hybridmoe.chat_templates import load_chat_template
+
+            try:
+                load_chat_template(self.chat_template)
+            except (ValueError, OSError) as e:
+                raise ConfigError(str(e)) from None
         need(self.kt_method.upper() in KT_METHODS, "kt-method", f"one of {KT_METHODS}")
         self.kt_method = self.kt_method.upper()
         # FP8 reads the experts straight from the fp8 checkpoint: --kt-weight-path, if given, is the model
@@ -194,6 +249,22 @@ class EngineArgs:
         if self.kt_enable_dynamic_expert_update and self.kt_gpu_prefill_token_threshold is None:
             raise ConfigError("--kt-enable-dynamic-expert-update needs --kt-gpu-prefill-token-threshold "
                               "(the update follows a layerwise prefill)")
+
+    def _map_attention_backend(self) -> None:
+        """SGLang's backend names run one of ours; one log line says which."""
+        name = self.attention_backend
+        if name is None or name in ("torch", "triton"):
+            return
+        ours = ATTENTION_BACKEND_ALIASES[name]
+        why = ""
+        if ours is None:
+            import torch
+
+            cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+            ours = "triton" if cuda else "torch"
+            why = f" (hybridmoe has no {name} kernels; {ours} is the default on {'CUDA' if cuda else 'the CPU'})"
+        log.info("--attention-backend %s: running hybridmoe's %s attention backend%s", name, ours, why)
+        self.attention_backend = ours
 
     # ---- typed views (what each part of the engine receives) ----
     def cache_config(self) -> CacheConfig:

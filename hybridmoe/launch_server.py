@@ -9,13 +9,17 @@ import sys
 
 from hybridmoe.args import OneLineParser, add_engine_args, engine_args_from
 from hybridmoe.config import ConfigError, ServerConfig
+from hybridmoe.hub import resolve_hub_paths
 from hybridmoe.server.limits import ServerLimits, add_server_limit_args
+from hybridmoe.sglang_compat import refused
 
 # Hybrid CPU/GPU options whose feature is not in this version yet: accepted by the parser (so a
 # KTransformers command line parses) and refused at startup with exit code 2, never ignored.
 # Remove a flag here once the engine implements it.
 NOT_YET_AVAILABLE: tuple[str, ...] = ()
 KT_METHODS_AVAILABLE = ("AMXINT8", "AMXINT4", "BF16", "FP8")
+KT_METHOD_LANDS = {"--kt-method LLAMAFILE": " (GGUF expert blocks land with issue 18; convert the model with "
+                                            "`hybridmoe convert` and use AMXINT8, AMXINT4 or BF16 meanwhile)"}
 DEFAULT_GRACE_S = 30.0
 MAX_GRACE_S = 86400.0
 
@@ -26,14 +30,15 @@ def _have(p: argparse.ArgumentParser, flag: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     """The serve parser: the engine flags of args.py plus the server's own."""
-    p = OneLineParser(prog="hybridmoe serve", allow_abbrev=False,
-                                description="HTTP server with SGLang's native API and the OpenAI API.")
+    p = OneLineParser(prog="hybridmoe serve", allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                      description="HTTP server with SGLang's native API and the OpenAI API; takes the flags of "
+                                  "`python -m sglang.launch_server` (those it cannot honour are refused, saying why).")
     add_engine_args(p)
     s = p.add_argument_group("server")
     if not _have(p, "--host"):
-        s.add_argument("--host", default="127.0.0.1")
+        s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     if not _have(p, "--port"):
-        s.add_argument("--port", type=int, default=30000)
+        s.add_argument("--port", type=int, default=30000, help="TCP port")
     if not _have(p, "--served-model-name"):
         s.add_argument("--served-model-name", default=None, help="the model name of the OpenAI API")
     if not _have(p, "--api-key"):
@@ -63,17 +68,25 @@ def unavailable_flags(argv: list[str], ns: argparse.Namespace) -> list[str]:
     return bad
 
 
+def refusals(argv: list[str], ns: argparse.Namespace) -> list[str]:
+    """One line per flag given that this version refuses, saying why (SGLang flags and kt methods)."""
+    lines = refused(ns)
+    for flag in unavailable_flags(argv, ns):
+        why = KT_METHOD_LANDS.get(flag, "")
+        lines.append(f"{flag}: not yet available in this version{why}; remove the flag")
+    return lines
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     """Parse serve flags and run the server until SIGTERM/SIGINT; the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    bad = unavailable_flags(argv, ns)
+    bad = refusals(argv, ns)
     if bad:
-        print(f"hybridmoe serve: error: {', '.join(bad)}: not yet available in this version "
-              "(the hybrid CPU/GPU expert path is not wired into the server yet); remove the flag(s)",
-              file=sys.stderr)
+        for line in bad:
+            print(f"hybridmoe serve: error: {line}", file=sys.stderr)
         return 2
     from hybridmoe.startup import prepare, report_failure
 
@@ -85,7 +98,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         limits = ServerLimits.from_namespace(ns)
         server_config = ServerConfig.from_namespace(ns)
         # every check that needs no model load runs before the port is bound: nothing says ready
-        args = prepare(engine_args_from(ns))
+        args = prepare(resolve_hub_paths(engine_args_from(ns)))
         from hybridmoe.server.run import run_server
 
         rc = run_server(args, server_config, graceful_shutdown_timeout=grace, limits=limits)

@@ -16,7 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from hybridmoe.config import ConfigError, EngineArgs, check_kt_method
+from hybridmoe.config import ConfigError, EngineArgs, check_kt_method, check_kv_cache_dtype
 from hybridmoe.model_check import check_tokenizer, check_tokens, check_weights, load_checked_config, one_line
 from hybridmoe.weights.loader import CheckpointError
 
@@ -112,6 +112,7 @@ def check_flags_against_model(args: EngineArgs, hf_config) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA GPU is visible to PyTorch; use --device cpu")
+    check_kv_cache_dtype(args, hf_config)
     if args.init_expert_location is not None and not Path(args.init_expert_location).is_file():
         raise ConfigError(f"--init-expert-location {args.init_expert_location}: no such file")
     if args.kt_weight_path is not None and not Path(args.kt_weight_path).is_dir():

@@ -54,7 +54,12 @@ def _load_tokenizer(args: EngineArgs):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    if args.chat_template:  # --chat-template replaces the tokenizer's (every route and worker reads this one)
+        from hybridmoe.chat_templates import load_chat_template
+
+        tokenizer.chat_template = load_chat_template(args.chat_template)
+    return tokenizer
 
 
 def _eos_ids(model_path: str, hf_config, tokenizer) -> list[int]:
@@ -89,7 +94,8 @@ class Engine:
         self.runner = ModelRunner(args, self.model_config, progress=progress)
         cache, sched = args.cache_config(), args.scheduler_config()
         self.kv = KVCacheManager(self.runner.num_pages, cache.page_size, enable_prefix_cache=cache.enable_prefix_cache)
-        self.scheduler = Scheduler(self.kv, sched.max_running_requests, sched.step_tokens, self.runner.context_len)
+        self.scheduler = Scheduler(self.kv, sched.max_running_requests, sched.step_tokens, self.runner.context_len,
+                                   schedule_policy=args.schedule_policy)
         self.eos_ids = _eos_ids(args.model_path, self.hf_config, self.tokenizer)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_ids)
         if self.runner.blocking_sync_wanted:  # hybrid on CUDA: a spinning wait takes a CPU experts' core
@@ -138,6 +144,10 @@ class Engine:
         if not input_ids:
             raise RequestError("the prompt is empty")
         # The length first: a huge list is refused without walking it.
+        if len(input_ids) >= self.context_len and self.args.allow_auto_truncate and input_ids:
+            log.warning("request %s: the prompt's %d tokens do not fit the context length %d; keeping the first %d "
+                        "(--allow-auto-truncate)", rid or "", len(input_ids), self.context_len, self.context_len - 1)
+            input_ids = list(input_ids[:self.context_len - 1])
         if len(input_ids) >= self.context_len:
             raise RequestError(f"the prompt has {len(input_ids)} tokens; the context length is {self.context_len}")
         if not all(type(t) is int and 0 <= t < vocab for t in input_ids):

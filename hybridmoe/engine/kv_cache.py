@@ -83,6 +83,18 @@ class KVCacheManager:
             node = child
         return pages
 
+    def cached_prefix_len(self, token_ids: list[int]) -> int:
+        """Tokens of token_ids that match_prefix would reuse now (no reference taken, no LRU update)."""
+        if not self.enable_prefix_cache:
+            return 0
+        s, node, n = self.page_size, self._root, 0
+        for i in range((len(token_ids) - 1) // s):
+            node = node.children.get(tuple(token_ids[i * s:(i + 1) * s]))
+            if node is None:
+                break
+            n += s
+        return n
+
     def allocate(self, n: int) -> list[int] | None:
         """n pages referenced for the caller, evicting idle cached pages if needed; None if short."""
         if n <= 0:

@@ -16,7 +16,7 @@ from hybridmoe.config import EngineArgs, ModelConfig
 from hybridmoe.engine.cuda_graph import DecodeGraphs
 from hybridmoe.engine.hooks import MoEHooks, NoHooks
 from hybridmoe.engine.scheduler import ScheduledBatch
-from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend
+from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend, kv_cache_dtype
 from hybridmoe.layers.attention.layer import ForwardContext
 from hybridmoe.moe.experts_setup import ExpertsSetup
 from hybridmoe.weights.loader import load_model
@@ -114,7 +114,11 @@ class ModelRunner:
     def _alloc_kv_cache(self) -> None:
         m = self.model_cfg
         layers = m.num_layers
-        bytes_per_token = layers * m.kv_elements_per_token() * torch.finfo(self.dtype).bits // 8
+        kv_dtype = kv_cache_dtype(self.args.kv_cache_dtype, self.dtype)  # --kv-cache-dtype (fp8: half the bytes)
+        if m.is_mla and kv_dtype != self.dtype:
+            raise ValueError(f"--kv-cache-dtype {self.args.kv_cache_dtype}: not supported for MLA models (the latent "
+                             "cache stays in the model dtype); leave it at auto")
+        bytes_per_token = layers * m.kv_elements_per_token() * torch.finfo(kv_dtype).bits // 8
         if self.cache_cfg.max_total_tokens is not None:
             tokens = self.cache_cfg.max_total_tokens
         elif self.device.type == "cuda":
@@ -134,17 +138,18 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, ...]]
         if m.is_mla:  # one latent entry per token, shared by the heads: [N, S, Lkv + R]
             shape = (num_pages, self.page_size, m.kv_elements_per_token())
-            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) for _ in range(layers)]
+            self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),) for _ in range(layers)]
         else:  # K and V: [N, S, Hkv, D] each
             shape = (num_pages, self.page_size, m.num_kv_heads, m.head_dim)
-            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                               torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(layers)]
+            self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                               torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(layers)]
         self.num_pages = num_pages
         self.context_len = min(self.context_len, (num_pages - 1) * self.page_size)
         self.max_pages_per_seq = -(-self.context_len // self.page_size)
-        log.info("KV cache: %d pages x %d tokens (%.2f GB, %d tokens); context length %d", num_pages,
+        self.kv_dtype = kv_dtype
+        log.info("KV cache: %d pages x %d tokens (%.2f GB, %d tokens, %s); context length %d", num_pages,
                  self.page_size, num_pages * self.page_size * bytes_per_token / 1e9,
-                 (num_pages - 1) * self.page_size, self.context_len)
+                 (num_pages - 1) * self.page_size, str(kv_dtype).removeprefix("torch."), self.context_len)
 
     # ---- one step ----
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

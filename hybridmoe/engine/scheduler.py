@@ -45,8 +45,10 @@ class Scheduler:
         max_running_requests: int,
         chunked_prefill_size: int,
         max_context_len: int,
+        schedule_policy: str = "fcfs",
     ) -> None:
         self.kv = kv
+        self.policy = schedule_policy  # fcfs: arrival order; lpm: longest cached prefix first (_order_lpm)
         self.max_running = max_running_requests
         self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
         self.max_context_len = max_context_len
@@ -107,6 +109,8 @@ class Scheduler:
                 req.finish(finish_abort("KV cache too small for this request"))
                 aborted.append(req)
         # 2. Admit waiting requests while token budget, slots and pages allow.
+        if self.policy == "lpm":
+            self._order_lpm()
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
             if req.seq_len > self.max_context_len or self.kv.pages_for(req.seq_len) > self.kv.num_pages - 1:
@@ -138,6 +142,19 @@ class Scheduler:
             num_tokens=[n for _, n in entries] + [0] * len(aborted),
             sample=[r.num_computed + n == r.seq_len for r, n in entries] + [False] * len(aborted),
         )
+
+    LPM_MAX_QUEUE = 128  # beyond, matching every waiting prompt each step costs more than it saves: fcfs
+
+    def _order_lpm(self) -> None:
+        """Longest prefix match first: waiting requests whose prompt has the most tokens in the prefix
+        cache are admitted first (their pages are reused before eviction can take them). Preempted
+        requests keep their place at the front; ties keep arrival order (the sort is stable)."""
+        if not 2 <= len(self.waiting) <= self.LPM_MAX_QUEUE:
+            return
+        resumed = [r for r in self.waiting if r.num_preemptions > 0]
+        fresh = [r for r in self.waiting if r.num_preemptions == 0]
+        fresh.sort(key=lambda r: -self.kv.cached_prefix_len(r.all_ids))
+        self.waiting = deque(resumed + fresh)
 
     def _grow(self, req: Req, n: int) -> bool:
         """Give req the pages for n more tokens; False (nothing taken) if the pool is short."""

@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from hybridmoe.layers.attention.base import store_kv
+
 try:
     import triton
     import triton.language as tl
@@ -79,9 +81,7 @@ def qkv_rope_store_ref(
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q = qk_norm_rope_ref(q.reshape(t, num_heads, d), q_weight, eps, cos, sin, positions)
     k = qk_norm_rope_ref(k.reshape(t, num_kv_heads, d), k_weight, eps, cos, sin, positions)
-    n, s = k_cache.shape[:2]
-    k_cache.view(n * s, num_kv_heads, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(n * s, num_kv_heads, d).index_copy_(0, slot_mapping, v.reshape(t, num_kv_heads, d).to(v_cache.dtype))
+    store_kv(k, v.reshape(t, num_kv_heads, d), k_cache, v_cache, slot_mapping)  # (FP8 caches: saturating)
     return q
 
 

@@ -21,6 +21,8 @@ from hybridmoe.config import EngineArgs
 from hybridmoe.engine.engine import Engine
 from hybridmoe.engine.request import Req
 from hybridmoe.server.metrics import ServerMetrics
+from hybridmoe.server.request_log import log_finished, log_received
+from hybridmoe.server.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +37,10 @@ class EngineFailed(RuntimeError):
 class RequestStream:
     """Outputs of one request, as SGLang-style dicts with cumulative text and output_ids."""
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, stream_interval: int = 1) -> None:
         self.rid = rid
+        self.stream_interval = stream_interval  # --stream-interval: new tokens between two updates
+        self._sent_tokens = 0
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self.started = False  # got its first output
@@ -53,7 +57,18 @@ class RequestStream:
             self.last = item
             if item["meta_info"]["finish_reason"] is not None:
                 self.finished = True
+            elif not self._due(item):
+                continue
             yield item
+
+    def _due(self, item: dict) -> bool:
+        """An unfinished output is sent for the first token, then every stream_interval new tokens
+        (outputs are cumulative, so one skipped is contained in the next)."""
+        n = len(item.get("output_ids") or ())
+        if self._sent_tokens and n - self._sent_tokens < self.stream_interval:
+            return False
+        self._sent_tokens = max(n, 1)
+        return True
 
     async def result(self) -> dict:
         """Wait for the end; the final output."""
@@ -85,6 +100,7 @@ class AsyncEngine:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._ready_event = threading.Event()
+        self.watchdog = StepWatchdog(args.watchdog_timeout)  # --watchdog-timeout, over each engine step
 
     # ---- lifecycle ----
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -128,8 +144,10 @@ class AsyncEngine:
             raise Unavailable(f"too many queued requests (--max-queued-requests {limit}); retry later")
         if req.rid in self.streams:
             raise ValueError(f"a request with rid {req.rid!r} is already running")
-        stream = RequestStream(req.rid)
+        stream = RequestStream(req.rid, self.args.stream_interval)
         self.streams[req.rid] = stream
+        if self.args.log_requests:
+            log_received(req, self.args.log_requests_level)
         assert self.engine is not None
         self.engine.submit(req)
         self._wake.set()
@@ -168,6 +186,8 @@ class AsyncEngine:
             stream.queue.put_nowait(out)
             if out["meta_info"]["finish_reason"] is not None:
                 self.streams.pop(rid, None)
+                if self.args.log_requests:
+                    log_finished(out, self.args.log_requests_level)
 
     # ---- the engine thread ----
     def _main(self) -> None:
@@ -181,6 +201,7 @@ class AsyncEngine:
         self.ready = True
         self._update_stats([])
         self._ready_event.set()
+        self.watchdog.start()
         log.info("the engine is ready (context length %d, %d KV pages of %d tokens)",
                  self.engine.context_len, self.stats["kv_total_pages"], self.stats["page_size"])
         while not self._stop:
@@ -192,11 +213,13 @@ class AsyncEngine:
                 continue
             self._step()
         self._run_calls()
+        self.watchdog.stop()
 
     def _step(self) -> None:
         engine = self.engine
         assert engine is not None and self._loop is not None
         try:
+            self.watchdog.begin()
             updated = engine.step()
         except Exception as e:  # a bug outside the forward (which Engine.step isolates): start afresh
             log.exception("engine step failed; failing the requests in flight")
@@ -206,6 +229,8 @@ class AsyncEngine:
             self._post(self._fail, rids, f"engine failure: {e}")
             time.sleep(0.1)  # a persistent failure must not spin
             return
+        finally:
+            self.watchdog.end()
         if updated:
             self._post(self._deliver, engine.outputs(updated))
         self._update_stats(updated)

@@ -44,12 +44,13 @@ def _finish(out: dict[str, Any]) -> tuple[str | None, Any]:
     return reason["type"], reason.get("matched")
 
 
-def _usage(outs: list[dict[str, Any]]) -> dict[str, Any]:
+def _usage(outs: list[dict[str, Any]], cache_report: bool = False) -> dict[str, Any]:
+    """OpenAI usage; prompt_tokens_details.cached_tokens only with --enable-cache-report (null otherwise, as SGLang)."""
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs)
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached} if cache_report else None}
 
 
 class _Tokens:
@@ -137,7 +138,8 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         cid = f"cmpl-{reqs[0].rid}"
         base = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name}
         if body.stream:
-            events = _completion_events(streams[0], reqs[0], base, echo[0], names, body)
+            events = _completion_events(streams[0], reqs[0], base, echo[0], names, body,
+                                        cache_report=state.args.enable_cache_report)
             return StreamingResponse(guarded(streams[0], state.engine, events), media_type="text/event-stream")
         outs = await results(request, state.engine, streams)
         choices = []
@@ -146,7 +148,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
             lp = _completion_logprobs(out["meta_info"], 0, names, len(echo[i])) if k is not None else None
             choices.append({"index": i, "text": echo[i] + out["text"], "logprobs": lp, "finish_reason": reason,
                             "matched_stop": matched})
-        return dict(base, choices=choices, usage=_usage(outs))
+        return dict(base, choices=choices, usage=_usage(outs, state.args.enable_cache_report))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -164,7 +166,8 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         base = {"id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
-            events = _chat_events(stream, req, dict(base, object="chat.completion.chunk"), names, body)
+            events = _chat_events(stream, req, dict(base, object="chat.completion.chunk"), names, body,
+                                  cache_report=state.args.enable_cache_report)
             return StreamingResponse(guarded(stream, state.engine, events), media_type="text/event-stream")
         out = (await results(request, state.engine, [stream]))[0]
         reason, matched = _finish(out)
@@ -172,7 +175,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
                                           "tool_calls": None},
                   "logprobs": _chat_logprobs(out["meta_info"], 0, names) if body.logprobs else None,
                   "finish_reason": reason, "matched_stop": matched}
-        return dict(base, choices=[choice], usage=_usage([out]))
+        return dict(base, choices=[choice], usage=_usage([out], state.args.enable_cache_report))
 
 
 def _echo_text(state: ServerState, req: Req) -> str:
@@ -181,7 +184,7 @@ def _echo_text(state: ServerState, req: Req) -> str:
 
 
 async def _completion_events(stream: RequestStream, req: Req, base: dict[str, Any], echo: str, names: _Tokens,
-                             body: CompletionRequest) -> AsyncIterator[bytes]:
+                             body: CompletionRequest, cache_report: bool = False) -> AsyncIterator[bytes]:
     sent_text, sent_tokens, stops = "", 0, req.params.stop_strs
     if echo:
         yield sse(dict(base, choices=[{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]))
@@ -198,14 +201,14 @@ async def _completion_events(stream: RequestStream, req: Req, base: dict[str, An
                 choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
                 yield sse(dict(base, choices=[choice]))
             if reason is not None and body.stream_options and body.stream_options.include_usage:
-                yield sse(dict(base, choices=[], usage=_usage([out])))
+                yield sse(dict(base, choices=[], usage=_usage([out], cache_report)))
     except EngineFailed as e:
         yield sse(error_body(500, str(e)))
     yield DONE
 
 
 async def _chat_events(stream: RequestStream, req: Req, base: dict[str, Any], names: _Tokens,
-                       body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+                       body: ChatCompletionRequest, cache_report: bool = False) -> AsyncIterator[bytes]:
     sent_text, sent_tokens, stops = "", 0, req.params.stop_strs
     yield sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}]))
@@ -221,7 +224,7 @@ async def _chat_events(stream: RequestStream, req: Req, base: dict[str, Any], na
                           "finish_reason": reason, "matched_stop": matched}
                 yield sse(dict(base, choices=[choice]))
             if reason is not None and body.stream_options and body.stream_options.include_usage:
-                yield sse(dict(base, choices=[], usage=_usage([out])))
+                yield sse(dict(base, choices=[], usage=_usage([out], cache_report)))
     except EngineFailed as e:
         yield sse(error_body(500, str(e)))
     yield DONE

@@ -47,8 +47,9 @@ class ServerState:
         if not isinstance(text, str):
             raise APIError(400, f"{field} must be a string", param=field)
         ctx = self.core.context_len
+        limit = None if self.args.allow_auto_truncate else ctx  # --allow-auto-truncate: the engine cuts it
         try:
-            return await self._pool().encode(text, add_special_tokens=add_special_tokens, max_len=ctx, field=field)
+            return await self._pool().encode(text, add_special_tokens=add_special_tokens, max_len=limit, field=field)
         except PromptTooLong as e:
             raise APIError(400, f"the prompt has {e.n} tokens; the context length is {ctx}", param=field) from None
 
@@ -77,7 +78,7 @@ class ServerState:
         try:
             return await self._pool().chat_ids(messages, source=source, add_generation_prompt=not continue_final_message,
                                                continue_final_message=continue_final_message, variables=variables,
-                                               max_len=ctx)
+                                               max_len=None if self.args.allow_auto_truncate else ctx)
         except PromptTooLong as e:
             raise APIError(400, f"the prompt has {e.n} tokens; the context length is {ctx}",
                            param="messages") from None
@@ -126,7 +127,8 @@ class ServerState:
             raise APIError(400, str(e)) from e
         wanted = (params or {}).get("max_new_tokens")
         ctx = engine.context_len
-        if check_max_tokens and isinstance(wanted, int) and wanted + len(req.prompt_ids) > ctx:
+        if check_max_tokens and not self.args.allow_auto_truncate and isinstance(wanted, int) \
+                and wanted + len(req.prompt_ids) > ctx:
             raise APIError(400, f"max_new_tokens={wanted} plus the prompt's {len(req.prompt_ids)} tokens exceed "
                                 f"the context length {ctx}", param="max_new_tokens")
         return req

@@ -57,8 +57,35 @@ def store_kv(
     if k is None or v is None:
         return
     n, s, hkv, d = k_cache.shape
+    if is_fp8(k_cache.dtype):
+        # fp8 has no index_copy_ on the CPU: copy the bytes. Values beyond the format's range saturate
+        # (e5m2 would make them inf), as the GPU's conversion (cvt.satfinite) does in the fused store.
+        for x, cache in ((k, k_cache), (v, v_cache)):
+            limit = torch.finfo(cache.dtype).max
+            codes = x.float().clamp(-limit, limit).to(cache.dtype).view(torch.uint8)
+            cache.view(torch.uint8).view(n * s, hkv, d).index_copy_(0, slot_mapping, codes)
+        return
     k_cache.view(n * s, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(n * s, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for --kv-cache-dtype `name` (auto: the model's dtype). FP8 caches
+    hold K/V unscaled (scale 1, as SGLang without checkpoint scales); kernels upcast on load."""
+    if name == "auto":
+        return model_dtype
+    if name in ("bf16", "bfloat16"):
+        return torch.bfloat16
+    if name in FP8_KV_DTYPES:
+        return FP8_KV_DTYPES[name]
+    raise ValueError(f"--kv-cache-dtype: got {name!r}, expected auto, bf16, fp8_e4m3 or fp8_e5m2")
 
 
 class AttentionBackend(ABC):
