@@ -177,14 +177,13 @@ class MLADecodeConfig:
 # bound at H 128 (2 * H * (2 * Lkv + R) FLOP per (Lkv + R) * 2 cache bytes: about 240 FLOP/B), so a program
 # takes 64 heads, the M of one Hopper wgmma (H 128 then reads each row twice, the second time mostly from
 # L2), with 8 warps: the PV dot splits its N = 512 over the two warpgroups, 128 fp32 accumulator registers
-# a thread (4 warps would need 256 and spill). Triton gives the score dot all 8 warps along M (its rule for
-# a dot that feeds another), so both warpgroups compute the same [64, BLOCK_N] scores: that is the cost of
-# staying in Triton. Offline compiles for sm_90 (Triton 3.9, cuobjdump -res-usage) chose the tile:
-#   (64, 16, 8w, 2st) wgmma, 254 regs, no spill, 128 KiB smem;   (64, 32, 8w, 2st) 255 regs, 32 B spilled;
-#   (32, 32, 8w) mma.sync, 178 regs;   (64, *, 4w) spills KiBs.   fp32 (tests only) takes small tiles.
-# benchmarks/bench_mla_decode.py --sweep times the alternatives on the GPU.
+# a thread. Triton gives the score dot all 8 warps along M (its rule for a dot that feeds another), so
+# both warpgroups compute the same [64, BLOCK_N] scores. The transposed form (TRANS) avoids that but
+# spills more (its p^T goes through shared memory): on the H200 (bench_mla_decode.py --sweep, session 8,
+# B 1/16/64 x 8K/32K, kernel cache-bytes ratio to the copy bandwidth, geometric mean) the plain
+# (64, 64, 8w, 2st) tile was best at 0.256, (64, 16, 8w, 2st) 0.137, the best transposed tile ~0.21.
 _CONFIGS: dict[tuple[int, bool], MLADecodeConfig] = {
-    (2, True): MLADecodeConfig(64, 16, 8, 2),
+    (2, True): MLADecodeConfig(64, 64, 8, 2),
     (2, False): MLADecodeConfig(64, 32, 4, 2),
     (4, True): MLADecodeConfig(16, 16, 4, 1),
     (4, False): MLADecodeConfig(32, 16, 4, 2),
