@@ -54,10 +54,13 @@ class BatchBitmask:
         """The batch's bitmask [B, W] on `device` (queued there without a host sync)."""
         b = len(grammars)
         host = self._host_rows(b, device)
-        host.fill_(-1)  # every token allowed: rows without a grammar
         for i, g in enumerate(grammars):
             if g is not None:
-                g.fill(host, i)
+                g.fill(host, i)  # the whole row
+            else:
+                # every token allowed. Row by row: one fill of a whole batch is large enough for torch to
+                # spread it over its OpenMP threads, whose wake-up costs milliseconds on a busy host
+                host[i].fill_(-1)
         if device.type == "cpu":
             return host
         return self._device_rows(b, device).copy_(host, non_blocking=True)
