@@ -52,9 +52,22 @@ async def attach_grammar(state: Any, req: Req) -> None:
     if len(text) > limit:
         raise APIError(400, f"{kind} has {len(text)} characters; this server's limit is {limit} "
                             "(--max-grammar-size raises it)", param=kind)
+    timeout = state.limits.grammar_compile_timeout
     try:
         backend = state.core.grammars.backend
-        compiled = await asyncio.wrap_future(backend.submit(kind, text))
+        # shielded: a compile that outlives the timeout goes on and is cached for the next request
+        inner = asyncio.wrap_future(backend.submit(kind, text))
+        inner.add_done_callback(_retrieve)
+        compiled = await asyncio.wait_for(asyncio.shield(inner), timeout)
     except GrammarError as e:
         raise APIError(400, str(e), param=kind) from None
+    except asyncio.TimeoutError:
+        raise APIError(400, f"{kind} did not compile within {timeout:g} s (--grammar-compile-timeout); a smaller "
+                            "grammar compiles faster", param=kind) from None
     req.grammar = RequestGrammar(compiled)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Take a finished compile's error, so one nobody awaits any more (timed out) is not logged as lost."""
+    if not fut.cancelled():
+        fut.exception()
