@@ -149,3 +149,14 @@ def test_at_most_one_constraint():
         SamplingParams(ebnf="").validate()
     SamplingParams(ebnf='root ::= "a"').validate()
     assert SamplingParams.from_any({"regex": "a", "logit_bias": {"1": 2}}).regex == "a"
+
+
+def test_logprobs_under_a_grammar_are_floored_not_infinite():
+    v = len(VOCAB)
+    req = _req(grammar=_grammar("1|2"), temperature=0.0)
+    req.return_logprob, req.top_logprobs_num = True, 4
+    out = Sampler(v, [EOS])(torch.randn(1, v), [req])
+    vals = [lp for lp, _ in out.top_logprobs[0]]
+    assert vals[2:] == [-9999.0, -9999.0] and all(x > -9999.0 for x in vals[:2]) and out.logprobs[0] > -9999.0
+    # the two allowed tokens share the whole mass
+    assert abs(sum(torch.tensor(vals[:2]).exp().tolist()) - 1) < 1e-5

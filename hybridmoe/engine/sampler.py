@@ -23,6 +23,7 @@ from hybridmoe.engine.grammar_mask import BatchBitmask
 from hybridmoe.engine.request import Req
 
 _NEG_INF = float("-inf")
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -81,6 +82,8 @@ class Sampler:
         if not want_lp:
             return SampleOutput(self._ids(next_ids), None, None)
         lp = torch.log_softmax(raw, dim=-1)
+        if constrained is not None:  # a forbidden token's -inf is not JSON: OpenAI's floor for "never" instead
+            lp = lp.clamp_min(LOGPROB_FLOOR)
         chosen = lp.gather(1, next_ids[:, None])[:, 0]
         n_top = max(r.top_logprobs_num for r in reqs)
         ids_list = self._ids(next_ids)

@@ -168,3 +168,16 @@ def test_bad_structured_requests_are_400(http, path, body, words):
 def test_server_still_serves_after_bad_grammars(http):
     r = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2
+
+
+def test_logprobs_with_a_grammar_are_finite(client):
+    """Tokens the grammar forbids have probability 0: their logprob is OpenAI's floor -9999, never -inf
+    (which is not JSON)."""
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "pick"}], max_tokens=5,
+                                       logprobs=True, top_logprobs=5, extra_body={"regex": "(a|b)"})
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content in ("a", "b") and content
+    for entry in content:
+        assert -9999.0 <= entry.logprob <= 0 and len(entry.top_logprobs) == 5
+        assert all(-9999.0 <= t.logprob <= 0 for t in entry.top_logprobs)
+    assert any(t.logprob == -9999.0 for t in content[0].top_logprobs)  # fewer than 5 tokens are allowed
