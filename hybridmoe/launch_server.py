@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     if not _have(p, "--max-queued-requests"):
         s.add_argument("--max-queued-requests", type=int, default=None,
                        help="requests waiting for their first token beyond this get 503")
+    if not _have(p, "--grammar-backend"):  # SGLang's flag; xgrammar is the one backend here
+        s.add_argument("--grammar-backend", choices=["xgrammar"], default="xgrammar",
+                       help="structured output's grammar backend")
     s.add_argument("--graceful-shutdown-timeout", type=float, default=DEFAULT_GRACE_S,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     add_server_limit_args(p.add_argument_group("server limits"))

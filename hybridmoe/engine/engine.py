@@ -22,6 +22,7 @@ import torch
 
 from hybridmoe.config import EngineArgs
 from hybridmoe.engine.detokenizer import IncrementalDetokenizer
+from hybridmoe.engine.grammar import EngineGrammars
 from hybridmoe.engine.kv_cache import KVCacheManager
 from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.engine.request import (
@@ -107,6 +108,7 @@ class Engine:
         self.generated_tokens = 0
         self.failed_requests = 0  # ended alone by an error of their own
         self.failed_batches = 0  # model forwards that raised
+        self.grammars = EngineGrammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         torch.manual_seed(args.random_seed)
 
     @property
@@ -181,6 +183,7 @@ class Engine:
                     self._detok[req.rid] = IncrementalDetokenizer(
                         self.tokenizer, req.params.skip_special_tokens, req.params.spaces_between_special_tokens
                     ) if self.tokenizer is not None else None
+                    self.grammars.attach(req)  # a structured-output request not compiled by the server
                     if req.params.max_new_tokens == 0:
                         req.finish(finish_length(0))
                         ended.append(self._retire(req))
@@ -263,6 +266,8 @@ class Engine:
             req.first_token_time = now
         req.output_ids.append(token)
         self.generated_tokens += 1
+        if req.grammar is not None:
+            req.grammar.accept(token)  # GrammarError (this request fails alone) if the token breaks it
         if req.return_logprob and logprob is not None:
             req.output_logprobs.append((logprob, token, top))
         self._check_finish(req, token)
@@ -303,6 +308,8 @@ class Engine:
                 reason = finish_stop(token)
             elif p.stop_strs and new_text:
                 reason = self._match_stop_str(req, len(new_text))
+        if reason is None and req.grammar is not None and req.grammar.terminated:
+            reason = finish_stop(token)  # the grammar is complete and took its stop token
         if reason is None and n_out >= p.max_new_tokens:
             reason = finish_length(n_out)
         if reason is not None:

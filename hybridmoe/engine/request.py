@@ -20,6 +20,10 @@ MAX_FREQUENCY_PENALTY = 2.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
 MAX_STOP_TOKEN_IDS = 256
+# logit_bias: OpenAI's range of a bias; the number of entries bounded so the per-step scatter stays small.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 4096
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # structured output: at most one (engine/grammar.py)
 
 
 class SamplingParamsError(ValueError):
@@ -47,6 +51,12 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: int | None = None
+    # structured output (engine/grammar.py): a JSON Schema as a JSON string, a regex, or xgrammar EBNF
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    # token id (an int, or its decimal string as in OpenAI's JSON) -> bias added to its logit, in [-100, 100]
+    logit_bias: dict[str, float] | dict[int, float] | None = None
 
     @classmethod
     def from_any(cls, value: SamplingParams | dict[str, Any] | None) -> SamplingParams:
@@ -70,6 +80,13 @@ class SamplingParams:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def logit_bias_items(self) -> list[tuple[int, float]]:
+        """(token id, bias) pairs of logit_bias (validated first), one per id, the last given winning."""
+        if not self.logit_bias:
+            return []
+        return list({int(k): float(v) for k, v in self.logit_bias.items()}.items())
 
     @property
     def is_greedy(self) -> bool:
@@ -127,8 +144,35 @@ class SamplingParams:
         for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             need(isinstance(getattr(self, flag), bool), flag, "true or false")
         need(is_int(self.n) and self.n == 1, "n", "1 (parallel sampling is not supported; send several requests)")
+        self._validate_structured(need, id_end)
         need(self.sampling_seed is None or (is_int(self.sampling_seed) and INT64_MIN <= self.sampling_seed
                                             <= INT64_MAX), "sampling_seed", "an integer within int64")
+
+
+    def _validate_structured(self, need: Any, id_end: int) -> None:
+        """The grammar fields (at most one, each a non-empty string) and logit_bias."""
+        for name in GRAMMAR_FIELDS:
+            v = getattr(self, name)
+            need(v is None or (isinstance(v, str) and v != "" and is_unicode(v)), name, "a non-empty string")
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise SamplingParamsError(f"{' and '.join(given)} are both given: a request takes at most one "
+                                      f"structured-output constraint ({', '.join(GRAMMAR_FIELDS)})")
+        bias = self.logit_bias
+        ok = bias is None or (isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS_ENTRIES and all(
+            _token_key(k, id_end) and is_num(v) and (not isinstance(v, float) or math.isfinite(v))
+            and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for k, v in bias.items()))
+        need(ok, "logit_bias", f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} entries token id (in [0, {id_end})) "
+                               f"-> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+
+
+def _token_key(k: object, id_end: int) -> bool:
+    """A logit_bias key: a token id as an int or its decimal string (OpenAI's JSON keys), within the vocabulary."""
+    if isinstance(k, str):
+        if not (k.isascii() and k.isdigit() and len(k) <= 19):
+            return False
+        k = int(k)
+    return is_int(k) and 0 <= k < id_end  # type: ignore[operator]
 
 
 def is_int(v: object) -> bool:
@@ -190,6 +234,7 @@ class Req:
     finished_time: float | None = None
     num_preemptions: int = 0
     seed_offset: int = 0  # sampling step counter for per-request seeded generators
+    grammar: Any = None  # structured output: its RequestGrammar (engine/grammar.py), made before it runs
 
     @property
     def all_ids(self) -> list[int]:

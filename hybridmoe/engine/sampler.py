@@ -1,9 +1,16 @@
-"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched sampling: logit bias, grammar masks, penalties, temperature, top-k, top-p, min-p, per-request
+seeds, logprobs.
 
 Legend: B sequences sampled this step, V vocabulary.
 All work is batched tensor ops on the logits' device; the only host synchronization is the caller
 reading the sampled ids (and logprobs when asked). A seeded request draws its noise from a
 generator keyed by (seed, step), so its tokens do not depend on what else is in the batch.
+
+logit_bias and structured output (a request's grammar, engine/grammar.py) change the logits first,
+on the sampler's own copy: the bias is one index_add of (index, value) tensors copied to the device
+once per batch composition; the grammar's token bitmask is filled on the CPU and applied on the
+device (grammar_mask.py). Neither waits for the device. Logprobs are those of the distribution after
+both (the tokens a grammar forbids have logprob -inf).
 """
 
 from __future__ import annotations
@@ -12,9 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmoe.engine.grammar_mask import BatchBitmask
 from hybridmoe.engine.request import Req
 
 _NEG_INF = float("-inf")
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -34,6 +43,10 @@ class Sampler:
         # spinning in a CUDA copy for the whole step takes a core from them (or from the driver's
         # host-function thread). An event made with blocking=True sleeps instead (set by Engine).
         self.wait_event: torch.cuda.Event | None = None
+        self.bitmask = BatchBitmask(vocab_size)
+        # the logit_bias tensors of the last batch composition: (its requests, flat index [N], bias [N])
+        self._bias_reqs: list[Req] = []
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _ids(self, ids: torch.Tensor) -> list[int]:
         """Sampled ids to the host, after the step's GPU work (sleeping, with wait_event)."""
@@ -43,6 +56,9 @@ class Sampler:
         return ids.tolist()
 
     def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:  # logits [B, V]
+        constrained = self._constrain(logits, reqs)
+        if constrained is not None:
+            logits = constrained
         if all(self._plain_greedy(r) for r in reqs):  # one argmax kernel: decode at batch 1 feels every launch
             return SampleOutput(self._ids(torch.argmax(logits[:, : self.vocab_size], dim=-1)), None, None)
         logits = logits[:, : self.vocab_size].float()
@@ -66,6 +82,8 @@ class Sampler:
         if not want_lp:
             return SampleOutput(self._ids(next_ids), None, None)
         lp = torch.log_softmax(raw, dim=-1)
+        if constrained is not None:  # a forbidden token's -inf is not JSON: OpenAI's floor for "never" instead
+            lp = lp.clamp_min(LOGPROB_FLOOR)
         chosen = lp.gather(1, next_ids[:, None])[:, 0]
         n_top = max(r.top_logprobs_num for r in reqs)
         ids_list = self._ids(next_ids)
@@ -76,6 +94,44 @@ class Sampler:
             top = [list(zip(vals_l[b][: r.top_logprobs_num], idx_l[b][: r.top_logprobs_num]))
                    for b, r in enumerate(reqs)]
         return SampleOutput(ids_list, chosen.tolist(), top)
+
+    def _constrain(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor | None:  # [B, V] float32
+        """Logits with the requests' logit_bias added and their grammars' forbidden tokens at -inf; None
+        (nothing to do) when no request of the batch has either."""
+        has_bias = any(r.params.logit_bias for r in reqs)
+        grammars = [r.grammar for r in reqs]
+        has_grammar = any(g is not None for g in grammars)
+        if not (has_bias or has_grammar):
+            return None
+        x = logits[:, : self.vocab_size]
+        # the sampler's own copy: the runner's buffers (a CUDA graph's output) are left as they were
+        x = x.float() if x.dtype != torch.float32 else x.clone()
+        if has_bias:
+            idx, val = self._bias_tensors(reqs, x)
+            x.view(-1).index_add_(0, idx, val)
+        if has_grammar:
+            self.bitmask.apply(x, grammars)
+        return x
+
+    def _bias_tensors(self, reqs: list[Req], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat index [N] into x.view(-1), bias [N]) of the batch's logit_bias entries, rebuilt only when
+        the batch's requests change (decode steps of one batch reuse them)."""
+        same = len(reqs) == len(self._bias_reqs) and all(a is b for a, b in zip(reqs, self._bias_reqs))
+        if same and self._bias is not None and self._bias[0].device == x.device:
+            return self._bias
+        v = x.shape[1]
+        flat, vals = [], []
+        for row, r in enumerate(reqs):
+            for tid, b in r.params.logit_bias_items:
+                flat.append(row * v + tid)
+                vals.append(b)
+        idx_cpu = torch.tensor(flat, dtype=torch.int64)
+        val_cpu = torch.tensor(vals, dtype=torch.float32)
+        if x.is_cuda:  # pinned, so the copies are queued without waiting for the device
+            idx_cpu, val_cpu = idx_cpu.pin_memory(), val_cpu.pin_memory()
+        self._bias = (idx_cpu.to(x.device, non_blocking=True), val_cpu.to(x.device, non_blocking=True))
+        self._bias_reqs = list(reqs)
+        return self._bias
 
     @staticmethod
     def _plain_greedy(r: Req) -> bool:
@@ -106,7 +162,8 @@ class Sampler:
         return logits - freq * counts - pres * (counts > 0).float()
 
     def _mask_min_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
+        # a request with a grammar stops where its grammar ends: its mask allows the stop tokens only there
+        rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens and r.grammar is None]
         if not rows:
             return logits
         logits = logits.clone()

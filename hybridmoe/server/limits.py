@@ -34,6 +34,8 @@ class ServerLimits:
     tokenizer_workers: int = 2  # processes that tokenize large inputs and render chat templates
     allow_client_chat_template: bool = False  # accept chat_template_kwargs.chat_template from clients
     max_top_logprobs_num: int = 20  # top_logprobs_num / logprobs / top_logprobs, on every route
+    max_grammar_size: int = 128 * 1024  # characters of a json_schema, regex or ebnf (400 beyond)
+    grammar_compile_timeout: float = 60.0  # a grammar compiling longer: 400 (it goes on compiling, then is cached)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -80,6 +82,10 @@ _LIMIT_FLAGS: tuple[tuple[str, object, str], ...] = (
     ("--chat-template-timeout", float, "seconds rendering a chat template may take (400 beyond)"),
     ("--tokenizer-workers", int, "processes that tokenize large inputs and render chat templates, off the event loop"),
     ("--max-top-logprobs-num", int, "most top logprobs a request may ask for per token, on every route"),
+    ("--max-grammar-size", int, "most characters of a structured-output constraint (json_schema, regex, ebnf, "
+     "response_format's schema; 400 beyond)"),
+    ("--grammar-compile-timeout", float, "seconds a request's grammar may take to compile (400 beyond; the "
+     "compiled grammar is cached when it finishes)"),
 )
 
 

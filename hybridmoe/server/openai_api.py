@@ -21,6 +21,7 @@ from hybridmoe.server.protocol import (
 )
 from hybridmoe.server.state import ServerState
 from hybridmoe.server.streaming import DONE, guarded, results, sse, visible_text
+from hybridmoe.server.structured import structured_params
 
 
 def _sampling(body: SamplingFields, max_new_tokens: int) -> dict[str, Any]:
@@ -33,6 +34,7 @@ def _sampling(body: SamplingFields, max_new_tokens: int) -> dict[str, Any]:
         "presence_penalty": body.presence_penalty, "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
         "no_stop_trim": body.no_stop_trim, "n": body.n, "sampling_seed": body.seed}
+    params.update(structured_params(body))  # response_format / json_schema / regex / ebnf, logit_bias
     return {k: v for k, v in params.items() if v is not None}
 
 

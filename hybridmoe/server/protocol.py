@@ -19,6 +19,8 @@ from typing_extensions import Self
 from hybridmoe.engine.request import (
     INT64_MAX,
     MAX_FREQUENCY_PENALTY,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
@@ -47,6 +49,11 @@ RepetitionPenalty = finite(0, MAX_REPETITION_PENALTY, lo_open=True)
 Penalty = finite(-MAX_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY)
 PosInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
+# token id (decimal string, OpenAI's JSON keys) -> bias; ids are checked against the vocabulary by the engine
+LogitBias = Annotated[dict[Annotated[str, Field(max_length=19)], finite(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)],
+                      Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
+# a grammar's text; its size is bounded by the server's --max-grammar-size (structured.py)
+GrammarText = Annotated[str, Field(min_length=1)]
 
 _STRUCTURED = "structured output"
 
@@ -71,9 +78,8 @@ class SamplingParamsIn(StrictModel):
     """/generate's sampling_params: SamplingParams' fields, typed and range-checked."""
 
     not_implemented = {
-        "json_schema": (_STRUCTURED + " (json_schema)", ()), "regex": (_STRUCTURED + " (regex)", ()),
-        "ebnf": (_STRUCTURED + " (ebnf)", ()), "structural_tag": (_STRUCTURED + " (structural_tag)", ()),
-        "logit_bias": ("per-token logit bias", ({},)), "custom_params": ("custom logit processor parameters", ({},)),
+        "structural_tag": (_STRUCTURED + " (structural_tag)", ()),
+        "custom_params": ("custom logit processor parameters", ({},)),
         "stream_interval": ("a custom stream interval", (1,)),
     }
 
@@ -95,6 +101,10 @@ class SamplingParamsIn(StrictModel):
     n: PosInt | None = None
     sampling_seed: Int64 | None = None
     seed: Int64 | None = None  # OpenAI's spelling of sampling_seed
+    json_schema: GrammarText | None = None  # a JSON Schema as a JSON string
+    regex: GrammarText | None = None
+    ebnf: GrammarText | None = None
+    logit_bias: LogitBias | None = None
 
 
 def _as_dict(params: SamplingParamsIn) -> dict[str, Any]:
@@ -192,6 +202,38 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    """response_format.json_schema: OpenAI's structured outputs (the schema is always enforced)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_type(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind not in ("text", "json_object", "json_schema"):
+            raise PydanticCustomError("not_implemented", "type: {kind} is not implemented in this version (text, "
+                                      "json_object and json_schema are)", {"kind": repr(kind[:40])})
+        return data
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> Self:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("bad_request", "response_format of type json_schema needs a json_schema "
+                                      "object (name, schema, strict)")
+        return self
+
+
 class SamplingFields(RequestModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI + SGLang extras).
 
@@ -200,10 +242,7 @@ class SamplingFields(RequestModel):
     """
 
     not_implemented = {
-        "logit_bias": ("per-token logit bias", ({},)),
-        "response_format": (_STRUCTURED + " (response_format)", ({"type": "text"},)),
-        "regex": (_STRUCTURED + " (regex)", ()), "json_schema": (_STRUCTURED + " (json_schema)", ()),
-        "ebnf": (_STRUCTURED + " (ebnf)", ()), "lora_path": ("LoRA adapters (lora_path)", ()),
+        "lora_path": ("LoRA adapters (lora_path)", ()),
         "store": ("stored completions", (False,)), "service_tier": ("service tiers", ("auto", "default")),
         "return_hidden_states": ("hidden-state output", (False,)),
     }
@@ -231,6 +270,12 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     rid: Rid | None = None
+    # structured output and logit bias (server/structured.py turns them into sampling parameters)
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
+    regex: GrammarText | None = None  # SGLang extras
+    ebnf: GrammarText | None = None
+    json_schema: GrammarText | None = None
 
 
 def _prompt_shape(v: Any) -> str:

@@ -14,6 +14,7 @@ from hybridmoe.server.async_engine import AsyncEngine, RequestStream
 from hybridmoe.server.errors import APIError
 from hybridmoe.server.limits import ServerLimits
 from hybridmoe.server.metrics import ServerMetrics
+from hybridmoe.server.structured import attach_grammar
 from hybridmoe.server.templates import model_template
 from hybridmoe.server.workers import PromptTooLong, TokenizerPool
 
@@ -125,6 +126,7 @@ class ServerState:
                                       return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
         except RequestError as e:
             raise APIError(400, str(e)) from e
+        await attach_grammar(self, req)  # structured output: compiled off the event loop, 400 if it fails
         wanted = (params or {}).get("max_new_tokens")
         ctx = engine.context_len
         if check_max_tokens and not self.args.allow_auto_truncate and isinstance(wanted, int) \

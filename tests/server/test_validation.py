@@ -98,13 +98,10 @@ OTHER_CASES = [
 ]
 
 UNIMPLEMENTED = [
-    ("response_format", "/v1/chat/completions", _chat(response_format={"type": "json_object"})),
+    ("response_format", "/v1/chat/completions", _chat(response_format={"type": "structural_tag"})),
     ("tools", "/v1/chat/completions",
      _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
     ("tool_choice", "/v1/chat/completions", _chat(tool_choice="required")),
-    ("logit_bias", "/v1/chat/completions", _chat(logit_bias={"5": 10})),
-    ("logit_bias", "/v1/completions", _cmpl(logit_bias={"5": 10})),
-    ("logit_bias", "/generate", _gen(logit_bias={"5": 10})),
     ("best_of", "/v1/completions", _cmpl(best_of=3)),
     ("suffix", "/v1/completions", _cmpl(suffix="end")),
     ("image_url", "/v1/chat/completions",
@@ -114,8 +111,7 @@ UNIMPLEMENTED = [
      _chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": ""}}]}])),
     ("tool_calls", "/v1/chat/completions",
      _chat(messages=USER + [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}])),
-    ("json_schema", "/generate", _gen(json_schema="{}")),
-    ("regex", "/v1/completions", _cmpl(regex="a+")),
+    ("structural_tag", "/generate", _gen(structural_tag="{}")),
     ("image_data", "/generate", {"text": "a", "image_data": "http://x/a.png"}),
     ("return_hidden_states", "/generate", {"text": "a", "return_hidden_states": True}),
 ]
