@@ -52,6 +52,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--disable-cuda-graph", action="store_true")
     r.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
     r.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    r.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
+                   help=f"log a 'Decode batch.' line every this many decode steps (default {d.decode_log_interval})")
+    r.add_argument("--log-requests", action="store_true", help="log a line per request received and finished")
+    r.add_argument("--log-requests-level", type=int, default=d.log_requests_level, choices=[0, 1, 2, 3],
+                   help="0 counts, 1 + sampling params, 2 + partial text, 3 everything "
+                        f"(default {d.log_requests_level})")
     k = p.add_argument_group("hybrid CPU/GPU experts (KTransformers-compatible)")
     k.add_argument("--kt-weight-path", default=None, help="CPU expert weights written by `hybridmoe convert`")
     k.add_argument("--kt-method", default=d.kt_method, type=str.upper, choices=KT_METHODS)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 
@@ -94,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # named by the sub-command's parser, like every other flag error
         OneLineParser(prog=f"hybridmoe {ns.command}").error(f"unrecognized arguments: {' '.join(extra)}")
     level = getattr(ns, "log_level", "info").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from hybridmoe.log import configure
+
+    configure(level)
     if ns.command == "generate":
         from hybridmoe.startup import report_failure
 

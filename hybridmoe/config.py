@@ -78,6 +78,9 @@ class EngineArgs:
     cuda_graph_max_bs: int = 64
     random_seed: int = 0
     log_level: str = "info"
+    decode_log_interval: int = 40  # a "Decode batch." log line every this many decode steps (0: never)
+    log_requests: bool = False  # a log line per request received and finished
+    log_requests_level: int = 2  # 0 counts, 1 + sampling params, 2 + partial text, 3 everything
     skip_tokenizer_init: bool = False
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks)
     fp8_dequantize: bool = False  # block-scaled fp8 checkpoints: every fp8 weight in --dtype at load
@@ -128,6 +131,9 @@ class EngineArgs:
                                    and math.isfinite(value)), name.replace("_", "-"), "a number")
         need(self.device in ("auto", "cuda", "cpu"), "device", "cuda, cpu or auto")
         need(self.log_level in LOG_LEVELS, "log-level", f"one of {LOG_LEVELS}")
+        need(isinstance(self.decode_log_interval, int) and self.decode_log_interval >= 0, "decode-log-interval",
+             "an integer >= 0 (0: no decode log lines)")
+        need(self.log_requests_level in (0, 1, 2, 3), "log-requests-level", "0, 1, 2 or 3")
         need(bool(self.model_path), "model-path", "a model directory")
         for name in ("tokenizer_path", "served_model_name", "kt_weight_path", "init_expert_location",
                      "record_expert_distribution"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 
@@ -68,7 +67,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from hybridmoe.log import configure
+
+    configure(ns.log_level)
     bad = unavailable_flags(argv, ns)
     if bad:
         print(f"hybridmoe serve: error: {', '.join(bad)}: not yet available in this version "

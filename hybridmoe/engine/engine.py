@@ -33,8 +33,10 @@ from hybridmoe.engine.request import (
     finish_stop,
     new_rid,
 )
+from hybridmoe.engine.request_log import log_finished, log_received
 from hybridmoe.engine.sampler import Sampler
 from hybridmoe.engine.scheduler import ScheduledBatch, Scheduler
+from hybridmoe.engine.step_log import StepLog
 from hybridmoe.models.config import model_config
 from hybridmoe.weights.loader import load_hf_config
 
@@ -101,6 +103,8 @@ class Engine:
         self.generated_tokens = 0
         self.failed_requests = 0  # ended alone by an error of their own
         self.failed_batches = 0  # model forwards that raised
+        self.step_log = StepLog(self, args.decode_log_interval)
+        self.log_requests = args.log_requests_level if args.log_requests else None  # None: no request lines
         torch.manual_seed(args.random_seed)
 
     @property
@@ -167,6 +171,8 @@ class Engine:
             if kind == "add":
                 req = item
                 self.reqs[req.rid] = req
+                if self.log_requests is not None:
+                    log_received(req, self.log_requests)
                 try:
                     self._detok[req.rid] = IncrementalDetokenizer(
                         self.tokenizer, req.params.skip_special_tokens, req.params.spaces_between_special_tokens
@@ -210,6 +216,7 @@ class Engine:
         except Exception as e:
             return updated + self._fail_batch(batch, e)
         self.scheduler.on_step_done(batch)
+        self.step_log.on_step(batch.is_decode, len(sampling))
         now = time.time()
         for req, row in zip(sampling, rows):
             try:
@@ -322,6 +329,8 @@ class Engine:
     def _retire(self, req: Req) -> Req:
         req.finished_time = time.time()
         self.finished_count += 1
+        if self.log_requests is not None:
+            log_finished(req, self.log_requests)
         self.reqs.pop(req.rid, None)
         self._detok.pop(req.rid, None)
         return req
@@ -349,6 +358,10 @@ class Engine:
             "max_total_num_tokens": kv.capacity_tokens,
             "token_usage": used / total if total else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_retracted_reqs": self.scheduler.num_preemptions,
+            "cache_hit_rate": (self.scheduler.admitted_cached_tokens / self.scheduler.admitted_prompt_tokens
+                               if self.scheduler.admitted_prompt_tokens else 0.0),
+            **self.step_log.hybrid,
             "finished_requests": self.finished_count,
             "generated_tokens": self.generated_tokens,
             "failed_requests": self.failed_requests,
@@ -375,7 +388,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Write what must outlive the process (the expert distribution statistics)."""
-        if self.runner.recorder is not None:
+        if self.runner.recorder is not None and self.runner.recorder.path:
             self.runner.recorder.dump()
             log.info("expert distribution written to %s", self.runner.recorder.path)
 
