@@ -240,6 +240,7 @@ class ServerConfig:
     api_key: str | None = None  # require `Authorization: Bearer <key>` (not on /health, /metrics)
     enable_metrics: bool = False
     max_queued_requests: int | None = None  # requests waiting for their first token beyond this: 503
+    allowed_origins: tuple[str, ...] | None = None  # CORS origins (`*`: any); None: no CORS headers
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, expected: str) -> None:
@@ -251,6 +252,10 @@ class ServerConfig:
              "a TCP port number (0-65535)")
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api-key",
              "a non-empty value (or leave the flag out)")
+        if self.allowed_origins is not None:  # a list from argparse: kept as a tuple (frozen, hashable)
+            object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        need(self.allowed_origins is None or all(isinstance(o, str) and o for o in self.allowed_origins),
+             "allowed-origins", "origins such as https://example.com, or *")
         q = self.max_queued_requests
         need(q is None or (isinstance(q, int) and not isinstance(q, bool) and 0 <= q <= INT_MAX),
              "max-queued-requests", f"an integer in [0, {INT_MAX}]")

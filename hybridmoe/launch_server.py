@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     if not _have(p, "--max-queued-requests"):
         s.add_argument("--max-queued-requests", type=int, default=None,
                        help="requests waiting for their first token beyond this get 503")
+    if not _have(p, "--allowed-origins"):
+        s.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="allow cross-origin (CORS) requests from these origins, `*` for any (default: none)")
     s.add_argument("--graceful-shutdown-timeout", type=float, default=DEFAULT_GRACE_S,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     add_server_limit_args(p.add_argument_group("server limits"))

@@ -247,3 +247,8 @@ class AsyncEngine:
         self.stats = stats
         if self.metrics is not None:
             self.metrics.set_gauges(stats)
+            q = engine.scheduler.queue_times
+            if q:
+                times = list(q)
+                q.clear()
+                self.metrics.observe_queue_times(times)
