@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("check", help="environment report and recommended flags", add_help=False)
     sub.add_parser("convert", help="HF checkpoint -> CPU expert weights for --kt-weight-path; "
                    "`hybridmoe convert --help` for its flags", add_help=False)
-    sub.add_parser("bench", help="benchmarks [not yet available]")
+    sub.add_parser("bench", help="benchmarks: one-batch (latency of one batch), serving (concurrent clients); "
+                   "`hybridmoe bench --help`", add_help=False)
     return p
 
 
@@ -85,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         from hybridmoe.check import check_main
 
         return check_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from hybridmoe.bench import bench_main
+
+        return bench_main(argv[1:])
     if argv[:1] == ["convert"]:
         from hybridmoe.convert import main as convert_main
 
