@@ -19,6 +19,15 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _count_or_auto(value: str) -> int | str:
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {value!r}") from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineArgs()
     m = p.add_argument_group("model")
@@ -65,7 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kt-threadpool-count", type=int, default=d.kt_threadpool_count)
     k.add_argument("--kt-numa-nodes", default=None,
                    help="NUMA nodes whose cores run the CPU experts, e.g. 0,1 (one sub-pool per node)")
-    k.add_argument("--kt-num-gpu-experts", type=int, default=None, help="GPU-resident experts per MoE layer")
+    k.add_argument("--kt-num-gpu-experts", type=_count_or_auto, default=None,
+                   help="GPU-resident experts per MoE layer; auto: the most that fit the GPU for --context-length "
+                        "(and --max-total-tokens), sized at startup (default: no GPU/CPU split)")
     k.add_argument("--kt-gpu-experts-ratio", type=float, default=None)
     k.add_argument("--kt-expert-placement-strategy", default=d.kt_expert_placement_strategy,
                    choices=PLACEMENT_STRATEGIES)
@@ -79,5 +90,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """EngineArgs of parsed flags; `--kt-num-gpu-experts auto` is sized here (hybridmoe/sizing.py)."""
     names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs.from_kwargs(**{k: v for k, v in vars(ns).items() if k in names})
+    kwargs = {k: v for k, v in vars(ns).items() if k in names}
+    auto = kwargs.get("kt_num_gpu_experts") == "auto"
+    if auto:
+        kwargs["kt_num_gpu_experts"] = None
+    args = EngineArgs.from_kwargs(**kwargs)
+    if auto:
+        from hybridmoe.sizing import resolve_auto_gpu_experts
+
+        args = dataclasses.replace(args, kt_num_gpu_experts=resolve_auto_gpu_experts(args))
+    return args

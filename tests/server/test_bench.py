@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import DEMO, REPO
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "hybridmoe" / "demo_model"
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
 
