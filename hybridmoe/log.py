@@ -16,14 +16,30 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _HANDLER_NAME = "hybridmoe"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of each record (not the one at creation: a
+    test's captured stream may be closed by then)."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: D102
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 def configure(level: str = "info") -> None:
     """The root logger writes FORMAT lines to stderr at `level` (debug | info | warning | error);
-    calling again only changes the level (no duplicate handlers)."""
+    calling again only changes the level (no duplicate handlers). A root logger that already has
+    other handlers is left alone, like logging.basicConfig does."""
     root = logging.getLogger()
+    if any(h.get_name() != _HANDLER_NAME for h in root.handlers):
+        return  # configured by someone else (an embedding program, pytest's capture): leave it, as basicConfig does
     root.setLevel(level.upper())
-    if any(h.get_name() == _HANDLER_NAME for h in root.handlers):
+    if root.handlers:
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(logging.Formatter(FORMAT))
     root.addHandler(handler)

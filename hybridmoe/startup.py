@@ -194,7 +194,8 @@ def summary_lines(engine) -> list[str]:
         lines.append(f"CPU experts: {_cpu_side(runner)}; deferred per token {placement.num_deferred}")
         if placement.prefill_threshold is not None:
             lines.append(f"layerwise prefill from {placement.prefill_threshold} tokens"
-                         + ("; dynamic expert update on" if placement.dynamic_update else ""))
+                         + ("; hot experts move to the GPU after each (--kt-enable-dynamic-expert-update)"
+                            if placement.dynamic_update else ""))
     elif moe.backend == "cpu":
         lines.append(f"experts: all {n_exp} of each of {n_layers} MoE layers on the CPU")
         lines.append(f"CPU experts: {_cpu_side(runner)}; deferred per token 0")
