@@ -27,6 +27,13 @@ KT_METHOD_HELP = (
     "hybridmoe's default is AMXINT8 for accuracy; KTransformers' kt-sglang stack defaults to AMXINT4, which "
     "halves the CPU expert memory and bandwidth at some accuracy: pass --kt-method AMXINT4 for its behaviour. "
     "None needs AMX: the fastest ISA present (AMX, AVX-512, AVX2) is chosen at run time")
+def _count_or_auto(value: str) -> int | str:
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {value!r}") from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -106,9 +113,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU thread sub-pools (one per NUMA node)")
     k.add_argument("--kt-numa-nodes", default=None,
                    help="NUMA nodes whose cores run the CPU experts, e.g. 0,1 (one sub-pool per node); unset: all")
-    k.add_argument("--kt-num-gpu-experts", type=int, default=None,
-                   help="GPU-resident routed experts per MoE layer; unset (and no ratio): no GPU/CPU split, every "
-                        "expert on --device")
+    k.add_argument("--kt-num-gpu-experts", type=_count_or_auto, default=None,
+                   help="GPU-resident routed experts per MoE layer; auto: the most that fit the GPU for "
+                        "--context-length (and --max-total-tokens), sized at startup; unset (and no ratio): no "
+                        "GPU/CPU split, every expert on --device")
     k.add_argument("--kt-gpu-experts-ratio", type=float, default=None,
                    help="GPU-resident share of the routed experts per MoE layer (instead of a count)")
     k.add_argument("--kt-expert-placement-strategy", default=d.kt_expert_placement_strategy,
@@ -127,5 +135,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """EngineArgs of parsed flags; `--kt-num-gpu-experts auto` is sized here (hybridmoe/sizing.py)."""
     names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs.from_kwargs(**{k: v for k, v in vars(ns).items() if k in names})
+    kwargs = {k: v for k, v in vars(ns).items() if k in names}
+    auto = kwargs.get("kt_num_gpu_experts") == "auto"
+    if auto:
+        kwargs["kt_num_gpu_experts"] = None
+    args = EngineArgs.from_kwargs(**kwargs)
+    if auto:
+        from hybridmoe.sizing import resolve_auto_gpu_experts
+
+        args = dataclasses.replace(args, kt_num_gpu_experts=resolve_auto_gpu_experts(args))
+    return args

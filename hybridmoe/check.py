@@ -136,13 +136,11 @@ def gpu_info() -> dict[str, Any]:
     return info
 
 
-def recommend(cpu: dict[str, Any], native: dict[str, Any]) -> dict[str, Any]:
-    """Recommended hybrid flags for this machine."""
-    isa = cpu["isa"]
-    if isa["AMX int8"] or isa["AVX-512 VNNI"] or isa["AVX2"]:
-        method = "AMXINT8"  # runs everywhere with AVX2; uses AMX / AVX-512 VNNI when present
-    else:
-        method = "BF16"
+def recommend(cpu: dict[str, Any], native: dict[str, Any], hf_config: Any = None) -> dict[str, Any]:
+    """Recommended hybrid flags for this machine (and model, when given)."""
+    from hybridmoe.sizing import recommend_method
+
+    method, _ = recommend_method(cpu["isa"], hf_config)
     return {"--kt-method": method, "--kt-cpuinfer": max(1, cpu["physical_cores"] - 1),
             "--kt-threadpool-count": cpu["numa_nodes"]}
 
@@ -189,18 +187,70 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"CUDA (torch)   {gpu.get('cuda_build') or 'not built with CUDA'}")
     lines.append("versions       " + ", ".join(f"{k} {v or 'not installed'}" for k, v in r["versions"].items()))
     lines.append("recommended    " + " ".join(f"{k} {v}" for k, v in r["recommended_flags"].items()))
+    lines.append(f"why            {r['method_reason']}")
+    for line in (r.get("sizing") or {}).get("lines", []):
+        lines.append(f"sizing         {line}")
+    if r.get("command"):
+        lines.append(f"command        {r['command']}")
     lines += [f"warning        {w}" for w in r["warnings"]]
     lines += [f"PROBLEM        {p}" for p in r["problems"]]
     lines.append("result         " + ("the server can run here" if not r["problems"] else "the server cannot run here"))
     return "\n".join(lines)
 
 
+def add_model_sizing(report: dict[str, Any], ns: argparse.Namespace) -> None:
+    """With --model: the method for that checkpoint, the largest --kt-num-gpu-experts that fits the
+    GPU (or --gpu-memory-gib), and a ready `hybridmoe serve` command line."""
+    from hybridmoe.model_check import load_checked_config
+    from hybridmoe.sizing import GiB, gpu_total_bytes, recommend_method, size_gpu_experts
+
+    config, spec = load_checked_config(ns.model, flag="--model")
+    method, why = recommend_method(report["cpu"]["isa"], config)
+    if ns.kt_method:
+        method, why = ns.kt_method.upper(), f"--kt-method {ns.kt_method.upper()} as given"
+    gpu = int(ns.gpu_memory_gib * GiB) if ns.gpu_memory_gib else gpu_total_bytes()
+    s = size_gpu_experts(config, spec, gpu, mem_fraction=ns.mem_fraction_static, context_len=ns.context_length,
+                         kv_tokens=ns.max_total_tokens, kt_method=method)
+    flags = dict(report["recommended_flags"], **{"--kt-method": method, "--kt-num-gpu-experts": s.num_gpu_experts})
+    report["recommended_flags"], report["method_reason"] = flags, why
+    report["sizing"] = {"num_gpu_experts": s.num_gpu_experts, "num_experts": s.num_experts,
+                        "gpu_budget_gib": None if s.gpu_budget is None else round(s.gpu_budget / GiB, 2),
+                        "plan_gib": round(s.plan_gib, 2), "lines": s.lines}
+    extra = [f"--context-length {ns.context_length}"] if ns.context_length else []
+    extra += [f"--max-total-tokens {ns.max_total_tokens}"] if ns.max_total_tokens else []
+    extra += [f"--mem-fraction-static {ns.mem_fraction_static}"] if ns.mem_fraction_static else []
+    report["command"] = " ".join([f"hybridmoe serve --model-path {ns.model}", *(f"{k} {v}" for k, v in flags.items()),
+                                  *extra])
+
+
 def check_main(argv: list[str] | None = None) -> int:
-    """`hybridmoe check [--json]`: print the report; 0 when the server can run here, else 1."""
+    """`hybridmoe check [--json] [--model DIR ...]`: print the report; 0 when the server can run here, else 1."""
     p = argparse.ArgumentParser(prog="hybridmoe check", description="environment report and recommended flags")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="a model directory (config.json is enough): size its experts for this machine")
+    p.add_argument("--context-length", type=int, default=None, help="with --model: context to size for "
+                   "(default: the model's max_position_embeddings)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="with --model: KV cache budget in tokens (default: one full context)")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="with --model: GPU share (default 0.85)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="with --model: size for a GPU of this many GiB instead of the one here")
+    p.add_argument("--kt-method", default=None, help="with --model: size for this method instead of the recommended")
     ns = p.parse_args(argv)
     report = collect()
+    from hybridmoe.sizing import recommend_method
+
+    report["method_reason"] = recommend_method(report["cpu"]["isa"])[1]
+    if ns.model is not None:
+        from hybridmoe.config import ConfigError
+        from hybridmoe.weights.loader import CheckpointError
+
+        try:
+            add_model_sizing(report, ns)
+        except (ConfigError, CheckpointError, ValueError) as e:
+            print(f"hybridmoe check: error: {e}", file=sys.stderr)
+            return 2
     print(json.dumps(report, indent=2) if ns.json else format_report(report))
     return 1 if report["problems"] else 0
 

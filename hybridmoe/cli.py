@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 
@@ -78,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("check", help="environment report and recommended flags", add_help=False)
     sub.add_parser("convert", help="HF checkpoint -> CPU expert weights for --kt-weight-path; "
                    "`hybridmoe convert --help` for its flags", add_help=False)
-    sub.add_parser("bench", help="benchmarks [not yet available]")
+    sub.add_parser("bench", help="benchmarks: one-batch (latency of one batch), serving (concurrent clients); "
+                   "`hybridmoe bench --help`", add_help=False)
     return p
 
 
@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         from hybridmoe.check import check_main
 
         return check_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from hybridmoe.bench import bench_main
+
+        return bench_main(argv[1:])
     if argv[:1] == ["convert"]:
         from hybridmoe.convert import main as convert_main
 
@@ -100,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # named by the sub-command's parser, like every other flag error
         OneLineParser(prog=f"hybridmoe {ns.command}").error(f"unrecognized arguments: {' '.join(extra)}")
     level = getattr(ns, "log_level", "info").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from hybridmoe.log import configure
+
+    configure(level)
     if ns.command == "generate":
         from hybridmoe.startup import report_failure
 

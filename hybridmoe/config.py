@@ -100,6 +100,9 @@ class EngineArgs:
     cuda_graph_max_bs: int = 64
     random_seed: int = 0
     log_level: str = "info"
+    decode_log_interval: int = 40  # a "Decode batch." log line every this many decode steps (0: never)
+    log_requests: bool = False  # a log line per request received and finished
+    log_requests_level: int = 2  # 0 counts, 1 + sampling params, 2 + partial text, 3 everything
     skip_tokenizer_init: bool = False
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks)
     fp8_dequantize: bool = False  # block-scaled fp8 checkpoints: every fp8 weight in --dtype at load
@@ -110,11 +113,8 @@ class EngineArgs:
     download_dir: str | None = None  # Hub cache directory (None: huggingface_hub's default)
     # serving (SGLang's ServerArgs names; read by the server and the engine loop)
     stream_interval: int = 1  # a stream sends an update every this many new tokens (and at the end)
-    decode_log_interval: int = 40  # decode steps between two progress log lines
     watchdog_timeout: float = 300.0  # a step running longer than this kills the server (seconds)
     allow_auto_truncate: bool = False  # prompts longer than the context are cut to fit, not refused
-    log_requests: bool = False
-    log_requests_level: int = 2  # 0 metadata, 1 + sampling params, 2 + partial text, 3 + full text
     enable_cache_report: bool = False  # usage.prompt_tokens_details.cached_tokens in OpenAI responses
     # hybrid (--kt-*)
     kt_weight_path: str | None = None
@@ -163,6 +163,9 @@ class EngineArgs:
                                    and math.isfinite(value)), name.replace("_", "-"), "a number")
         need(self.device in ("auto", "cuda", "cpu"), "device", "cuda, cpu or auto")
         need(self.log_level in LOG_LEVELS, "log-level", f"one of {LOG_LEVELS}")
+        need(isinstance(self.decode_log_interval, int) and self.decode_log_interval >= 0, "decode-log-interval",
+             "an integer >= 0 (0: no decode log lines)")
+        need(self.log_requests_level in (0, 1, 2, 3), "log-requests-level", "0, 1, 2 or 3")
         need(bool(self.model_path), "model-path", "a model directory")
         for name in ("tokenizer_path", "served_model_name", "kt_weight_path", "init_expert_location",
                      "record_expert_distribution"):
@@ -190,8 +193,6 @@ class EngineArgs:
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv-cache-dtype", f"one of {KV_CACHE_DTYPES}")
         need(self.schedule_policy in SCHEDULE_POLICIES, "schedule-policy", f"one of {SCHEDULE_POLICIES}")
         need(self.stream_interval >= 1, "stream-interval", "a positive integer (tokens per streamed update)")
-        need(self.decode_log_interval >= 1, "decode-log-interval", "a positive integer (decode steps)")
-        need(0 <= self.log_requests_level <= 3, "log-requests-level", "0, 1, 2 or 3")
         need(isinstance(self.watchdog_timeout, (int, float)) and not isinstance(self.watchdog_timeout, bool)
              and math.isfinite(self.watchdog_timeout) and self.watchdog_timeout > 0, "watchdog-timeout",
              "a positive number of seconds")
@@ -305,6 +306,7 @@ class ServerConfig:
     api_key: str | None = None  # require `Authorization: Bearer <key>` (not on /health, /metrics)
     enable_metrics: bool = False
     max_queued_requests: int | None = None  # requests waiting for their first token beyond this: 503
+    allowed_origins: tuple[str, ...] | None = None  # CORS origins (`*`: any); None: no CORS headers
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, expected: str) -> None:
@@ -316,6 +318,10 @@ class ServerConfig:
              "a TCP port number (0-65535)")
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api-key",
              "a non-empty value (or leave the flag out)")
+        if self.allowed_origins is not None:  # a list from argparse: kept as a tuple (frozen, hashable)
+            object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        need(self.allowed_origins is None or all(isinstance(o, str) and o for o in self.allowed_origins),
+             "allowed-origins", "origins such as https://example.com, or *")
         q = self.max_queued_requests
         need(q is None or (isinstance(q, int) and not isinstance(q, bool) and 0 <= q <= INT_MAX),
              "max-queued-requests", f"an integer in [0, {INT_MAX}]")

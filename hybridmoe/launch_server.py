@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 
@@ -51,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     if not _have(p, "--grammar-backend"):  # SGLang's flag; xgrammar is the one backend here
         s.add_argument("--grammar-backend", choices=["xgrammar"], default="xgrammar",
                        help="structured output's grammar backend")
+    if not _have(p, "--allowed-origins"):
+        s.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="allow cross-origin (CORS) requests from these origins, `*` for any (default: none)")
     s.add_argument("--graceful-shutdown-timeout", type=float, default=DEFAULT_GRACE_S,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     add_server_limit_args(p.add_argument_group("server limits"))
@@ -85,7 +87,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from hybridmoe.log import configure
+
+    configure(ns.log_level)
     bad = refusals(argv, ns)
     if bad:
         for line in bad:

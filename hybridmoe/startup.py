@@ -142,3 +142,73 @@ def prepare(args: EngineArgs) -> EngineArgs:
 
         CPUWeightDir(args.kt_weight_path).check_model(config, args.model_path, args.kt_method, spec)
     return lower_oversubscribed(args, config)
+
+
+# ---- the startup summary (after the model loaded) -----------------------------------------------
+def _layer_runs(counts: dict[int, int]) -> list[tuple[int, int, int]]:
+    """(first layer, last layer, GPU experts) of each run of consecutive MoE layers with one count."""
+    runs: list[tuple[int, int, int]] = []
+    for layer, n in sorted(counts.items()):
+        if runs and runs[-1][2] == n:
+            runs[-1] = (runs[-1][0], layer, n)
+        else:
+            runs.append((layer, layer, n))
+    return runs
+
+
+def _cpu_side(runner) -> str:
+    """The CPU expert engine's method, threads, sub-pools and ISA path."""
+    cfg = runner.moe.hybrid_cfg
+    pool = runner.moe.options.pool
+    threads = f"{pool.threads} threads in {pool.subpools} sub-pool(s)" if pool is not None else "no pool"
+    try:
+        from hybridmoe.cpu.native import resolve_isa
+
+        isa = resolve_isa()
+    except Exception as e:  # noqa: BLE001  (the summary never fails the startup)
+        isa = f"unknown ({type(e).__name__})"
+    return f"--kt-method {cfg.method}, {threads}, ISA path {isa}"
+
+
+def summary_lines(engine) -> list[str]:
+    """What runs where, once the model is loaded: model, architecture, dtype, context, KV pages, the
+    experts' placement (per MoE layer), the CPU engine, deferral, layerwise prefill and CUDA graphs."""
+    runner, args = engine.runner, engine.args
+    cfg = engine.hf_config
+    arch = (getattr(cfg, "architectures", None) or [getattr(cfg, "model_type", "?")])[0]
+    kv = engine.kv
+    spec = engine.model_config.spec
+    dtype = str(runner.dtype).removeprefix("torch.")
+    lines = [f"model {args.model_path} ({arch}, {dtype} on {runner.device}), context length {engine.context_len}",
+             f"KV cache: {kv.num_pages - 1} pages of {kv.page_size} tokens ({kv.capacity_tokens} tokens), "
+             f"prefix cache {'on' if kv.enable_prefix_cache else 'off'}; attention backend "
+             f"{type(runner.attn_backend).__name__}"]
+    moe, n_layers, n_exp = runner.moe, len(spec.moe_layers), spec.num_experts
+    placement = moe.placement
+    if placement is not None:
+        hcfg = moe.hybrid_cfg
+        counts = {layer: placement.gpu_experts(layer) for layer in placement.moe_layers}
+        for first, last, n in _layer_runs(counts):
+            where = f"MoE layer {first}" if first == last else f"MoE layers {first}-{last}"
+            lines.append(f"experts: {where}: {n} of {n_exp} on the GPU ({placement.gpu_backend}), {n_exp - n} on "
+                         f"the CPU; placement {hcfg.placement_strategy}")
+        lines.append(f"CPU experts: {_cpu_side(runner)}; deferred per token {placement.num_deferred}")
+        if placement.prefill_threshold is not None:
+            lines.append(f"layerwise prefill from {placement.prefill_threshold} tokens"
+                         + ("; hot experts move to the GPU after each (--kt-enable-dynamic-expert-update)"
+                            if placement.dynamic_update else ""))
+    elif moe.backend == "cpu":
+        lines.append(f"experts: all {n_exp} of each of {n_layers} MoE layers on the CPU")
+        lines.append(f"CPU experts: {_cpu_side(runner)}; deferred per token 0")
+    else:
+        lines.append(f"experts: all {n_exp} of each of {n_layers} MoE layers on the {runner.device.type} "
+                     f"({moe.backend} backend)")
+    graphs = runner.graphs
+    lines.append(f"CUDA graphs: batch sizes {graphs.sizes}" if graphs is not None else "CUDA graphs: off")
+    return lines
+
+
+def log_summary(engine) -> None:
+    """Log the startup summary, one INFO line per item."""
+    for line in summary_lines(engine):
+        log.info("%s", line)

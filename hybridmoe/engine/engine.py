@@ -36,6 +36,7 @@ from hybridmoe.engine.request import (
 )
 from hybridmoe.engine.sampler import Sampler
 from hybridmoe.engine.scheduler import ScheduledBatch, Scheduler
+from hybridmoe.engine.step_log import StepLog
 from hybridmoe.models.config import model_config
 from hybridmoe.weights.loader import load_hf_config
 
@@ -109,6 +110,7 @@ class Engine:
         self.failed_requests = 0  # ended alone by an error of their own
         self.failed_batches = 0  # model forwards that raised
         self.grammars = EngineGrammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+        self.step_log = StepLog(self, args.decode_log_interval)
         torch.manual_seed(args.random_seed)
 
     @property
@@ -223,6 +225,7 @@ class Engine:
         except Exception as e:
             return updated + self._fail_batch(batch, e)
         self.scheduler.on_step_done(batch)
+        self.step_log.on_step(batch.is_decode, len(sampling))
         now = time.time()
         for req, row in zip(sampling, rows):
             try:
@@ -366,6 +369,10 @@ class Engine:
             "max_total_num_tokens": kv.capacity_tokens,
             "token_usage": used / total if total else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_retracted_reqs": self.scheduler.num_preemptions,
+            "cache_hit_rate": (self.scheduler.admitted_cached_tokens / self.scheduler.admitted_prompt_tokens
+                               if self.scheduler.admitted_prompt_tokens else 0.0),
+            **self.step_log.hybrid,
             "finished_requests": self.finished_count,
             "generated_tokens": self.generated_tokens,
             "failed_requests": self.failed_requests,
@@ -392,7 +399,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Write what must outlive the process (the expert distribution statistics)."""
-        if self.runner.recorder is not None:
+        if self.runner.recorder is not None and self.runner.recorder.path:
             self.runner.recorder.dump()
             log.info("expert distribution written to %s", self.runner.recorder.path)
 

@@ -231,6 +231,7 @@ class Req:
     output_logprobs: list[tuple[float, int, list[tuple[float, int]]]] = field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    admit_time: float | None = None  # first admitted to the running set (queue time = admit - arrival)
     finished_time: float | None = None
     num_preemptions: int = 0
     seed_offset: int = 0  # sampling step counter for per-request seeded generators

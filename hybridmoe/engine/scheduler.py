@@ -12,6 +12,7 @@ only the tokens whose pages were evicted meanwhile.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -55,6 +56,11 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order: oldest first
         self.num_preemptions = 0
+        # admission counters (cache hit rate, queue times): read by the engine's stats and metrics
+        self.admitted_prompt_tokens = 0  # prompt tokens of first admissions
+        self.admitted_cached_tokens = 0  # of them, reused from the prefix cache
+        # seconds waited by each first admission, drained by the metrics (bounded: nobody may read them)
+        self.queue_times: deque[float] = deque(maxlen=4096)
 
     # ---- requests in and out ----
     def add(self, req: Req) -> None:
@@ -130,6 +136,11 @@ class Scheduler:
                 break
             if req.num_preemptions == 0:  # a resumed request's reuse is not prompt caching
                 req.cached_tokens = req.num_computed
+                self.admitted_prompt_tokens += len(req.prompt_ids)
+                self.admitted_cached_tokens += req.cached_tokens
+                if req.admit_time is None:
+                    req.admit_time = time.time()
+                    self.queue_times.append(max(0.0, req.admit_time - req.arrival_time))
             self.waiting.popleft()
             self.running.append(req)
             req.state = ReqState.RUNNING

@@ -58,9 +58,10 @@ class ExpertsSetup:
             self.options = ExpertsOptions(device=device, hybrid=cfg, pool=pool, runtime=self.runtime,
                                           pack_device=self.options.pack_device, dtype=dtype)
             self._check_memory_plan(context_len)  # before any weight is read
-        self.recorder: ExpertDistributionRecorder | None = None
-        if cfg.record_expert_distribution:
-            self.recorder = ExpertDistributionRecorder(cfg.record_expert_distribution, model.num_experts)
+        # always counting (one index_add_ per MoE layer): the expert-distribution record endpoints
+        # and the share of routed-expert hits on the GPU read it; --record-expert-distribution is its file
+        self.recorder = ExpertDistributionRecorder(cfg.record_expert_distribution, model.num_experts, device,
+                                                   tuple(model.spec.moe_layers))
         self.kt_weights = None
         self._built: dict[int, MoEExperts] = {}
 

@@ -17,26 +17,63 @@ from hybridmoe.moe.placement import STATS_FORMAT
 
 
 class ExpertDistributionRecorder:
-    """Accumulates per-layer expert activation counts on the device (no host sync per step) and
-    writes the statistics file."""
+    """Accumulates per-layer expert activation counts on the device (index_add_: no host sync, and
+    capturable in a CUDA graph) and writes the statistics file.
 
-    def __init__(self, path: str, num_experts: int) -> None:
+    Counting never stops; a record (the /start_ and /stop_expert_distribution_record endpoints) is
+    the difference of two snapshots, so decode CUDA graphs need no recapture. `path`: where `dump`
+    writes by default (--record-expert-distribution; None: only explicit paths)."""
+
+    def __init__(self, path: str | None, num_experts: int, device: torch.device | None = None,
+                 layers: tuple[int, ...] = ()) -> None:
         self.path = path
         self.num_experts = num_experts
-        self.counts: dict[int, torch.Tensor] = {}
+        self.counts: dict[int, torch.Tensor] = {}  # layer -> [E] int64, cumulative
+        for layer in layers:  # allocated up front: a first use inside a graph capture allocates nothing
+            self.counts[layer] = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self._start: dict[int, torch.Tensor] | None = None  # snapshot at start (None: from the beginning)
+        self._stop: dict[int, torch.Tensor] | None = None  # snapshot at stop (None: still recording)
+        self.recording = path is not None
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:  # topk_ids [T, K]
         c = self.counts.get(layer)
         if c is None:
             c = self.counts[layer] = torch.zeros(self.num_experts, dtype=torch.int64, device=topk_ids.device)
-        c += torch.bincount(topk_ids.reshape(-1).long(), minlength=self.num_experts)
+        flat = topk_ids.reshape(-1).long()
+        c.index_add_(0, flat, torch.ones_like(flat))
 
-    def dump(self) -> None:
+    def _snapshot(self) -> dict[int, torch.Tensor]:
+        return {k: v.clone() for k, v in self.counts.items()}
+
+    def start(self) -> None:
+        """Begin a new record (the counts so far are left out of it)."""
+        self._start, self._stop, self.recording = self._snapshot(), None, True
+
+    def stop(self) -> None:
+        """End the record; `dump` writes the counts between start and now."""
+        if self.recording:
+            self._stop, self.recording = self._snapshot(), False
+
+    def recorded(self) -> dict[int, list[int]]:
+        """Per-layer counts of the current (or last) record."""
+        end = self._stop if self._stop is not None else self.counts
+        out = {}
+        for k, v in sorted(end.items()):
+            base = self._start.get(k) if self._start is not None else None
+            out[k] = (v - base if base is not None else v).tolist()
+        return out
+
+    def dump(self, path: str | None = None) -> str:
+        """Write the statistics file (the format --init-expert-location reads); its path."""
+        path = path or self.path
+        if path is None:
+            raise ValueError("no path to write the expert distribution to")
         data = {"format": STATS_FORMAT, "version": 1, "num_experts": self.num_experts,
-                "counts": {str(k): v.tolist() for k, v in sorted(self.counts.items())}}
-        tmp = Path(self.path).with_suffix(".tmp")
+                "counts": {str(k): v for k, v in self.recorded().items()}}
+        tmp = Path(path).with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
-        tmp.replace(self.path)
+        tmp.replace(path)
+        return str(path)
 
 
 class RecordingExperts(MoEExperts):

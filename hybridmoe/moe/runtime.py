@@ -82,6 +82,7 @@ class HybridRuntime(MoEHooks):
         self._pinned: dict[tuple[int, int, int], PinnedIO] = {}  # (parity, slot, cap) -> buffers
         self.submitter = GatedSubmitter()  # the layers' stream tasks queue (or, during a capture, record) through it
         self.layerwise = LayerwisePrefill(self) if placement.prefill_threshold is not None else None
+        self.num_layerwise_prefills = 0  # forwards run layerwise (metrics)
 
     def attach(self, layers: Mapping[int, HybridExperts]) -> None:
         """The model's hybrid MoE layers by layer index (layerwise prefill and deferral changes need them)."""
@@ -135,6 +136,7 @@ class HybridRuntime(MoEHooks):
             yield False
             return
         self.collect_pending()
+        self.num_layerwise_prefills += 1
         self.layerwise.begin()
         self.layerwise_active = True
         try:

@@ -19,7 +19,7 @@ from fastapi.routing import APIRoute
 
 from hybridmoe.config import EngineArgs, ServerConfig
 from hybridmoe.engine.engine import Engine, RequestError
-from hybridmoe.server import openai_api
+from hybridmoe.server import info_routes, openai_api
 from hybridmoe.server.async_engine import AsyncEngine, EngineFailed, RequestStream, Unavailable
 from hybridmoe.server.connections import RequestLimitsMiddleware
 from hybridmoe.server.errors import APIError, error_body, error_response, install_error_handlers
@@ -205,13 +205,7 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
-        core = state.core
-        cfg = core.hf_config
-        return {"model_path": state.args.model_path, "tokenizer_path": state.args.tokenizer_path or
-                state.args.model_path, "served_model_name": state.model_name, "is_generation": True,
-                "context_length": core.context_len, "vocab_size": cfg.vocab_size,
-                "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
-                "eos_token_ids": list(core.eos_ids), "preferred_sampling_params": None}
+        return info_routes.model_info(state)
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
@@ -302,9 +296,15 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] 
     _install_error_handlers(app)
     _register_native_routes(app, state)
     openai_api.register_routes(app, state)
+    info_routes.register_routes(app, state)
     app.add_middleware(JSONBodyMiddleware)
     if server.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
+    if server.allowed_origins:  # CORS (off by default); outside the API key check: pre-flights carry no key
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in server.allowed_origins)
     app.add_middleware(RequestLimitsMiddleware, limits=state.limits)  # outermost: sizes and times first
     return app
 

@@ -87,7 +87,7 @@ class AsyncEngine:
         self.args = args
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
-        self._factory = engine_factory or (lambda a: Engine(a, progress=False))
+        self._factory = engine_factory or (lambda a: Engine(a, progress=True))  # the load progress bar
         self.engine: Engine | None = None
         self.ready = False
         self.load_error: BaseException | None = None
@@ -201,6 +201,12 @@ class AsyncEngine:
         self.ready = True
         self._update_stats([])
         self._ready_event.set()
+        from hybridmoe.startup import log_summary
+
+        try:
+            log_summary(self.engine)  # model, KV cache, where the experts live
+        except Exception as e:  # noqa: BLE001  (a summary bug must not stop the server)
+            log.warning("no startup summary: %s: %s", type(e).__name__, e)
         self.watchdog.start()
         log.info("the engine is ready (context length %d, %d KV pages of %d tokens)",
                  self.engine.context_len, self.stats["kv_total_pages"], self.stats["page_size"])
@@ -266,3 +272,8 @@ class AsyncEngine:
         self.stats = stats
         if self.metrics is not None:
             self.metrics.set_gauges(stats)
+            q = engine.scheduler.queue_times
+            if q:
+                times = list(q)
+                q.clear()
+                self.metrics.observe_queue_times(times)

@@ -19,6 +19,13 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                 0.75, 1.0, 2.0, 5.0)
 _THROUGHPUT_WINDOW_S = 5.0
+HYBRID_GAUGES = (  # (Engine.stats key, metric name, help)
+    ("cpu_expert_time_per_step", "hybridmoe:cpu_expert_time_per_step_seconds",
+     "CPU expert task time per forward (all tasks, summed over the CPU engine's threads' phases)"),
+    ("gpu_expert_hit_share", "hybridmoe:gpu_expert_hit_share", "Share of routed-expert selections on GPU experts"),
+    ("deferred_experts_per_token", "hybridmoe:deferred_experts_per_token", "Deferred CPU experts per token"),
+    ("num_layerwise_prefills", "hybridmoe:layerwise_prefills", "Forwards run as a layerwise prefill so far"),
+)
 
 
 class ServerMetrics:
@@ -50,6 +57,13 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Arrival to finish", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Share of admitted prompt tokens served from the prefix cache")
+        self.max_total_num_tokens = gauge("sglang:max_total_num_tokens", "KV cache capacity in tokens")
+        self.num_retracted = gauge("sglang:num_retracted_reqs", "Requests preempted (retracted) so far")
+        self.queue_time = Histogram("sglang:queue_time_seconds", "Arrival to admission into the running batch",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=r)
+        # hybrid CPU/GPU experts (no SGLang counterpart); refreshed every --decode-log-interval decode steps
+        self.hybrid = {key: gauge(name, doc) for key, name, doc in HYBRID_GAUGES}
         self.labels = {"model_name": model_name}
         self._seen: dict[str, tuple[int, float]] = {}  # rid -> (tokens seen, time of the last one)
         self._window: collections.deque[tuple[float, int]] = collections.deque()
@@ -96,6 +110,16 @@ class ServerMetrics:
         self.num_used_tokens.labels(**lab).set(stats["num_used_tokens"])
         self.token_usage.labels(**lab).set(stats["token_usage"])
         self.gen_throughput_g.labels(**lab).set(stats["gen_throughput"])
+        self.cache_hit_rate.labels(**lab).set(stats.get("cache_hit_rate", 0.0))
+        self.max_total_num_tokens.labels(**lab).set(stats.get("max_total_num_tokens", 0))
+        self.num_retracted.labels(**lab).set(stats.get("num_retracted_reqs", 0))
+        for key, g in self.hybrid.items():
+            if key in stats:
+                g.labels(**lab).set(stats[key])
+
+    def observe_queue_times(self, seconds: list[float]) -> None:
+        for t in seconds:
+            self.queue_time.labels(**self.labels).observe(t)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -130,9 +130,15 @@ class GenerateRequest(RequestModel):
         "token_ids_logprob": ("logprobs of given token ids", ()),
         "return_text_in_logprobs": ("token text in logprobs", (False,)),
         "custom_logit_processor": ("custom logit processors", ()), "session_params": ("sessions", ()),
+        # sglang-router forwards these with their defaults
+        "background": ("background requests", (False,)), "return_bytes": ("byte output", (False,)),
+        "return_entropy": ("entropy output", (False,)),
     }
 
     text: one_or_list(str, str) | None = None
+    model: str | None = None  # sent by sglang-router (null); the server serves one model
+    log_metrics: bool = True  # SGLang's per-request metrics switch; metrics here are per server
+    no_logs: bool = False  # accepted for SGLang clients; --log-requests still logs the request
     input_ids: TokenIds | None = None
     sampling_params: one_or_list(SamplingDict, SamplingDict) | None = None
     stream: bool = False
@@ -354,6 +360,9 @@ class ChatCompletionRequest(SamplingFields):
     }
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # SGLang's reasoning-parser switches (sglang-router sends them, true): no effect without a reasoning parser
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
     max_completion_tokens: NonNegInt | None = None
     logprobs: bool = False
     top_logprobs: NonNegInt | None = None

@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from hybridmoe.config import EngineArgs, ServerConfig
+from hybridmoe.log import uvicorn_log_config
 from hybridmoe.server.app import create_app
 from hybridmoe.server.connections import LimitedH11Protocol
 from hybridmoe.server.limits import ServerLimits
@@ -60,6 +61,7 @@ def build_server(app: Any, args: EngineArgs, limits: ServerLimits, graceful_shut
     listening where `server` says (`port` overrides its port)."""
     server = server or ServerConfig()
     config = uvicorn.Config(app, host=server.host, port=server.port if port is None else port, log_level=args.log_level,
+                            log_config=uvicorn_log_config(args.log_level),
                             access_log=False, timeout_graceful_shutdown=graceful_shutdown_timeout + 10, lifespan="on",
                             http=LimitedH11Protocol, timeout_keep_alive=limits.timeout_keep_alive)
     config.hybridmoe_limits = limits  # type: ignore[attr-defined]  # read by LimitedH11Protocol

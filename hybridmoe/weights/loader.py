@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from hybridmoe.layers.fp8_kernels import fp8_gemm_supported, kernel_block_ok
 from hybridmoe.models.base import ArchSpec, MoECausalLM
@@ -28,6 +27,7 @@ from hybridmoe.weights.fp8_loading import (
     mtp_tensor_count,
     swap_fp8_linears,
 )
+from hybridmoe.weights.progress import LoadProgress, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -241,10 +241,15 @@ def load_model(
                 reader.fill("model.embed_tokens.weight", params[name])
             else:
                 fill(name, params[name])
-        bar = tqdm(range(config.num_hidden_layers), desc="Loading weights", unit="layer", disable=not progress)
-        for i in bar:
+        expert_elt = 1 if block is not None and not fp8_dequantize else torch.finfo(dtype).bits // 8
+        experts_total = (len(spec.moe_layers) * spec.num_experts * 3 * config.hidden_size * spec.moe_intermediate
+                         * expert_elt if read_experts else 0)
+        bar = LoadProgress(config.num_hidden_layers, sum(p.nbytes for p in params.values()) + experts_total, progress)
+        bar.add_bytes(sum(params[name].nbytes for name in top))
+        for i in bar.layers(config.num_hidden_layers):
             for name in by_layer.get(i, []):
                 fill(name, params[name])
+                bar.add_bytes(params[name].nbytes)
             layer = model.model.layers[i]
             if layer.is_moe:
                 moe = getattr(layer, spec.moe_module)
@@ -253,6 +258,7 @@ def load_model(
                 if read_experts:
                     fp8_block = block if block is not None and not fp8_dequantize else None
                     weights = read_expert_weights(reader, spec, i, config.hidden_size, dtype, dev, fp8_block)
+                    bar.add_bytes(tensor_bytes(weights))
                 moe.experts = make_experts(weights, i)
     model.eval()
     return model

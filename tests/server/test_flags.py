@@ -118,7 +118,7 @@ def test_attention_backend_names(name: str, device: str, ours: str, caplog) -> N
 def test_bad_values_name_the_flag() -> None:
     for kwargs, flag in (({"attention_backend": "nope"}, "--attention-backend"), ({"kv_cache_dtype": "fp4"},
                          "--kv-cache-dtype"), ({"schedule_policy": "lof"}, "--schedule-policy"),
-                         ({"stream_interval": 0}, "--stream-interval"), ({"decode_log_interval": 0},
+                         ({"stream_interval": 0}, "--stream-interval"), ({"decode_log_interval": -1},
                          "--decode-log-interval"), ({"watchdog_timeout": 0}, "--watchdog-timeout"),
                          ({"log_requests_level": 4}, "--log-requests-level"), ({"revision": ""}, "--revision")):
         with pytest.raises(ConfigError, match=flag):

@@ -1,0 +1,116 @@
+"""Information and control routes beside the generation API, as SGLang names them: `/v1/models/{id}`,
+`/get_load`, `/model_info` and `/server_info` (the new names of `/get_model_info` and
+`/get_server_info`, both served), and the expert-distribution record endpoints, whose dump is the
+statistics file `--init-expert-location` reads (moe/placement.py)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from hybridmoe.server.errors import APIError
+from hybridmoe.server.state import ServerState
+
+
+def model_card(state: ServerState) -> dict[str, Any]:
+    """The OpenAI model object of this server's model."""
+    return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "hybridmoe",
+            "root": state.args.model_path, "max_model_len": state.core.context_len}
+
+
+def model_info(state: ServerState) -> dict[str, Any]:
+    """SGLang's /get_model_info fields."""
+    core = state.core
+    cfg = core.hf_config
+    return {"model_path": state.args.model_path, "tokenizer_path": state.args.tokenizer_path or state.args.model_path,
+            "served_model_name": state.model_name, "is_generation": True, "context_length": core.context_len,
+            "vocab_size": cfg.vocab_size, "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None), "eos_token_ids": list(core.eos_ids),
+            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+            "has_audio_understanding": False}
+
+
+def load(state: ServerState) -> list[dict[str, Any]]:
+    """SGLang's /get_load: one entry per data-parallel rank (one here)."""
+    s = state.engine.stats
+    running, waiting = s.get("num_running_reqs", 0), s.get("num_queue_reqs", 0)
+    return [{"dp_rank": 0, "num_reqs": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting,
+             "num_tokens": s.get("num_used_tokens", 0), "token_usage": s.get("token_usage", 0.0),
+             "max_total_num_tokens": s.get("max_total_num_tokens", 0)}]
+
+
+def _recorder(engine):
+    rec = engine.runner.recorder
+    if rec is None:
+        raise APIError(400, "this model has no MoE layers to record")
+    return rec
+
+
+def register_routes(app: FastAPI, state: ServerState) -> None:
+    """Adds the routes of this module (the generation routes are app.py's and openai_api.py's)."""
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        """The model object when `model_id` names this server's model, else 404."""
+        try:
+            state.check_model(model_id)
+        except APIError:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {state.model_name!r}",
+                           param="model") from None
+        return model_card(state)
+
+    @app.get("/model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return model_info(state)
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return state.server_info()
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        state.engine.check_available()
+        return load(state)
+
+    @app.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+    async def start_record() -> dict[str, Any]:
+        """Start a new record of which routed experts each token selects (per MoE layer)."""
+        await state.engine.call(lambda e: _recorder(e).start())
+        return {"success": True, "message": "Start recording the expert distribution"}
+
+    @app.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+    async def stop_record() -> dict[str, Any]:
+        await state.engine.call(lambda e: _recorder(e).stop())
+        return {"success": True, "message": "Stop recording the expert distribution"}
+
+    @app.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+    async def dump_record(request: Request) -> dict[str, Any]:
+        """Write the record (the statistics file of `--init-expert-location`). Where: `path` (query or
+        JSON body), else --record-expert-distribution's file, else a new file in the temp directory."""
+        path = request.query_params.get("path")
+        if path is None and request.method == "POST":
+            body = await request.body()
+            if body.strip():
+                try:
+                    data = await request.json()
+                except ValueError:
+                    raise APIError(400, "the body must be JSON: {\"path\": \"FILE\"} or empty") from None
+                if isinstance(data, dict) and data.get("path") is not None:
+                    if not isinstance(data["path"], str) or not data["path"]:
+                        raise APIError(400, "path must be a non-empty string", param="path")
+                    path = data["path"]
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise APIError(400, f"path {path}: the directory does not exist", param="path")
+
+        def dump(engine) -> str:
+            rec = _recorder(engine)
+            target = path or rec.path or str(Path(tempfile.gettempdir()) /
+                                             f"expert_distribution_{time.strftime('%Y%m%d-%H%M%S')}.json")
+            return rec.dump(target)
+
+        written = await state.engine.call(dump)
+        return {"success": True, "message": f"Expert distribution written to {written}", "path": written}
