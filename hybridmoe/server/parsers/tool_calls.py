@@ -50,6 +50,9 @@ class ToolCallParser:
         self.started = False  # the current call has been emitted (eager)
         self.sent = ""  # the current call's arguments emitted so far
         self.broken = False  # the current call began and proved malformed
+        # a section with no well-formed call is content, its tags too: the opening tag waits here
+        self.section_tag = ""
+        self.section_ok = False
 
     # ---------------------------------------------------------------- helpers
 
@@ -67,6 +70,7 @@ class ToolCallParser:
         index = self.count
         self.count += 1
         self.started, self.sent = True, ""
+        self.section_ok, self.section_tag = True, ""
         return [("call", index, self.fmt.call_id(name, index) or random_call_id(), name)]
 
     def _progress(self) -> list[Event]:
@@ -91,9 +95,9 @@ class ToolCallParser:
             self.sent = shown
         return events
 
-    def _complete(self) -> list[Event]:
-        """The current call's end tag arrived (or the output ended inside it)."""
-        raw = self.fmt.call_begin + self.body
+    def _complete(self, closed: bool = True) -> list[Event]:
+        """The current call's end tag arrived (closed), or the output ended inside it."""
+        raw = self.fmt.call_begin + self.body + (self.fmt.call_end if closed else "")
         head = self._header()
         args = None
         if head is not None:
@@ -110,7 +114,7 @@ class ToolCallParser:
         elif args is not None:
             events = self._begin(name) + [("args", self.count - 1, args)]
         else:
-            events = [("content", raw)]
+            events = [self._raw(raw)]
         self.body, self.started, self.sent, self.broken = "", False, "", False
         return events
 
@@ -134,6 +138,8 @@ class ToolCallParser:
                     events.append(("content", self.buf[:i]))
                 self.buf = self.buf[i + len(tag):]
                 self.state = "call" if tag == fmt.call_begin else "section"
+                if self.state == "section":
+                    self.section_tag, self.section_ok = tag, False
             elif self.state == "section":
                 ends = [(i, t) for t in (fmt.call_begin, fmt.section_end) if t and (i := self.buf.find(t)) >= 0]
                 if not ends:
@@ -145,6 +151,8 @@ class ToolCallParser:
                 self._section_text(self.buf[:i], events)
                 self.buf = self.buf[i + len(tag):]
                 self.state = "call" if tag == fmt.call_begin else "text"
+                if tag != fmt.call_begin and not self.section_ok:
+                    events.append(self._raw(tag))
             else:  # inside a call
                 i = self.buf.find(fmt.call_end)
                 if i < 0:
@@ -162,11 +170,15 @@ class ToolCallParser:
                 self.state = "section" if fmt.section_begin else "text"
         return events
 
-    @staticmethod
-    def _section_text(text: str, events: list[Event]) -> None:
+    def _raw(self, text: str) -> Event:
+        """Text of the format's that turned out not to be a call: content, after a pending section tag."""
+        text, self.section_tag = self.section_tag + text, ""
+        return ("content", text)
+
+    def _section_text(self, text: str, events: list[Event]) -> None:
         # between the calls of a section only whitespace is expected; anything else is kept as content
         if text.strip():
-            events.append(("content", text))
+            events.append(self._raw(text))
 
     def finish(self) -> list[Event]:
         """The output ended: a call cut short is malformed (content, unless it already began)."""
@@ -176,15 +188,17 @@ class ToolCallParser:
             self.buf = ""
             if self.started:
                 self.broken = True  # no end tag: closed as it stands
-                events += self._complete()
+                events += self._complete(closed=False)
             else:
-                events.append(("content", self.fmt.call_begin + self.body))
+                events.append(self._raw(self.fmt.call_begin + self.body))
                 self.body = ""
         elif self.buf:
             if self.state == "text":
                 events.append(("content", self.buf))
             else:
                 self._section_text(self.buf, events)
+        if self.section_tag:
+            events.append(self._raw(""))
         self.buf = ""
         self.state = "text"
         return events
