@@ -99,9 +99,6 @@ OTHER_CASES = [
 
 UNIMPLEMENTED = [
     ("response_format", "/v1/chat/completions", _chat(response_format={"type": "json_object"})),
-    ("tools", "/v1/chat/completions",
-     _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
-    ("tool_choice", "/v1/chat/completions", _chat(tool_choice="required")),
     ("logit_bias", "/v1/chat/completions", _chat(logit_bias={"5": 10})),
     ("logit_bias", "/v1/completions", _cmpl(logit_bias={"5": 10})),
     ("logit_bias", "/generate", _gen(logit_bias={"5": 10})),
@@ -112,8 +109,6 @@ UNIMPLEMENTED = [
                                                   {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])),
     ("input_audio", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": ""}}]}])),
-    ("tool_calls", "/v1/chat/completions",
-     _chat(messages=USER + [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}])),
     ("json_schema", "/generate", _gen(json_schema="{}")),
     ("regex", "/v1/completions", _cmpl(regex="a+")),
     ("image_data", "/generate", {"text": "a", "image_data": "http://x/a.png"}),
