@@ -72,8 +72,10 @@ def rename_rules(ebnf: str, prefix: str) -> str:
 
 def schema_rules(schema: dict[str, Any] | None, prefix: str) -> str:
     """EBNF rules of a JSON Schema, its root rule named `{prefix}root`."""
-    import xgrammar as xgr
-
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        raise ToolGrammarError("xgrammar is not installed on this server (pip install xgrammar)") from None
     try:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema or EMPTY_OBJECT), any_whitespace=False,
                                                strict_mode=True)
