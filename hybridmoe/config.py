@@ -31,6 +31,9 @@ DEMO_MODEL_PATH = str(Path(__file__).parent / "demo_model")
 KT_METHODS = ("AMXINT8", "AMXINT4", "BF16", "LLAMAFILE", "FP8")
 PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+# --tool-call-parser / --reasoning-parser names (SGLang's); the formats are in server/parsers/
+TOOL_CALL_PARSERS = ("qwen25", "deepseekv3", "kimi_k2")
+REASONING_PARSERS = ("qwen3", "deepseek-r1", "kimi", "kimi_k2")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 INT_MAX = 2**31 - 1  # counts and sizes beyond this are typos, and overflow int32 kernel arguments
 _INT_FIELDS = ("context_length", "max_total_tokens", "page_size", "chunked_prefill_size", "max_running_requests",
@@ -307,6 +310,8 @@ class ServerConfig:
     enable_metrics: bool = False
     max_queued_requests: int | None = None  # requests waiting for their first token beyond this: 503
     allowed_origins: tuple[str, ...] | None = None  # CORS origins (`*`: any); None: no CORS headers
+    tool_call_parser: str | None = None  # --tool-call-parser: server/parsers/tool_formats.py's names
+    reasoning_parser: str | None = None  # --reasoning-parser: server/parsers/reasoning.py's names
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, expected: str) -> None:
@@ -325,6 +330,10 @@ class ServerConfig:
         q = self.max_queued_requests
         need(q is None or (isinstance(q, int) and not isinstance(q, bool) and 0 <= q <= INT_MAX),
              "max-queued-requests", f"an integer in [0, {INT_MAX}]")
+        need(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS, "tool-call-parser",
+             f"one of {', '.join(TOOL_CALL_PARSERS)}")
+        need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning-parser",
+             f"one of {', '.join(REASONING_PARSERS)}")
 
     @classmethod
     def from_namespace(cls, ns: Any) -> ServerConfig:

@@ -7,7 +7,7 @@ import math
 import sys
 
 from hybridmoe.args import OneLineParser, add_engine_args, engine_args_from
-from hybridmoe.config import ConfigError, ServerConfig
+from hybridmoe.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ConfigError, ServerConfig
 from hybridmoe.hub import resolve_hub_paths
 from hybridmoe.server.limits import ServerLimits, add_server_limit_args
 from hybridmoe.sglang_compat import refused
@@ -53,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     if not _have(p, "--allowed-origins"):
         s.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                        help="allow cross-origin (CORS) requests from these origins, `*` for any (default: none)")
+    if not _have(p, "--tool-call-parser"):
+        s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="the model's tool-call format, parsed into OpenAI tool_calls on /v1/chat/completions "
+                            "(qwen25: Qwen2.5/Qwen3 <tool_call> JSON; deepseekv3: DeepSeek-V3; kimi_k2: Kimi-K2); "
+                            "also what tool_choice required or a named function enforces with a grammar")
+    if not _have(p, "--reasoning-parser"):
+        s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="split the model's thinking part into reasoning_content (qwen3: <think>...</think>; "
+                            "deepseek-r1: the output starts inside the thinking part; kimi: ◁think▷...◁/think▷; "
+                            "kimi_k2: <think> ended by </think> or a tool-call section)")
     s.add_argument("--graceful-shutdown-timeout", type=float, default=DEFAULT_GRACE_S,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     add_server_limit_args(p.add_argument_group("server limits"))

@@ -11,7 +11,9 @@ from fastapi.responses import StreamingResponse
 
 from hybridmoe.engine.request import Req
 from hybridmoe.server.async_engine import EngineFailed, RequestStream
+from hybridmoe.server.chat_tools import plan_chat, prompt_tail, template_message, template_tools
 from hybridmoe.server.errors import APIError, error_body
+from hybridmoe.server.parsers.chat_output import ChatOutput
 from hybridmoe.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -96,9 +98,13 @@ async def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> l
         msg = m.model_dump(exclude_none=True)
         if m.content is not None:  # content parts (text only: others are refused) joined
             msg["content"] = m.text
-        messages.append(msg)
+        messages.append(template_message(msg))
+    kwargs = dict(body.chat_template_kwargs or {})
+    tools = template_tools(body)
+    if tools is not None:  # the template's `tools` variable (tool_protocol.py keeps clients from setting it)
+        kwargs["tools"] = tools
     # rendered sandboxed and time-limited in a worker (state.chat_prompt_ids), never on the event loop
-    return await state.chat_prompt_ids(messages, body.continue_final_message, body.chat_template_kwargs)
+    return await state.chat_prompt_ids(messages, body.continue_final_message, kwargs or None)
 
 
 def register_routes(app: FastAPI, state: ServerState) -> None:
@@ -160,6 +166,8 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         ids = await _chat_prompt_ids(state, body)
         explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling(body, explicit if explicit is not None else state.core.context_len)
+        plan = await plan_chat(state.server_config, body, params)  # tools and reasoning: may add a grammar
+        tail = prompt_tail(state.core.tokenizer, ids) if plan.reasoning_format is not None else ""
         top = body.top_logprobs or 0
         req = await state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
                               top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None)
@@ -169,12 +177,15 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
                 "model": state.model_name}
         if body.stream:
             events = _chat_events(stream, req, dict(base, object="chat.completion.chunk"), names, body,
-                                  cache_report=state.args.enable_cache_report)
+                                  plan.output(tail, eager=True), cache_report=state.args.enable_cache_report)
             return StreamingResponse(guarded(stream, state.engine, events), media_type="text/event-stream")
         out = (await results(request, state.engine, [stream]))[0]
         reason, matched = _finish(out)
-        choice = {"index": 0, "message": {"role": "assistant", "content": out["text"], "reasoning_content": None,
-                                          "tool_calls": None},
+        parser = plan.output(tail, eager=False)
+        message = parser.message(out["text"]) if parser.active else {
+            "role": "assistant", "content": out["text"], "reasoning_content": None, "tool_calls": None}
+        reason = parser.finish_reason(reason)
+        choice = {"index": 0, "message": message,
                   "logprobs": _chat_logprobs(out["meta_info"], 0, names) if body.logprobs else None,
                   "finish_reason": reason, "matched_stop": matched}
         return dict(base, choices=[choice], usage=_usage([out], state.args.enable_cache_report))
@@ -210,7 +221,8 @@ async def _completion_events(stream: RequestStream, req: Req, base: dict[str, An
 
 
 async def _chat_events(stream: RequestStream, req: Req, base: dict[str, Any], names: _Tokens,
-                       body: ChatCompletionRequest, cache_report: bool = False) -> AsyncIterator[bytes]:
+                       body: ChatCompletionRequest, parser: ChatOutput,
+                       cache_report: bool = False) -> AsyncIterator[bytes]:
     sent_text, sent_tokens, stops = "", 0, req.params.stop_strs
     yield sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}]))
@@ -221,9 +233,17 @@ async def _chat_events(stream: RequestStream, req: Req, base: dict[str, Any], na
             lp = _chat_logprobs(out["meta_info"], sent_tokens, names) if body.logprobs else None
             sent_tokens = out["meta_info"]["completion_tokens"]
             delta, sent_text = text[len(sent_text):], text
-            if delta or reason is not None or lp is not None:
-                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                          "finish_reason": reason, "matched_stop": matched}
+            if parser.active:  # reasoning and tool calls split out (parsers/chat_output.py)
+                deltas = parser.feed(delta) + (parser.finish() if reason is not None else [])
+                reason = parser.finish_reason(reason)
+            else:
+                deltas = [{"content": delta}] if delta else []
+            if reason is not None or lp is not None:
+                deltas = deltas or [{}]
+            for i, d in enumerate(deltas):  # logprobs on the first, finish_reason on the last
+                last = i == len(deltas) - 1
+                choice = {"index": 0, "delta": d, "logprobs": lp if i == 0 else None,
+                          "finish_reason": reason if last else None, "matched_stop": matched if last else None}
                 yield sse(dict(base, choices=[choice]))
             if reason is not None and body.stream_options and body.stream_options.include_usage:
                 yield sse(dict(base, choices=[], usage=_usage([out], cache_report)))

@@ -39,6 +39,7 @@ from hybridmoe.server.strict import (
     finite,
     one_or_list,
 )
+from hybridmoe.server.tool_protocol import TemplateKwargs, ToolCalls, ToolChoice, Tools
 
 DEFAULT_MAX_TOP_LOGPROBS_NUM = 20  # OpenAI's cap; each one costs a top-k over the vocabulary per token
 
@@ -329,7 +330,7 @@ class ContentPart(StrictModel):
 
 class ChatMessage(StrictModel):
     not_implemented = {
-        "tool_calls": ("tool calls", ([],)), "function_call": ("function calls", ()), "audio": ("audio", ()),
+        "function_call": ("function calls", ()), "audio": ("audio", ()),
     }
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -337,6 +338,7 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    tool_calls: ToolCalls | None = None  # an assistant message's earlier calls (tool_protocol.py)
 
     @property
     def text(self) -> str | None:
@@ -350,10 +352,8 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     not_implemented = SamplingFields.not_implemented | {
-        "tools": ("tool calling (tools)", ([],)), "tool_choice": ("tool calling (tool_choice)", ("none", "auto")),
         "functions": ("function calling (functions)", ([],)),
         "function_call": ("function calling (function_call)", ("none", "auto")),
-        "parallel_tool_calls": ("tool calling (parallel_tool_calls)", (True, False)),
         "audio": ("audio output", ()), "modalities": ("output modalities other than text", (["text"],)),
         "prediction": ("predicted outputs", ()), "reasoning_effort": ("reasoning effort control", ()),
         "web_search_options": ("web search", ()),
@@ -366,5 +366,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: NonNegInt | None = None
     logprobs: bool = False
     top_logprobs: NonNegInt | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     continue_final_message: bool = False
+    # tool calling and reasoning (tool_protocol.py, parsers/)
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True  # SGLang: split the thinking part out (with --reasoning-parser)
+    stream_reasoning: bool = True  # SGLang: False sends the reasoning in one chunk once it ends

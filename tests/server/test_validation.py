@@ -99,9 +99,6 @@ OTHER_CASES = [
 
 UNIMPLEMENTED = [
     ("response_format", "/v1/chat/completions", _chat(response_format={"type": "structural_tag"})),
-    ("tools", "/v1/chat/completions",
-     _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
-    ("tool_choice", "/v1/chat/completions", _chat(tool_choice="required")),
     ("best_of", "/v1/completions", _cmpl(best_of=3)),
     ("suffix", "/v1/completions", _cmpl(suffix="end")),
     ("image_url", "/v1/chat/completions",
@@ -109,8 +106,6 @@ UNIMPLEMENTED = [
                                                   {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])),
     ("input_audio", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": ""}}]}])),
-    ("tool_calls", "/v1/chat/completions",
-     _chat(messages=USER + [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}])),
     ("structural_tag", "/generate", _gen(structural_tag="{}")),
     ("image_data", "/generate", {"text": "a", "image_data": "http://x/a.png"}),
     ("return_hidden_states", "/generate", {"text": "a", "return_hidden_states": True}),
