@@ -19,11 +19,15 @@ NO_TRITON = """
 import sys
 sys.modules["triton"] = None
 sys.modules["triton.language"] = None
+sys.modules["xgrammar"] = None  # the `structured` extra (its Linux wheel requires triton)
 import hybridmoe.check, hybridmoe.cli, hybridmoe.launch_server
 from hybridmoe.engine.llm import LLM
 llm = LLM(device="cpu", log_level="warning", kv_cache_dtype="fp8_e4m3")
 out = llm.generate(prompt="The module", sampling_params={"max_new_tokens": 3, "ignore_eos": True})
 assert out["meta_info"]["completion_tokens"] == 3, out
+# a grammar request: ends alone, its message naming the extra (the server answers it with a 400)
+bad = llm.generate(prompt="x", sampling_params={"max_new_tokens": 3, "regex": "a+"})["meta_info"]["finish_reason"]
+assert bad["type"] == "abort" and "hybridmoe[structured]" in bad["message"], bad
 assert "triton" not in {m.split(".")[0] for m, v in sys.modules.items() if v is not None}
 print("OK")
 """
@@ -35,9 +39,12 @@ def _project() -> dict:
 
 def test_triton_is_an_extra_not_a_dependency() -> None:
     project = _project()
-    assert not [d for d in project["dependencies"] if d.startswith("triton")]
+    # xgrammar too: its Linux wheel requires triton
+    assert not [d for d in project["dependencies"] if d.startswith(("triton", "xgrammar"))]
     for extra in ("gpu", "test"):
         assert [d for d in project["optional-dependencies"][extra] if d.startswith("triton")], extra
+    for extra in ("structured", "test"):
+        assert [d for d in project["optional-dependencies"][extra] if d.startswith("xgrammar")], extra
 
 
 def test_uvicorn_standard_and_hub() -> None:

@@ -24,7 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import xgrammar as xgr
+
+try:  # the `structured` extra: xgrammar's wheel requires triton on Linux, which a CPU-only install leaves out
+    import xgrammar as xgr
+except ImportError:
+    xgr = None
 
 from hybridmoe.engine.request import GRAMMAR_FIELDS as GRAMMAR_KINDS
 
@@ -32,6 +36,8 @@ from hybridmoe.engine.request import GRAMMAR_FIELDS as GRAMMAR_KINDS
 # model stuck on newlines cannot fill max_tokens with them (an unbounded run never parses).
 JSON_MAX_WHITESPACE = 32
 DEFAULT_CACHE_ENTRIES = 256
+NO_XGRAMMAR = ("structured output (response_format, json_schema, regex, ebnf, tool_choice required or named) needs "
+               "xgrammar, not installed on this server: pip install 'hybridmoe[structured]'")
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_COMPILE_THREADS = 2  # grammars compiled at once
 # threads xgrammar uses within one compilation (its token masks per grammar state): a quarter of the cores,
@@ -124,6 +130,8 @@ class GrammarBackend:
     def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         """The compiled grammar (from the cache when the same kind and text were compiled before);
         GrammarError with the compiler's message when it does not compile (errors are not cached)."""
+        if xgr is None:
+            raise GrammarError(NO_XGRAMMAR)
         key = (kind, text)
         with self._lock:
             hit = self._cache.get(key)

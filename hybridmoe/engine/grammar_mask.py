@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import xgrammar as xgr
 
-from hybridmoe.engine.grammar import RequestGrammar
+# xgr is None without the `structured` extra: then no request has a grammar and nothing here calls it
+from hybridmoe.engine.grammar import RequestGrammar, xgr
 
 
 class BatchBitmask:

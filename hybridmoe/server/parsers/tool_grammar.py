@@ -75,7 +75,8 @@ def schema_rules(schema: dict[str, Any] | None, prefix: str) -> str:
     try:
         import xgrammar as xgr
     except ImportError:
-        raise ToolGrammarError("xgrammar is not installed on this server (pip install xgrammar)") from None
+        raise ToolGrammarError("tool_choice required or named needs xgrammar, not installed on this server: "
+                               "pip install 'hybridmoe[structured]'") from None
     try:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema or EMPTY_OBJECT), any_whitespace=False,
                                                strict_mode=True)
