@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hybridmoe.config import EngineArgs
+from hybridmoe.engine import parallel, prompt_logprobs
 from hybridmoe.engine.detokenizer import IncrementalDetokenizer
 from hybridmoe.engine.kv_cache import KVCacheManager
 from hybridmoe.engine.model_runner import ModelRunner
@@ -97,6 +98,8 @@ class Engine:
         self.reqs: dict[str, Req] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._fork_of: dict[str, Req] = {}  # rid of a not yet forked sequence (n > 1) -> its first sequence
+        self._orphans: list[Req] = []  # forks ended with their first sequence before forking
         self.finished_count = 0
         self.generated_tokens = 0
         self.failed_requests = 0  # ended alone by an error of their own
@@ -116,8 +119,15 @@ class Engine:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        return_text_in_logprobs: bool = False,
     ) -> Req:
-        """Validate and tokenize; raises RequestError with a message for the user."""
+        """Validate and tokenize; raises RequestError with a message for the user.
+
+        With sampling_params n > 1 the request carries n - 1 forks (parallel.py), each finishing
+        (and reported) under its own rid; with return_logprob and logprob_start_len >= 0 its prompt
+        tokens from that position on are scored (prompt_logprobs.py).
+        """
         try:
             params = SamplingParams.from_any(sampling_params)
             params.validate(self.hf_config.vocab_size)
@@ -144,10 +154,17 @@ class Engine:
             raise RequestError(f"input_ids must be a list of token ids in [0, {vocab})")
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise RequestError("top_logprobs_num must be an integer >= 0")
+        if type(logprob_start_len) is not int or not -1 <= logprob_start_len < len(input_ids):
+            raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or a position in the prompt "
+                               f"[0, {len(input_ids)})")
         # Leave room in the context for the generated tokens.
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(input_ids))
-        return Req(rid=rid or new_rid(), prompt_ids=list(input_ids), params=params,
-                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, arrival_time=time.time())
+        req = Req(rid=rid or new_rid(), prompt_ids=list(input_ids), params=params,
+                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, arrival_time=time.time(),
+                  logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs)
+        prompt_logprobs.start(req)
+        parallel.expand(req)
+        return req
 
     def submit(self, req: Req) -> None:
         """Queue a request (any thread)."""
@@ -166,23 +183,47 @@ class Engine:
                 return ended
             if kind == "add":
                 req = item
-                self.reqs[req.rid] = req
                 try:
-                    self._detok[req.rid] = IncrementalDetokenizer(
-                        self.tokenizer, req.params.skip_special_tokens, req.params.spaces_between_special_tokens
-                    ) if self.tokenizer is not None else None
-                    if req.params.max_new_tokens == 0:
-                        req.finish(finish_length(0))
-                        ended.append(self._retire(req))
-                    else:
-                        self.scheduler.add(req)
+                    self._register(req)
+                    for child in req.forks:
+                        self._fork_of[child.rid] = req
+                    self.scheduler.add(req)  # max_new_tokens 0 too: its prompt is prefilled (and cached)
                 except Exception as e:  # this request alone
                     ended.append(self._fail_request(req, e))
             else:
                 rid, message = item
                 req = self.scheduler.abort(rid, message)
+                if req is None and rid in self._fork_of:  # a sequence not forked yet
+                    parent = self._fork_of.pop(rid)
+                    req = next(c for c in parent.forks if c.rid == rid)
+                    parent.forks.remove(req)
+                    req.finish(finish_abort(message))
                 if req is not None:
                     ended.append(self._retire(req))
+
+    def _register(self, req: Req) -> None:
+        self.reqs[req.rid] = req
+        self._detok[req.rid] = IncrementalDetokenizer(
+            self.tokenizer, req.params.skip_special_tokens, req.params.spaces_between_special_tokens
+        ) if self.tokenizer is not None else None
+
+    def _fork(self, batch: ScheduledBatch) -> list[Req]:
+        """Fork the sequences of the prompts prefilled in this step (n > 1); those done already."""
+        done = []
+        for req in batch.reqs:
+            if not parallel.ready_to_fork(req) or req.finished:
+                continue
+            children = parallel.fork(req, self.kv)
+            for child in children:
+                self._fork_of.pop(child.rid, None)
+                self._register(child)
+            for child in [c for c in children if c.params.max_new_tokens == 0]:
+                self.kv.release(child.pages, child.all_ids[:child.num_computed])  # its shared pages go back
+                child.pages = []
+                child.finish(finish_length(0))
+                done.append(self._retire(child))
+            self.scheduler.add_forked([c for c in children if not c.finished])
+        return done
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or not self._inbox.empty()
@@ -191,6 +232,8 @@ class Engine:
     def step(self) -> list[Req]:
         """Run one batch; return the requests that got new tokens or finished."""
         updated = self._drain_inbox()
+        if self._orphans:
+            updated, self._orphans = updated + self._orphans, []
         batch = self.scheduler.schedule()
         if batch is None:
             return updated
@@ -204,12 +247,24 @@ class Engine:
             logits = self.runner.forward(batch)
         except Exception as e:
             return updated + self._fail_batch(batch, e)
+        # max_new_tokens 0: the prompt is prefilled (its logprobs computed, its pages cached), nothing sampled
+        prefill_only = [r for r in sampling if r.params.max_new_tokens == 0]
+        if prefill_only:
+            keep = [i for i, r in enumerate(sampling) if r.params.max_new_tokens > 0]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            sampling = [sampling[i] for i in keep]
         rows = self._sample(logits, sampling)
         try:
             self.runner.check_step_errors()  # before any token of a failed step is kept
         except Exception as e:
             return updated + self._fail_batch(batch, e)
+        for req, entries in getattr(self.runner, "prompt_logprobs", []):
+            req.input_logprobs.extend(entries)
         self.scheduler.on_step_done(batch)
+        updated.extend(self._fork(batch))
+        for req in prefill_only:
+            self.scheduler.finish(req, finish_length(0))
+            updated.append(self._retire(req))
         now = time.time()
         for req, row in zip(sampling, rows):
             try:
@@ -320,6 +375,14 @@ class Engine:
         return finish_stop(s)
 
     def _retire(self, req: Req) -> Req:
+        if req.forks:  # ended before its prompt was prefilled: its forks end with it
+            for child in req.forks:
+                self._fork_of.pop(child.rid, None)
+                child.finish(dict(req.finish_reason or finish_abort("aborted")))
+                child.finished_time = time.time()
+                self.finished_count += 1
+                self._orphans.append(child)
+            req.forks = []
         req.finished_time = time.time()
         self.finished_count += 1
         self.reqs.pop(req.rid, None)
@@ -364,7 +427,7 @@ class Engine:
         outs = []
         for req in reqs:
             try:
-                outs.append((req.rid, self.output_dict(req)))
+                outs.append((req.rid, self.output_dict(req, self.tokenizer)))
             except Exception as e:
                 self._fail_request(req, e)
                 meta = {"id": req.rid, "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids),
@@ -381,7 +444,7 @@ class Engine:
 
     # ---- outputs ----
     @staticmethod
-    def output_dict(req: Req) -> dict:
+    def output_dict(req: Req, tokenizer: Any = None) -> dict:
         meta = {
             "id": req.rid,
             "finish_reason": req.finish_reason,
@@ -391,9 +454,14 @@ class Engine:
             "e2e_latency": (req.finished_time or time.time()) - req.arrival_time,
         }
         if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok, _ in req.output_logprobs]
+            def text(t: int) -> str | None:
+                return tokenizer.decode([t]) if req.return_text_in_logprobs and tokenizer is not None else None
+
+            meta["output_token_logprobs"] = [[lp, tok, text(tok)] for lp, tok, _ in req.output_logprobs]
             if req.top_logprobs_num:
-                meta["output_top_logprobs"] = [[[v, t, None] for v, t in top] for _, _, top in req.output_logprobs]
+                meta["output_top_logprobs"] = [[[v, t, text(t)] for v, t in top] for _, _, top in req.output_logprobs]
+            if req.logprob_start_len >= 0:
+                meta.update(prompt_logprobs.meta(req, text))
         return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     # ---- scoring (tests, evaluation) ----
