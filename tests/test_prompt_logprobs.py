@@ -7,6 +7,7 @@ import torch
 
 from hybridmoe import LLM
 from hybridmoe.engine.engine import RequestError
+
 from tiny_models import hf_model
 
 VOCAB = 211

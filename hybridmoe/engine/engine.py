@@ -15,7 +15,6 @@ import logging
 import queue
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,9 @@ from hybridmoe.config import EngineArgs
 from hybridmoe.engine import parallel, prompt_logprobs
 from hybridmoe.engine.detokenizer import IncrementalDetokenizer
 from hybridmoe.engine.kv_cache import KVCacheManager
+from hybridmoe.engine.model_files import _eos_ids, _load_tokenizer  # noqa: F401  (_load_tokenizer: tests)
 from hybridmoe.engine.model_runner import ModelRunner
+from hybridmoe.engine.outputs import output_dict
 from hybridmoe.engine.request import (
     Req,
     SamplingParams,
@@ -44,39 +45,6 @@ log = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request that cannot be served as given (the server answers 400)."""
-
-
-def _load_tokenizer(args: EngineArgs):
-    if args.skip_tokenizer_init:
-        return None
-    path = args.tokenizer_path or args.model_path
-    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        log.warning("%s has no tokenizer files: only token-id input and output will work", path)
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-
-
-def _eos_ids(model_path: str, hf_config, tokenizer) -> list[int]:
-    ids: set[int] = set()
-
-    def add(v: object) -> None:
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(x for x in v if isinstance(x, int))
-
-    add(getattr(hf_config, "eos_token_id", None))
-    try:
-        from transformers import GenerationConfig
-
-        add(GenerationConfig.from_pretrained(model_path).eos_token_id)
-    except Exception:  # no generation_config.json: the config's eos is enough
-        pass
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
-    return sorted(ids)
 
 
 class Engine:
@@ -427,7 +395,9 @@ class Engine:
         outs = []
         for req in reqs:
             try:
-                outs.append((req.rid, self.output_dict(req, self.tokenizer)))
+                # the tokenizer only where needed: output_dict(req) is the form tests replace
+                outs.append((req.rid, self.output_dict(req, self.tokenizer) if req.return_text_in_logprobs
+                             else self.output_dict(req)))
             except Exception as e:
                 self._fail_request(req, e)
                 meta = {"id": req.rid, "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids),
@@ -445,24 +415,8 @@ class Engine:
     # ---- outputs ----
     @staticmethod
     def output_dict(req: Req, tokenizer: Any = None) -> dict:
-        meta = {
-            "id": req.rid,
-            "finish_reason": req.finish_reason,
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "e2e_latency": (req.finished_time or time.time()) - req.arrival_time,
-        }
-        if req.return_logprob:
-            def text(t: int) -> str | None:
-                return tokenizer.decode([t]) if req.return_text_in_logprobs and tokenizer is not None else None
-
-            meta["output_token_logprobs"] = [[lp, tok, text(tok)] for lp, tok, _ in req.output_logprobs]
-            if req.top_logprobs_num:
-                meta["output_top_logprobs"] = [[[v, t, text(t)] for v, t in top] for _, _, top in req.output_logprobs]
-            if req.logprob_start_len >= 0:
-                meta.update(prompt_logprobs.meta(req, text))
-        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+        """The SGLang-shaped output of a request (tokenizer: for return_text_in_logprobs)."""
+        return output_dict(req, tokenizer)
 
     # ---- scoring (tests, evaluation) ----
     @torch.inference_mode()

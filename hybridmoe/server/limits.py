@@ -34,6 +34,7 @@ class ServerLimits:
     tokenizer_workers: int = 2  # processes that tokenize large inputs and render chat templates
     allow_client_chat_template: bool = False  # accept chat_template_kwargs.chat_template from clients
     max_top_logprobs_num: int = 20  # top_logprobs_num / logprobs / top_logprobs, on every route
+    max_n_samples: int = 64  # n (parallel samples of one prompt), on every route
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -80,6 +81,7 @@ _LIMIT_FLAGS: tuple[tuple[str, object, str], ...] = (
     ("--chat-template-timeout", float, "seconds rendering a chat template may take (400 beyond)"),
     ("--tokenizer-workers", int, "processes that tokenize large inputs and render chat templates, off the event loop"),
     ("--max-top-logprobs-num", int, "most top logprobs a request may ask for per token, on every route"),
+    ("--max-n-samples", int, "most parallel samples (n) a request may ask for per prompt, on every route (400 beyond)"),
 )
 
 
