@@ -137,3 +137,51 @@ def test_n_with_a_batch_and_prompt_logprobs(llm, ref):
     zero = llm.generate(input_ids=a, sampling_params={"n": 2, "max_new_tokens": 0})
     assert [o["output_ids"] for o in zero] == [[], []]
     assert llm.engine.kv.num_used() == 0
+
+
+def test_lm_head_in_small_row_chunks(llm, ref, monkeypatch):
+    from hybridmoe.engine import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "MAX_CHUNK_ELEMENTS", VOCAB * 5)  # 5 rows per chunk, odd remainders
+    ids = _ids(33, 10)
+    got = _score(llm, ids, start=2, top=2)["meta_info"]["input_token_logprobs"]
+    want = _ref_logprobs(ref, ids)[2:]
+    assert len(got) == 31 and max(abs(a[0] - b) for a, b in zip(got[1:], want)) < 1e-4
+
+
+def _run(engine, reqs):
+    while not all(r.finished for r in reqs):
+        engine.step()
+
+
+def test_aborts_before_the_fork(llm):
+    engine = llm.engine
+    params = {"n": 3, "max_new_tokens": 4, "ignore_eos": True}
+    req = engine.make_request(input_ids=_ids(61, 11), sampling_params=params)  # 3 prefill steps
+    every = [req, *req.forks]
+    engine.submit(req)
+    engine.step()
+    engine.abort(req.rid, "stop")  # the first sequence ends mid-prefill: the forks end with it
+    _run(engine, every)
+    assert [r.finish_reason["type"] for r in every] == ["abort"] * 3
+    req = engine.make_request(input_ids=_ids(30, 12), sampling_params=params)
+    every = [req, *req.forks]
+    engine.submit(req)
+    engine.abort(every[2].rid, "just this one")  # a fork aborted before it started
+    _run(engine, every)
+    assert [r.finish_reason["type"] for r in every] == ["length", "length", "abort"]
+    assert engine.kv.num_used() == 0 and not engine.has_work()
+
+
+def test_prompt_logprobs_survive_preemption(path, ref):
+    small = LLM(str(path), device="cpu", progress=False, chunked_prefill_size=24, page_size=8, max_total_tokens=80)
+    a, b = _ids(30, 13), _ids(40, 14)
+    outs = small.generate(input_ids=[a, b], sampling_params={"max_new_tokens": 30, "ignore_eos": True,
+                                                             "temperature": 0}, return_logprob=True,
+                          logprob_start_len=0)
+    assert small.engine.scheduler.num_preemptions > 0
+    for ids, out in zip((a, b), outs):
+        got = out["meta_info"]["input_token_logprobs"]
+        assert len(got) == len(ids) and [t for _, t, _ in got] == ids
+        assert max(abs(x[0] - y) for x, y in zip(got[1:], _ref_logprobs(ref, ids))) < 1e-4
+        assert len(out["output_ids"]) == 30

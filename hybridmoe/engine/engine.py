@@ -194,7 +194,7 @@ class Engine:
         return done
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or not self._inbox.empty()
+        return self.scheduler.has_work() or not self._inbox.empty() or bool(self._orphans)
 
     # ---- the step ----
     def step(self) -> list[Req]:

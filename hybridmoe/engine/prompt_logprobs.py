@@ -8,10 +8,12 @@ p > start is scored by the logits of position p - 1, so the hidden rows wanted a
 [start, L - 1) of a prompt of L tokens. A request's entries grow chunk by chunk (chunked prefill);
 `next_row` says which position it needs next.
 
-Prefix cache: positions inside a cached prefix have no hidden state, so a request scoring from
-inside it reuses only the cached pages before `next_row` (`cache_limit`) and recomputes the rest;
-SGLang recomputes as well. The KV written again is the same, and the pages after the limit are
-then held twice in the tree's stead (one copy is freed on release).
+Prefix cache: positions inside a cached prefix have no hidden state. The choice made here (SGLang
+makes the same): a request scoring its prompt reuses only the cached pages that end at or before
+its next wanted position (`cache_limit`, also after a preemption) and recomputes the rest; the
+recomputed pages equal the cached ones, and release() frees such duplicates instead of caching them
+twice. So `lm-eval`-style requests scoring from position 0 get no prefix reuse (cached_tokens 0),
+and sgl.select's, scoring from two tokens before the shared prefix's end, reuse the prefix's pages.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import torch
 
 from hybridmoe.engine.request import Req
 
-# Rows whose full-vocabulary logits exist at once: bounds the memory of a long prompt's scoring.
+# Rows whose full-vocabulary logits exist at once: bounds the memory of a long prompt's scoring
+# (at most ROW_CHUNK rows and about 64M fp32 logits, 256 MB, per chunk).
 ROW_CHUNK = 512
+MAX_CHUNK_ELEMENTS = 1 << 26
 
 
 def start(req: Req) -> None:
@@ -80,10 +84,11 @@ def compute(hidden: torch.Tensor, wanted: list[tuple[Req, int, int, int]],
                            device=dev)
     k = max(req.top_logprobs_num for req, _, _, _ in wanted)
     chosen, top_v, top_i = [], [], []
-    for a in range(0, rows.numel(), ROW_CHUNK):
-        h = hidden[rows[a:a + ROW_CHUNK]]  # [r, H]
+    step = max(1, min(ROW_CHUNK, MAX_CHUNK_ELEMENTS // max(vocab_size, 1)))
+    for a in range(0, rows.numel(), step):
+        h = hidden[rows[a:a + step]]  # [r, H]
         lp = torch.log_softmax(logits_fn(h)[:, :vocab_size].float(), dim=-1)  # [r, V]
-        chosen.append(lp.gather(1, targets[a:a + ROW_CHUNK, None])[:, 0])
+        chosen.append(lp.gather(1, targets[a:a + step, None])[:, 0])
         if k > 0:
             v, i = torch.topk(lp, min(k, vocab_size), dim=-1)  # [r, K]
             top_v.append(v)
