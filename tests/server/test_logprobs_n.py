@@ -168,3 +168,22 @@ def test_n_on_chat_generate_and_streams(http):
 def test_limits_give_400(http, path, body):
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
+
+
+def test_official_openai_client_n_and_echo_logprobs(srv, ref):
+    import openai
+
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    kw = dict(model="default", prompt="The weather today", max_tokens=6, n=4, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert len(a.choices) == 4 and [c.text for c in a.choices] == [c.text for c in b.choices]
+    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], n=4,
+                                          max_tokens=4, seed=7)
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2, 3]
+    text = PREFIX + " blue"
+    r = client.completions.create(model="default", prompt=text, max_tokens=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    ids = ref[1].encode(text)
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+    assert abs(sum(lp.token_logprobs[1:]) - sum(_ref_logprobs(ref, ids))) < 1e-4
