@@ -35,7 +35,7 @@ BAD = [
     {"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, {"stop": "x" * (MAX_STOP_CHARS + 1)}, {"stop": 5},
     {"stop_token_ids": [BIG]}, {"stop_token_ids": [VOCAB]}, {"stop_token_ids": [-1]}, {"stop_token_ids": [True]},
     {"stop_token_ids": [1.0]}, {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, {"stop_token_ids": 3},
-    {"n": 2}, {"n": True}, {"n": 1.0}, {"sampling_seed": BIG}, {"sampling_seed": -BIG}, {"sampling_seed": 1.5},
+    {"n": 0}, {"n": 1025}, {"n": True}, {"n": 1.0}, {"sampling_seed": BIG}, {"sampling_seed": -BIG}, {"sampling_seed": 1.5},
     {"sampling_seed": "7"},
 ]
 

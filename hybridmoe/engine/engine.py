@@ -15,16 +15,18 @@ import logging
 import queue
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from hybridmoe.config import EngineArgs
+from hybridmoe.engine import parallel, prompt_logprobs
 from hybridmoe.engine.detokenizer import IncrementalDetokenizer
 from hybridmoe.engine.grammar import EngineGrammars
 from hybridmoe.engine.kv_cache import KVCacheManager
+from hybridmoe.engine.model_files import _eos_ids, _load_tokenizer  # noqa: F401  (_load_tokenizer: tests)
 from hybridmoe.engine.model_runner import ModelRunner
+from hybridmoe.engine.outputs import output_dict
 from hybridmoe.engine.request import (
     Req,
     SamplingParams,
@@ -37,6 +39,7 @@ from hybridmoe.engine.request import (
 from hybridmoe.engine.sampler import Sampler
 from hybridmoe.engine.scheduler import ScheduledBatch, Scheduler
 from hybridmoe.engine.step_log import StepLog
+from hybridmoe.engine.stops import match_stop_str
 from hybridmoe.models.config import model_config
 from hybridmoe.weights.loader import load_hf_config
 
@@ -45,44 +48,6 @@ log = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request that cannot be served as given (the server answers 400)."""
-
-
-def _load_tokenizer(args: EngineArgs):
-    if args.skip_tokenizer_init:
-        return None
-    path = args.tokenizer_path or args.model_path
-    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        log.warning("%s has no tokenizer files: only token-id input and output will work", path)
-        return None
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    if args.chat_template:  # --chat-template replaces the tokenizer's (every route and worker reads this one)
-        from hybridmoe.chat_templates import load_chat_template
-
-        tokenizer.chat_template = load_chat_template(args.chat_template)
-    return tokenizer
-
-
-def _eos_ids(model_path: str, hf_config, tokenizer) -> list[int]:
-    ids: set[int] = set()
-
-    def add(v: object) -> None:
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(x for x in v if isinstance(x, int))
-
-    add(getattr(hf_config, "eos_token_id", None))
-    try:
-        from transformers import GenerationConfig
-
-        add(GenerationConfig.from_pretrained(model_path).eos_token_id)
-    except Exception:  # no generation_config.json: the config's eos is enough
-        pass
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
-    return sorted(ids)
 
 
 class Engine:
@@ -105,6 +70,8 @@ class Engine:
         self.reqs: dict[str, Req] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._fork_of: dict[str, Req] = {}  # rid of a not yet forked sequence (n > 1) -> its first sequence
+        self._orphans: list[Req] = []  # forks ended with their first sequence before forking
         self.finished_count = 0
         self.generated_tokens = 0
         self.failed_requests = 0  # ended alone by an error of their own
@@ -126,8 +93,15 @@ class Engine:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        return_text_in_logprobs: bool = False,
     ) -> Req:
-        """Validate and tokenize; raises RequestError with a message for the user."""
+        """Validate and tokenize; raises RequestError with a message for the user.
+
+        With sampling_params n > 1 the request carries n - 1 forks (parallel.py), each finishing
+        (and reported) under its own rid; with return_logprob and logprob_start_len >= 0 its prompt
+        tokens from that position on are scored (prompt_logprobs.py).
+        """
         try:
             params = SamplingParams.from_any(sampling_params)
             params.validate(self.hf_config.vocab_size)
@@ -158,10 +132,17 @@ class Engine:
             raise RequestError(f"input_ids must be a list of token ids in [0, {vocab})")
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise RequestError("top_logprobs_num must be an integer >= 0")
+        if type(logprob_start_len) is not int or not -1 <= logprob_start_len < len(input_ids):
+            raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or a position in the prompt "
+                               f"[0, {len(input_ids)})")
         # Leave room in the context for the generated tokens.
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(input_ids))
-        return Req(rid=rid or new_rid(), prompt_ids=list(input_ids), params=params,
-                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, arrival_time=time.time())
+        req = Req(rid=rid or new_rid(), prompt_ids=list(input_ids), params=params,
+                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, arrival_time=time.time(),
+                  logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs)
+        prompt_logprobs.start(req)
+        parallel.expand(req)
+        return req
 
     def submit(self, req: Req) -> None:
         """Queue a request (any thread)."""
@@ -180,32 +161,59 @@ class Engine:
                 return ended
             if kind == "add":
                 req = item
-                self.reqs[req.rid] = req
                 try:
-                    self._detok[req.rid] = IncrementalDetokenizer(
-                        self.tokenizer, req.params.skip_special_tokens, req.params.spaces_between_special_tokens
-                    ) if self.tokenizer is not None else None
+                    self._register(req)
+                    for child in req.forks:
+                        self._fork_of[child.rid] = req
                     self.grammars.attach(req)  # a structured-output request not compiled by the server
-                    if req.params.max_new_tokens == 0:
-                        req.finish(finish_length(0))
-                        ended.append(self._retire(req))
-                    else:
-                        self.scheduler.add(req)
+                    self.scheduler.add(req)  # max_new_tokens 0 too: its prompt is prefilled (and cached)
                 except Exception as e:  # this request alone
                     ended.append(self._fail_request(req, e))
             else:
                 rid, message = item
                 req = self.scheduler.abort(rid, message)
+                if req is None and rid in self._fork_of:  # a sequence not forked yet
+                    parent = self._fork_of.pop(rid)
+                    req = next(c for c in parent.forks if c.rid == rid)
+                    parent.forks.remove(req)
+                    req.finish(finish_abort(message))
                 if req is not None:
                     ended.append(self._retire(req))
 
+    def _register(self, req: Req) -> None:
+        self.reqs[req.rid] = req
+        self._detok[req.rid] = IncrementalDetokenizer(
+            self.tokenizer, req.params.skip_special_tokens, req.params.spaces_between_special_tokens
+        ) if self.tokenizer is not None else None
+
+    def _fork(self, batch: ScheduledBatch) -> list[Req]:
+        """Fork the sequences of the prompts prefilled in this step (n > 1); those done already."""
+        done = []
+        for req in batch.reqs:
+            if not parallel.ready_to_fork(req) or req.finished:
+                continue
+            children = parallel.fork(req, self.kv)
+            for child in children:
+                self._fork_of.pop(child.rid, None)
+                self._register(child)
+                self.grammars.attach(child)  # a matcher of its own (the compiled grammar comes from the cache)
+            for child in [c for c in children if c.params.max_new_tokens == 0]:
+                self.kv.release(child.pages, child.all_ids[:child.num_computed])  # its shared pages go back
+                child.pages = []
+                child.finish(finish_length(0))
+                done.append(self._retire(child))
+            self.scheduler.add_forked([c for c in children if not c.finished])
+        return done
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or not self._inbox.empty()
+        return self.scheduler.has_work() or not self._inbox.empty() or bool(self._orphans)
 
     # ---- the step ----
     def step(self) -> list[Req]:
         """Run one batch; return the requests that got new tokens or finished."""
         updated = self._drain_inbox()
+        if self._orphans:
+            updated, self._orphans = updated + self._orphans, []
         batch = self.scheduler.schedule()
         if batch is None:
             return updated
@@ -219,13 +227,25 @@ class Engine:
             logits = self.runner.forward(batch)
         except Exception as e:
             return updated + self._fail_batch(batch, e)
+        # max_new_tokens 0: the prompt is prefilled (its logprobs computed, its pages cached), nothing sampled
+        prefill_only = [r for r in sampling if r.params.max_new_tokens == 0]
+        if prefill_only:
+            keep = [i for i, r in enumerate(sampling) if r.params.max_new_tokens > 0]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            sampling = [sampling[i] for i in keep]
         rows = self._sample(logits, sampling)
         try:
             self.runner.check_step_errors()  # before any token of a failed step is kept
         except Exception as e:
             return updated + self._fail_batch(batch, e)
+        for req, entries in getattr(self.runner, "prompt_logprobs", []):
+            req.input_logprobs.extend(entries)
         self.scheduler.on_step_done(batch)
         self.step_log.on_step(batch.is_decode, len(sampling))
+        updated.extend(self._fork(batch))
+        for req in prefill_only:
+            self.scheduler.finish(req, finish_length(0))
+            updated.append(self._retire(req))
         now = time.time()
         for req, row in zip(sampling, rows):
             try:
@@ -310,7 +330,7 @@ class Engine:
             elif p.stop_token_ids and token in p.stop_token_ids:
                 reason = finish_stop(token)
             elif p.stop_strs and new_text:
-                reason = self._match_stop_str(req, len(new_text))
+                reason = match_stop_str(req, len(new_text))
         if reason is None and req.grammar is not None and req.grammar.terminated:
             reason = finish_stop(token)  # the grammar is complete and took its stop token
         if reason is None and n_out >= p.max_new_tokens:
@@ -322,24 +342,15 @@ class Engine:
             self.scheduler.finish(req, reason)
             self._retire(req)
 
-    def _match_stop_str(self, req: Req, new_len: int) -> dict | None:
-        longest = max(len(s) for s in req.params.stop_strs)
-        tail_start = max(0, len(req.text) - new_len - longest + 1)
-        best = None
-        for s in req.params.stop_strs:
-            j = req.text.find(s, tail_start)
-            if j >= 0 and (best is None or j < best[0]):
-                best = (j, s)
-        if best is None:
-            return None
-        j, s = best
-        if not req.params.no_stop_trim:
-            req.text = req.text[:j]
-        else:
-            req.text = req.text[: j + len(s)]
-        return finish_stop(s)
-
     def _retire(self, req: Req) -> Req:
+        if req.forks:  # ended before its prompt was prefilled: its forks end with it
+            for child in req.forks:
+                self._fork_of.pop(child.rid, None)
+                child.finish(dict(req.finish_reason or finish_abort("aborted")))
+                child.finished_time = time.time()
+                self.finished_count += 1
+                self._orphans.append(child)
+            req.forks = []
         req.finished_time = time.time()
         self.finished_count += 1
         self.reqs.pop(req.rid, None)
@@ -388,7 +399,9 @@ class Engine:
         outs = []
         for req in reqs:
             try:
-                outs.append((req.rid, self.output_dict(req)))
+                # the tokenizer only where needed: output_dict(req) is the form tests replace
+                outs.append((req.rid, self.output_dict(req, self.tokenizer) if req.return_text_in_logprobs
+                             else self.output_dict(req)))
             except Exception as e:
                 self._fail_request(req, e)
                 meta = {"id": req.rid, "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids),
@@ -405,20 +418,9 @@ class Engine:
 
     # ---- outputs ----
     @staticmethod
-    def output_dict(req: Req) -> dict:
-        meta = {
-            "id": req.rid,
-            "finish_reason": req.finish_reason,
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "e2e_latency": (req.finished_time or time.time()) - req.arrival_time,
-        }
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok, _ in req.output_logprobs]
-            if req.top_logprobs_num:
-                meta["output_top_logprobs"] = [[[v, t, None] for v, t in top] for _, _, top in req.output_logprobs]
-        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+    def output_dict(req: Req, tokenizer: Any = None) -> dict:
+        """The SGLang-shaped output of a request (tokenizer: for return_text_in_logprobs)."""
+        return output_dict(req, tokenizer)
 
     # ---- scoring (tests, evaluation) ----
     @torch.inference_mode()

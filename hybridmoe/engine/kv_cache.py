@@ -94,6 +94,13 @@ class KVCacheManager:
                 break
             n += s
         return n
+    def share(self, pages: list[int]) -> list[int]:
+        """Another reference on each of pages (held pages: a prefilled prompt forked into n sequences)."""
+        for p in pages:
+            if self._ref[p] <= 0:
+                raise RuntimeError(f"page {p} is shared but held by no one")
+            self._incref(p)
+        return list(pages)
 
     def allocate(self, n: int) -> list[int] | None:
         """n pages referenced for the caller, evicting idle cached pages if needed; None if short."""

@@ -35,8 +35,12 @@ class LLM:
         stream: bool = False,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (returns a dict) or a batch (a list of dicts).
+
+        With n > 1 in the sampling parameters each prompt gives n outputs: a list, prompt after prompt.
 
         With stream=True (one prompt) returns an iterator of dicts whose `text` and `output_ids`
         are cumulative, the last one carrying the finish_reason.
@@ -53,25 +57,27 @@ class LLM:
             self.engine.make_request(
                 prompt=prompts[i] if prompts is not None else (None if batched else prompt),
                 input_ids=ids_list[i] if ids_list is not None else (None if batched else input_ids),
-                sampling_params=params[i], return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+                sampling_params=params[i], return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs)
             for i in range(n)
         ]
+        every = [s for r in reqs for s in [r, *r.forks]]  # forks leave r.forks when they start
         if stream:
-            if batched:
-                raise ValueError("stream=True takes one prompt")
+            if batched or len(every) > 1:
+                raise ValueError("stream=True takes one prompt and n=1")
             return self._stream(reqs[0])
         for r in reqs:
             self.engine.submit(r)
         try:
-            self.engine.run_until_done(reqs)
+            self.engine.run_until_done(every)
         except Exception:  # a failed step: end these requests (pages freed) so the engine stays usable
-            for r in reqs:
+            for r in every:
                 if not r.finished:
                     self.engine.abort(r.rid, "engine failure")
             self.engine.step()  # takes the aborts in before scheduling: nothing of them runs again
             raise
-        outs = [Engine.output_dict(r) for r in reqs]
-        return outs if batched else outs[0]
+        outs = [Engine.output_dict(r, self.tokenizer) for r in every]
+        return outs if batched or len(outs) > 1 else outs[0]
 
     def _stream(self, req: Req) -> Iterator[dict]:
         self.engine.submit(req)
@@ -81,7 +87,7 @@ class LLM:
                 updated = self.engine.step()
                 if any(r is req for r in updated) and (len(req.output_ids) != sent or req.finished):
                     sent = len(req.output_ids)
-                    yield Engine.output_dict(req)
+                    yield Engine.output_dict(req, self.tokenizer)
         finally:
             if not req.finished:  # the caller stopped iterating: free the request's pages
                 self.engine.abort(req.rid)

@@ -13,6 +13,7 @@ import os
 import torch
 
 from hybridmoe.config import EngineArgs, ModelConfig
+from hybridmoe.engine import prompt_logprobs
 from hybridmoe.engine.cuda_graph import DecodeGraphs
 from hybridmoe.engine.hooks import MoEHooks, NoHooks
 from hybridmoe.engine.scheduler import ScheduledBatch
@@ -194,8 +195,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [B', V] for the requests of the batch that sample this step, in batch order."""
-        if self.graphs is not None:
+        """Logits [B', V] for the requests of the batch that sample this step, in batch order.
+
+        Prompt logprobs of the requests asking for them are left in `self.prompt_logprobs`
+        ((req, entries) pairs, prompt_logprobs.compute) for the engine to keep once the step is good.
+        """
+        self.prompt_logprobs: list = []
+        wanted = prompt_logprobs.wanted_rows(batch.reqs, batch.num_tokens)
+        if self.graphs is not None and not wanted:
             live = [(r, smp) for r, n, smp in zip(batch.reqs, batch.num_tokens, batch.sample) if n > 0]
             if all(n <= 1 for n in batch.num_tokens) and self.graphs.can_run(len(live)):  # decode
                 logits = self.graphs.run([r for r, _ in live], self.page_size)  # [B, V]
@@ -206,6 +213,8 @@ class ModelRunner:
         input_ids, positions, meta, rows = self.prepare(batch)
         with self.hooks.forward_scope(input_ids.shape[0]):  # e.g. a layerwise GPU prefill
             hidden = self.model(input_ids, positions, self._ctx(meta))
+        if wanted:
+            self.prompt_logprobs = prompt_logprobs.compute(hidden, wanted, self.model.compute_logits, self.vocab_size)
         return self.model.compute_logits(hidden[rows])
 
     def check_step_errors(self) -> None:

@@ -24,6 +24,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 4096
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # structured output: at most one (engine/grammar.py)
+# Parallel samples per prompt (n); the server's --max-n-samples bounds it further.
+MAX_N = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -143,7 +145,7 @@ class SamplingParams:
         need(ids_ok, "stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {id_end})")
         for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             need(isinstance(getattr(self, flag), bool), flag, "true or false")
-        need(is_int(self.n) and self.n == 1, "n", "1 (parallel sampling is not supported; send several requests)")
+        need(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]")
         self._validate_structured(need, id_end)
         need(self.sampling_seed is None or (is_int(self.sampling_seed) and INT64_MIN <= self.sampling_seed
                                             <= INT64_MAX), "sampling_seed", "an integer within int64")
@@ -236,6 +238,14 @@ class Req:
     num_preemptions: int = 0
     seed_offset: int = 0  # sampling step counter for per-request seeded generators
     grammar: Any = None  # structured output: its RequestGrammar (engine/grammar.py), made before it runs
+    # prompt logprobs (prompt_logprobs.py): from logprob_start_len (-1: none) on; entries
+    # (logprob or None, token id, top [(logprob, id)] or None), the first one None (nothing before it)
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    input_logprobs: list[tuple[float | None, int, list[tuple[float, int]] | None]] = field(default_factory=list)
+    # n > 1 (parallel.py): the other n-1 sequences, forked from this one once its prompt is prefilled
+    forks: list[Req] = field(default_factory=list)
+    sample_index: int = 0  # which of the n sequences of its prompt this is
 
     @property
     def all_ids(self) -> list[int]:

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from hybridmoe.engine import prompt_logprobs
 from hybridmoe.engine.kv_cache import KVCacheManager
 from hybridmoe.engine.request import Req, ReqState, finish_abort
 
@@ -66,10 +67,16 @@ class Scheduler:
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
+    def add_forked(self, reqs: list[Req]) -> None:
+        """Queue sequences forked from a prefilled prompt (holding its shared pages) ahead of the rest."""
+        self.waiting.extendleft(reversed(reqs))
+
     def abort(self, rid: str, message: str = "aborted") -> Req | None:
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
+                if req.pages:  # a forked sequence holds its prompt's shared pages while it waits
+                    self._release(req)
                 req.finish(finish_abort(message))
                 return req
         for req in self.running:
@@ -126,16 +133,18 @@ class Scheduler:
                     f"or the KV cache ({self.kv.capacity_tokens} tokens)"))
                 aborted.append(req)
                 continue
-            req.pages = self.kv.match_prefix(req.all_ids)
-            req.num_computed = len(req.pages) * self.kv.page_size
+            if not req.pages:  # a forked sequence comes with its prompt's pages
+                # a request scoring its prompt reuses no cached page past its next scored position
+                req.pages = self.kv.match_prefix(prompt_logprobs.cache_limit(req))
+                req.num_computed = len(req.pages) * self.kv.page_size
             n = min(req.seq_len - req.num_computed, budget)
             need = self.kv.pages_for(req.num_computed + n) - len(req.pages)
             # Keep a page per running request in reserve so admission does not force preemption.
             if need + len(self.running) > self.kv.num_available() or not self._grow(req, n):
                 self._release(req)
                 break
-            if req.num_preemptions == 0:  # a resumed request's reuse is not prompt caching
-                req.cached_tokens = req.num_computed
+            if req.num_preemptions == 0 and req.sample_index == 0:  # a resumed request's reuse is not
+                req.cached_tokens = req.num_computed  # prompt caching; a fork reports its prompt's
                 self.admitted_prompt_tokens += len(req.prompt_ids)
                 self.admitted_cached_tokens += req.cached_tokens
                 if req.admit_time is None:

@@ -34,7 +34,7 @@ from hybridmoe.server.protocol import (
     max_top_logprobs_num,
 )
 from hybridmoe.server.state import ServerState
-from hybridmoe.server.streaming import DONE, guarded, results, sse, visible_text
+from hybridmoe.server.streaming import DONE, guarded_all, merged, results, sse, visible_text
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +141,11 @@ def _pick(value: Any, i: int, n: int, name: str) -> Any:
     return value
 
 
-async def _generate_events(stream: RequestStream, stops: list[str]) -> AsyncIterator[bytes]:
+async def _generate_events(streams: list[RequestStream], stops: list[str]) -> AsyncIterator[bytes]:
     try:
-        async for out in stream:
-            yield sse(dict(out, text=visible_text(out, stops)))
+        async for i, out in merged(streams):  # n > 1: each event carries its sequence's index
+            yield sse(dict(out, text=visible_text(out, stops), index=i) if len(streams) > 1 else
+                      dict(out, text=visible_text(out, stops)))
     except EngineFailed as e:
         yield sse(error_body(500, str(e)))
     yield DONE
@@ -178,15 +179,18 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "LoRA adapters (lora_path) are not yet available in this version", param="lora_path")
         check_top_logprobs(body.top_logprobs_num, "top_logprobs_num", max_top_logprobs_num(state))
         n = _batch_size(body)
+        logprobs = dict(return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
+                        logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
+                        return_text_in_logprobs=body.return_text_in_logprobs)
         if n is None:
             req = await state.build_req(prompt=body.text, input_ids=body.input_ids, params=body.sampling_params,
-                                        rid=body.rid, return_logprob=body.return_logprob,
-                                        top_logprobs_num=body.top_logprobs_num)
-            stream = state.submit([req])[0]
+                                        rid=body.rid, **logprobs)
+            streams = state.submit([req])  # n > 1 (sampling_params.n): n streams, n outputs in a list
             if body.stream:
-                events = _generate_events(stream, req.params.stop_strs)
-                return StreamingResponse(guarded(stream, state.engine, events), media_type="text/event-stream")
-            return (await results(request, state.engine, [stream]))[0]
+                events = _generate_events(streams, req.params.stop_strs)
+                return StreamingResponse(guarded_all(streams, state.engine, events), media_type="text/event-stream")
+            outs = await results(request, state.engine, streams)
+            return outs if len(outs) > 1 else outs[0]
         if body.stream:
             raise APIError(400, "stream=true takes one prompt, not a batch", param="stream")
         if n == 0:
@@ -199,8 +203,7 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
             state.build_req(prompt=texts[i] if texts is not None else None,
                             input_ids=ids[i] if ids is not None else None,  # type: ignore[index]
                             params=_pick(body.sampling_params, i, n, "sampling_params"),
-                            rid=_pick(body.rid, i, n, "rid"), return_logprob=body.return_logprob,
-                            top_logprobs_num=body.top_logprobs_num) for i in range(n))))
+                            rid=_pick(body.rid, i, n, "rid"), **logprobs) for i in range(n))))
         return await results(request, state.engine, state.submit(reqs))
 
     @app.get("/get_model_info")

@@ -142,16 +142,24 @@ class AsyncEngine:
         limit = self.max_queued_requests
         if limit is not None and self.num_queued >= limit:
             raise Unavailable(f"too many queued requests (--max-queued-requests {limit}); retry later")
-        if req.rid in self.streams:
-            raise ValueError(f"a request with rid {req.rid!r} is already running")
+        rids = [req.rid] + [f.rid for f in req.forks]  # n > 1: a stream per sequence
+        for rid in rids:
+            if rid in self.streams:
+                raise ValueError(f"a request with rid {rid!r} is already running")
         stream = RequestStream(req.rid, self.args.stream_interval)
         self.streams[req.rid] = stream
+        for rid in rids[1:]:
+            self.streams[rid] = RequestStream(rid, self.args.stream_interval)
         if self.args.log_requests:
             log_received(req, self.args.log_requests_level)
         assert self.engine is not None
         self.engine.submit(req)
         self._wake.set()
         return stream
+
+    def stream_of(self, rid: str) -> RequestStream:
+        """The stream of a request submitted (a fork's, for n > 1)."""
+        return self.streams[rid]
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         """Abort a request (its pages are freed at the engine's next step)."""

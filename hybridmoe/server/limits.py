@@ -36,6 +36,7 @@ class ServerLimits:
     max_top_logprobs_num: int = 20  # top_logprobs_num / logprobs / top_logprobs, on every route
     max_grammar_size: int = 128 * 1024  # characters of a json_schema, regex or ebnf (400 beyond)
     grammar_compile_timeout: float = 60.0  # a grammar compiling longer: 400 (it goes on compiling, then is cached)
+    max_n_samples: int = 64  # n (parallel samples of one prompt), on every route
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -86,6 +87,7 @@ _LIMIT_FLAGS: tuple[tuple[str, object, str], ...] = (
      "response_format's schema; 400 beyond)"),
     ("--grammar-compile-timeout", float, "seconds a request's grammar may take to compile (400 beyond; the "
      "compiled grammar is cached when it finishes)"),
+    ("--max-n-samples", int, "most parallel samples (n) a request may ask for per prompt, on every route (400 beyond)"),
 )
 
 

@@ -22,7 +22,7 @@ from hybridmoe.server.protocol import (
     max_top_logprobs_num,
 )
 from hybridmoe.server.state import ServerState
-from hybridmoe.server.streaming import DONE, guarded, results, sse, visible_text
+from hybridmoe.server.streaming import DONE, guarded_all, merged, results, sse, visible_text
 from hybridmoe.server.structured import structured_params
 
 
@@ -48,11 +48,12 @@ def _finish(out: dict[str, Any]) -> tuple[str | None, Any]:
     return reason["type"], reason.get("matched")
 
 
-def _usage(outs: list[dict[str, Any]], cache_report: bool = False) -> dict[str, Any]:
-    """OpenAI usage; prompt_tokens_details.cached_tokens only with --enable-cache-report (null otherwise, as SGLang)."""
-    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs)
+def _usage(outs: list[dict[str, Any]], n: int = 1, cache_report: bool = False) -> dict[str, Any]:
+    """Usage of outputs, n per prompt in a row: every completion token, each prompt's tokens once;
+    prompt_tokens_details.cached_tokens only with --enable-cache-report (null otherwise, as SGLang)."""
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[::n])
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+    cached = sum(o["meta_info"]["cached_tokens"] for o in outs[::n])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached} if cache_report else None}
 
@@ -67,16 +68,25 @@ class _Tokens:
         return self.tok.decode([tid]) if self.tok is not None else str(tid)
 
 
-def _completion_logprobs(meta: dict[str, Any], start: int, names: _Tokens, offset: int) -> dict[str, Any]:
+def _completion_logprobs(meta: dict[str, Any], start: int, names: _Tokens, offset: int,
+                         echo: bool = False) -> dict[str, Any]:
+    """OpenAI's completion logprobs of the output tokens from `start`; with echo, the prompt's first
+    (first logprob null, as OpenAI gives it), as lm-evaluation-harness's loglikelihood reads them."""
     toks = meta.get("output_token_logprobs", [])[start:]
     tops = meta.get("output_top_logprobs", [])[start:]
+    if echo:
+        toks = meta.get("input_token_logprobs", []) + toks
+        tops = meta.get("input_top_logprobs", [[] for _ in meta.get("input_token_logprobs", [])]) + tops
+        if not meta.get("output_top_logprobs") and not meta.get("input_top_logprobs"):
+            tops = []
     strs = [names(t) for _, t, _ in toks]
     offsets, pos = [], offset
     for s in strs:
         offsets.append(pos)
         pos += len(s)
     return {"tokens": strs, "token_logprobs": [lp for lp, _, _ in toks],
-            "top_logprobs": [{names(t): lp for lp, t, _ in top} for top in tops] if tops else None,
+            "top_logprobs": [None if top is None else {names(t): lp for lp, t, _ in top} for top in tops]
+            if tops else None,
             "text_offset": offsets}
 
 
@@ -138,25 +148,27 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         reqs = [await state.build_req(prompt=x if isinstance(x, str) else None, input_ids=None if isinstance(x, str) else x,
                                 params=dict(params), rid=body.rid if len(prompts) == 1 else None,
                                 return_logprob=k is not None, top_logprobs_num=k or 0,
+                                logprob_start_len=0 if body.echo and k is not None else -1,  # echo: prompt logprobs
                                 check_max_tokens=body.max_tokens is not None) for x in prompts]
         names = _Tokens(state.core.tokenizer)
-        echo = [_echo_text(state, r) if body.echo else "" for r in reqs]
-        streams = state.submit(reqs)
+        n = body.n or 1
+        echo = [_echo_text(state, r) if body.echo else "" for r in reqs for _ in range(n)]
+        streams = state.submit(reqs)  # n per prompt, in a row
         created = int(time.time())
         cid = f"cmpl-{reqs[0].rid}"
         base = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name}
         if body.stream:
-            events = _completion_events(streams[0], reqs[0], base, echo[0], names, body,
+            events = _completion_events(streams, reqs[0], base, echo[0], names, body,
                                         cache_report=state.args.enable_cache_report)
-            return StreamingResponse(guarded(streams[0], state.engine, events), media_type="text/event-stream")
+            return StreamingResponse(guarded_all(streams, state.engine, events), media_type="text/event-stream")
         outs = await results(request, state.engine, streams)
         choices = []
         for i, out in enumerate(outs):
             reason, matched = _finish(out)
-            lp = _completion_logprobs(out["meta_info"], 0, names, len(echo[i])) if k is not None else None
+            lp = _completion_logprobs(out["meta_info"], 0, names, 0, echo=body.echo) if k is not None else None
             choices.append({"index": i, "text": echo[i] + out["text"], "logprobs": lp, "finish_reason": reason,
                             "matched_stop": matched})
-        return dict(base, choices=choices, usage=_usage(outs, state.args.enable_cache_report))
+        return dict(base, choices=choices, usage=_usage(outs, n, state.args.enable_cache_report))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -172,23 +184,25 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         req = await state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
                               top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None)
         names = _Tokens(state.core.tokenizer)
-        stream = state.submit([req])[0]
+        streams = state.submit([req])  # n > 1: n streams
         base = {"id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
-            events = _chat_events(stream, req, dict(base, object="chat.completion.chunk"), names, body,
-                                  plan.output(tail, eager=True), cache_report=state.args.enable_cache_report)
-            return StreamingResponse(guarded(stream, state.engine, events), media_type="text/event-stream")
-        out = (await results(request, state.engine, [stream]))[0]
-        reason, matched = _finish(out)
-        parser = plan.output(tail, eager=False)
-        message = parser.message(out["text"]) if parser.active else {
-            "role": "assistant", "content": out["text"], "reasoning_content": None, "tool_calls": None}
-        reason = parser.finish_reason(reason)
-        choice = {"index": 0, "message": message,
-                  "logprobs": _chat_logprobs(out["meta_info"], 0, names) if body.logprobs else None,
-                  "finish_reason": reason, "matched_stop": matched}
-        return dict(base, choices=[choice], usage=_usage([out], state.args.enable_cache_report))
+            parsers = [plan.output(tail, eager=True) for _ in streams]  # one a sequence (n > 1)
+            events = _chat_events(streams, req, dict(base, object="chat.completion.chunk"), names, body, parsers,
+                                  cache_report=state.args.enable_cache_report)
+            return StreamingResponse(guarded_all(streams, state.engine, events), media_type="text/event-stream")
+        outs = await results(request, state.engine, streams)
+        choices = []
+        for i, out in enumerate(outs):
+            reason, matched = _finish(out)
+            parser = plan.output(tail, eager=False)
+            message = parser.message(out["text"]) if parser.active else {
+                "role": "assistant", "content": out["text"], "reasoning_content": None, "tool_calls": None}
+            choices.append({"index": i, "message": message,
+                            "logprobs": _chat_logprobs(out["meta_info"], 0, names) if body.logprobs else None,
+                            "finish_reason": parser.finish_reason(reason), "matched_stop": matched})
+        return dict(base, choices=choices, usage=_usage(outs, len(outs), state.args.enable_cache_report))
 
 
 def _echo_text(state: ServerState, req: Req) -> str:
@@ -196,43 +210,55 @@ def _echo_text(state: ServerState, req: Req) -> str:
     return tok.decode(req.prompt_ids) if tok is not None else ""
 
 
-async def _completion_events(stream: RequestStream, req: Req, base: dict[str, Any], echo: str, names: _Tokens,
-                             body: CompletionRequest, cache_report: bool = False) -> AsyncIterator[bytes]:
-    sent_text, sent_tokens, stops = "", 0, req.params.stop_strs
-    if echo:
-        yield sse(dict(base, choices=[{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]))
+async def _completion_events(streams: list[RequestStream], req: Req, base: dict[str, Any], echo: str,
+                             names: _Tokens, body: CompletionRequest, cache_report: bool = False) -> AsyncIterator[bytes]:
+    """The chunks of n streams of one prompt, each chunk with its sequence's index; usage after the last."""
+    n, stops = len(streams), req.params.stop_strs
+    sent_text, sent_tokens, finals = [""] * n, [0] * n, [None] * n
+    if echo:  # the prompt's logprobs (echo) arrive with the first output, in its chunk
+        for i in range(n):
+            yield sse(dict(base, choices=[{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]))
     try:
-        async for out in stream:
+        async for i, out in merged(streams):
             text = visible_text(out, stops)
             reason, matched = _finish(out)
             lp = None
             if body.logprobs is not None:
-                lp = _completion_logprobs(out["meta_info"], sent_tokens, names, len(echo) + len(sent_text))
-            sent_tokens = out["meta_info"]["completion_tokens"]
-            delta, sent_text = text[len(sent_text):], text
+                first = bool(echo) and sent_tokens[i] == 0 and not sent_text[i]
+                lp = _completion_logprobs(out["meta_info"], sent_tokens[i], names,
+                                          0 if first else len(echo) + len(sent_text[i]), echo=first)
+            sent_tokens[i] = out["meta_info"]["completion_tokens"]
+            delta, sent_text[i] = text[len(sent_text[i]):], text
             if delta or reason is not None or lp is not None:
-                choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+                choice = {"index": i, "text": delta, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
                 yield sse(dict(base, choices=[choice]))
-            if reason is not None and body.stream_options and body.stream_options.include_usage:
-                yield sse(dict(base, choices=[], usage=_usage([out], cache_report)))
+            if reason is not None:
+                finals[i] = out
+        if body.stream_options and body.stream_options.include_usage and all(f is not None for f in finals):
+            yield sse(dict(base, choices=[], usage=_usage(finals, n, cache_report)))
     except EngineFailed as e:
         yield sse(error_body(500, str(e)))
     yield DONE
 
 
-async def _chat_events(stream: RequestStream, req: Req, base: dict[str, Any], names: _Tokens,
-                       body: ChatCompletionRequest, parser: ChatOutput,
+async def _chat_events(streams: list[RequestStream], req: Req, base: dict[str, Any], names: _Tokens,
+                       body: ChatCompletionRequest, parsers: list[ChatOutput],
                        cache_report: bool = False) -> AsyncIterator[bytes]:
-    sent_text, sent_tokens, stops = "", 0, req.params.stop_strs
-    yield sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}]))
+    """The chunks of n streams, each chunk with its sequence's index (reasoning and tool calls split out
+    by each sequence's parser); usage after the last."""
+    n, stops = len(streams), req.params.stop_strs
+    sent_text, sent_tokens, finals = [""] * n, [0] * n, [None] * n
+    for i in range(n):
+        yield sse(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None}]))
     try:
-        async for out in stream:
+        async for i, out in merged(streams):
             text = visible_text(out, stops)
             reason, matched = _finish(out)
-            lp = _chat_logprobs(out["meta_info"], sent_tokens, names) if body.logprobs else None
-            sent_tokens = out["meta_info"]["completion_tokens"]
-            delta, sent_text = text[len(sent_text):], text
+            lp = _chat_logprobs(out["meta_info"], sent_tokens[i], names) if body.logprobs else None
+            sent_tokens[i] = out["meta_info"]["completion_tokens"]
+            delta, sent_text[i] = text[len(sent_text[i]):], text
+            parser = parsers[i]
             if parser.active:  # reasoning and tool calls split out (parsers/chat_output.py)
                 deltas = parser.feed(delta) + (parser.finish() if reason is not None else [])
                 reason = parser.finish_reason(reason)
@@ -240,13 +266,15 @@ async def _chat_events(stream: RequestStream, req: Req, base: dict[str, Any], na
                 deltas = [{"content": delta}] if delta else []
             if reason is not None or lp is not None:
                 deltas = deltas or [{}]
-            for i, d in enumerate(deltas):  # logprobs on the first, finish_reason on the last
-                last = i == len(deltas) - 1
-                choice = {"index": 0, "delta": d, "logprobs": lp if i == 0 else None,
+            for j, d in enumerate(deltas):  # logprobs on the first, finish_reason on the last
+                last = j == len(deltas) - 1
+                choice = {"index": i, "delta": d, "logprobs": lp if j == 0 else None,
                           "finish_reason": reason if last else None, "matched_stop": matched if last else None}
                 yield sse(dict(base, choices=[choice]))
-            if reason is not None and body.stream_options and body.stream_options.include_usage:
-                yield sse(dict(base, choices=[], usage=_usage([out], cache_report)))
+            if reason is not None:
+                finals[i] = out
+        if body.stream_options and body.stream_options.include_usage and all(f is not None for f in finals):
+            yield sse(dict(base, choices=[], usage=_usage(finals, n, cache_report)))
     except EngineFailed as e:
         yield sse(error_body(500, str(e)))
     yield DONE

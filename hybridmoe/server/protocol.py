@@ -127,9 +127,7 @@ class GenerateRequest(RequestModel):
         "image_data": ("image input", ()), "audio_data": ("audio input", ()), "video_data": ("video input", ()),
         "input_embeds": ("input embeddings", ()), "modalities": ("multimodal input", ([],)),
         "return_hidden_states": ("hidden-state output", (False,)),
-        "logprob_start_len": ("prompt logprobs (logprob_start_len)", (-1,)),
         "token_ids_logprob": ("logprobs of given token ids", ()),
-        "return_text_in_logprobs": ("token text in logprobs", (False,)),
         "custom_logit_processor": ("custom logit processors", ()), "session_params": ("sessions", ()),
         # sglang-router forwards these with their defaults
         "background": ("background requests", (False,)), "return_bytes": ("byte output", (False,)),
@@ -145,6 +143,9 @@ class GenerateRequest(RequestModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: NonNegInt = 0
+    # prompt logprobs from this position on (-1: none; SGLang's default), with return_logprob
+    logprob_start_len: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
+    return_text_in_logprobs: bool = False
     rid: one_or_list(Rid, Rid) | None = None
     lora_path: one_or_list(str, str | None) | None = None
 

@@ -107,7 +107,8 @@ class ServerState:
 
     async def build_req(self, *, prompt: str | None = None, input_ids: list[int] | None = None,
                         params: dict[str, Any] | None = None, rid: str | None = None, return_logprob: bool = False,
-                        top_logprobs_num: int = 0, check_max_tokens: bool = True) -> Req:
+                        top_logprobs_num: int = 0, check_max_tokens: bool = True, logprob_start_len: int = -1,
+                        return_text_in_logprobs: bool = False) -> Req:
         """Validate and tokenize one request (tokenization off the event loop); APIError(400) with
         the engine's message when bad.
 
@@ -119,11 +120,17 @@ class ServerState:
             raise APIError(400, "sampling_params must be an object")
         if (prompt is None) == (input_ids is None):
             raise APIError(400, "give exactly one of `text` (prompt) and `input_ids`")
+        n = (params or {}).get("n")
+        if isinstance(n, int) and n > self.limits.max_n_samples:
+            raise APIError(400, f"n={n} is above this server's limit of {self.limits.max_n_samples} samples per "
+                                "prompt (--max-n-samples raises it)", param="n")
         if prompt is not None:
             input_ids, prompt = await self.encode(prompt), None
         try:
             req = engine.make_request(prompt=prompt, input_ids=input_ids, sampling_params=params, rid=rid,
-                                      return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+                                      return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                                      logprob_start_len=logprob_start_len,
+                                      return_text_in_logprobs=return_text_in_logprobs)
         except RequestError as e:
             raise APIError(400, str(e)) from e
         await attach_grammar(self, req)  # structured output: compiled off the event loop, 400 if it fails
@@ -136,11 +143,16 @@ class ServerState:
         return req
 
     def submit(self, reqs: list[Req]) -> list[RequestStream]:
-        """Queue requests; all or none (503 past the queue bound, 400 on a duplicate rid)."""
+        """Queue requests; all or none (503 past the queue bound, 400 on a duplicate rid).
+
+        One stream per sequence: a request with n > 1 gives n streams in a row (its forks after it).
+        """
         streams: list[RequestStream] = []
         try:
             for req in reqs:
+                forks = [f.rid for f in req.forks]
                 streams.append(self.engine.submit(req))
+                streams.extend(self.engine.stream_of(rid) for rid in forks)
         except ValueError as e:
             self._abort(streams)
             raise APIError(400, str(e), param="rid") from e

@@ -77,3 +77,48 @@ async def guarded(stream: RequestStream, engine: AsyncEngine, body: AsyncIterato
     finally:
         if not stream.finished:
             engine.abort(stream.rid, "the client disconnected")
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """(index, output) of several streams (n > 1) as each comes; ends when all have ended. An
+    EngineFailed of any stream is raised here."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await q.put((i, out))
+        except Exception as e:  # noqa: BLE001  (handed to the reader)
+            await q.put((i, e))
+        await q.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, item = await q.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def guarded_all(streams: list[RequestStream], engine: AsyncEngine,
+                      body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """guarded() for the streams of one response (n > 1): a disconnect aborts every one unfinished."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        for s in streams:
+            if not s.finished:
+                engine.abort(s.rid, "the client disconnected")

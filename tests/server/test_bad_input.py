@@ -33,7 +33,7 @@ CASES = [
     ("stream batch", "/generate", {"text": ["a", "b"], "stream": True}, 400, "stream"),
     ("openai unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "a"}, 404, "gpt-9"),
     ("openai empty prompt", "/v1/completions", {"model": "demo", "prompt": ""}, 400, "empty"),
-    ("openai n=2", "/v1/completions", {"model": "demo", "prompt": "a", "n": 2}, 400, "n"),
+    ("openai n above --max-n-samples", "/v1/completions", {"model": "demo", "prompt": "a", "n": 65}, 400, "n"),
     ("openai max_tokens negative", "/v1/completions", {"model": "demo", "prompt": "a", "max_tokens": -3}, 400,
      "max_tokens"),
     ("openai max_tokens oversize", "/v1/completions", {"model": "demo", "prompt": "a", "max_tokens": 10**6}, 400,

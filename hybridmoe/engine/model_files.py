@@ -1,0 +1,48 @@
+"""The tokenizer and the end-of-sequence ids of a model directory."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hybridmoe.config import EngineArgs
+
+log = logging.getLogger(__name__)
+
+
+def _load_tokenizer(args: EngineArgs):
+    if args.skip_tokenizer_init:
+        return None
+    path = args.tokenizer_path or args.model_path
+    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        log.warning("%s has no tokenizer files: only token-id input and output will work", path)
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    if args.chat_template:  # --chat-template replaces the tokenizer's (every route and worker reads this one)
+        from hybridmoe.chat_templates import load_chat_template
+
+        tokenizer.chat_template = load_chat_template(args.chat_template)
+    return tokenizer
+
+
+def _eos_ids(model_path: str, hf_config, tokenizer) -> list[int]:
+    ids: set[int] = set()
+
+    def add(v: object) -> None:
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(x for x in v if isinstance(x, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    try:
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except Exception:  # no generation_config.json: the config's eos is enough
+        pass
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return sorted(ids)
