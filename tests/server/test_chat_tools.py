@@ -50,8 +50,8 @@ async def _stream_events(body: ChatCompletionRequest, p, outs: list[dict]) -> li
 
     stream = RequestStream("r1")
     events = []
-    gen = _chat_events(stream, SimpleNamespace(params=SimpleNamespace(stop_strs=[])), {"id": "x"}, lambda t: str(t),
-                       body, p.output("", eager=True))
+    gen = _chat_events([stream], SimpleNamespace(params=SimpleNamespace(stop_strs=[])), {"id": "x"},
+                       lambda t: str(t), body, [p.output("", eager=True)])
     async def produce() -> None:
         for out in outs:  # one output at a time, as the engine sends them
             while not stream.queue.empty():  # the route took the last one (else they would coalesce)

@@ -163,7 +163,7 @@ def test_cache_report_usage() -> None:
 
     outs = [{"meta_info": {"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": 4}}]
     assert _usage(outs)["prompt_tokens_details"] is None  # as SGLang without --enable-cache-report
-    assert _usage(outs, True)["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert _usage(outs, cache_report=True)["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
 def test_stream_interval() -> None:

@@ -112,14 +112,16 @@ def test_detokenization_failure_fails_alone(engine, monkeypatch):
 
 
 def test_stop_matching_failure_fails_alone(engine, monkeypatch):
-    real = Engine._match_stop_str
+    import hybridmoe.engine.engine as engine_module
 
-    def faulty(self, req, new_len):
+    real = engine_module.match_stop_str
+
+    def faulty(req, new_len):
         if "never-there" in req.params.stop_strs:
             raise IndexError("injected stop fault")
-        return real(self, req, new_len)
+        return real(req, new_len)
 
-    monkeypatch.setattr(Engine, "_match_stop_str", faulty)
+    monkeypatch.setattr(engine_module, "match_stop_str", faulty)
     good, expected = _good(engine, random.randrange(1 << 30))
     _check_isolated(engine, _req([14, 15], stop=["never-there"]), good, expected, "injected stop")
 
