@@ -20,10 +20,17 @@ import torch
 
 from hybridmoe.cpu import native, quant
 from hybridmoe.cpu.engine import CPUThreadPool, default_pool
+from hybridmoe.cpu.topology import physical_cores
 from hybridmoe.cpu.quant import ACTIVATIONS, PackedLayer, PackedMatrix, page_aligned_empty, pad_sizes
 
 NATIVE_METHODS = ("AMXINT8", "AMXINT4", "BF16")
 _SRC_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def load_pool() -> CPUThreadPool:
+    """The pool to quantize on: the process-wide one (created with every physical core when it does
+    not exist yet: `hybridmoe convert` has nothing else to run)."""
+    return default_pool(threads=len(physical_cores()))
 
 
 def empty_matrix(e: int, n: int, k: int, method: str, group_size: int, symmetric: bool,
@@ -71,7 +78,7 @@ def quantize_into(src: torch.Tensor | None, out: PackedMatrix, method: str, grou
         raise ValueError(f"experts {e0}..{e0 + e} past the {out.data.shape[0]} of the packed matrix")
     d = native.QuantDst(_ptr(out.data, e0), _ptr(out.scale, e0), _ptr(out.zero, e0), _ptr(out.wsum, e0), out.n, out.k,
                         quant.METHODS[method], group_size, int(symmetric), 0)
-    pool = pool or default_pool()
+    pool = pool or load_pool()
     err = C.create_string_buffer(512)
     if native.lib().hm_quantize(pool.handle, C.byref(s), C.byref(d), err, len(err)):
         raise ValueError(err.value.decode())
@@ -113,7 +120,7 @@ def pack_layer(gate_up: torch.Tensor, down: torch.Tensor, method: str = "AMXINT8
     hp, ip = pad_sizes(h, i, method, group_size)
     w13 = empty_matrix(e, 2 * ip, hp, method, group_size, symmetric, page_align)
     w2 = empty_matrix(e, hp, ip, method, group_size, symmetric, page_align)
-    pool = pool or default_pool()
+    pool = pool or load_pool()
     if not fp8_in:
         quantize_into(gate_up.detach(), w13, method, group_size, symmetric, w13_inter=i, pool=pool)
         quantize_into(down.detach(), w2, method, group_size, symmetric, pool=pool)

@@ -5,6 +5,8 @@
 // entry point runs only on a pool, whose creation checked AVX2.
 #include "quantize.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -60,23 +62,21 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN -> 0x7FC0 
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-inline uint64_t splitmix(uint64_t& s) {
-  uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 // Source row `row` of expert `e` into out[0, K) as fp32; out[K, Kp) = 0.
 void load_row(const HmQuantSrc& s, int e, int row, int Kp, float* out) {
   const int K = s.K;
-  if (!s.data) {
-    uint64_t st = s.seed * 0x2545F4914F6CDD1Dull ^ (uint64_t(e) << 32 | uint32_t(row));
+  if (!s.data) {  // a 32-bit integer hash of (row key, k): stateless per value, so it vectorizes
+    const uint32_t key = uint32_t(s.seed * 0x9E3779B97F4A7C15ull >> 32) ^ (uint32_t(e) * 0x85EBCA6Bu) ^
+                         (uint32_t(row) * 0xC2B2AE35u);
     const float step = float(s.std * 1.7320508075688772 / 8388608.0);  // a / 2^23
-    for (int k = 0; k < K; k += 2) {
-      const uint64_t r = splitmix(st);
-      out[k] = (float(uint32_t(r >> 40)) - 8388607.5f) * step;
-      if (k + 1 < K) out[k + 1] = (float(uint32_t(r >> 8) & 0xFFFFFF) - 8388607.5f) * step;
+    for (int k = 0; k < K; ++k) {
+      uint32_t x = key + uint32_t(k) * 0x9E3779B9u;
+      x ^= x >> 16;
+      x *= 0x7FEB352Du;
+      x ^= x >> 15;
+      x *= 0x846CA68Bu;
+      x ^= x >> 16;
+      out[k] = (float(int32_t(x >> 8)) - 8388607.5f) * step;
     }
   } else {
     const int64_t off = int64_t(e) * s.expert_stride + int64_t(row) * s.row_stride;
@@ -93,13 +93,16 @@ void load_row(const HmQuantSrc& s, int e, int row, int Kp, float* out) {
   std::fill(out + K, out + Kp, 0.0f);
 }
 
+// max |x| (n % 8 == 0: rows are Kp long, groups 32..128): max is exact in any order
 inline float amax_of(const float* x, int n) {
-  float m = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    m = a > m ? a : m;
-  }
-  return m;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), m);
+  alignas(32) float v[8];
+  _mm256_store_ps(v, m);
+  float r = 0.0f;
+  for (float f : v) r = f > r ? f : r;
+  return r;
 }
 
 // torch: amax / 127; where(amax > 0, 127 / clamp_min(amax, 1e-30), 0); round(w * inv).clamp(-127, 127)
@@ -131,10 +134,19 @@ void quant_int4_group(const float* g, int G, bool sym, uint8_t* u, float& d, flo
     m = -8.0f * d;
     return;
   }
-  float lo = g[0], hi = g[0];
-  for (int k = 1; k < G; ++k) {
-    lo = g[k] < lo ? g[k] : lo;
-    hi = g[k] > hi ? g[k] : hi;
+  __m256 vlo = _mm256_loadu_ps(g), vhi = vlo;  // G % 8 == 0
+  for (int k = 8; k < G; k += 8) {
+    const __m256 v = _mm256_loadu_ps(g + k);
+    vlo = _mm256_min_ps(v, vlo);
+    vhi = _mm256_max_ps(v, vhi);
+  }
+  alignas(32) float l8[8], h8[8];
+  _mm256_store_ps(l8, vlo);
+  _mm256_store_ps(h8, vhi);
+  float lo = l8[0], hi = h8[0];
+  for (int k = 1; k < 8; ++k) {
+    lo = l8[k] < lo ? l8[k] : lo;
+    hi = h8[k] > hi ? h8[k] : hi;
   }
   d = (hi - lo) / 15.0f;
   const float inv = d > 0 ? 1.0f / std::max(d, 1e-30f) : 0.0f;
