@@ -88,7 +88,7 @@ def write_gguf(path: Path, a, seed: int = 0) -> Path:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for name, shape, kind in specs:
+    for _name, shape, kind in specs:
         w.write_tensor_data(_make(shape, kind, rng))
     w.close()
     return path
@@ -101,6 +101,8 @@ class LlamaCpp:
         import llama_cpp as L
 
         self.L = L
+        self._quiet = L.llama_log_callback(lambda level, text, user: None)  # kept alive: llama.cpp holds it
+        L.llama_log_set(self._quiet, None)
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0

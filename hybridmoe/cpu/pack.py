@@ -20,8 +20,8 @@ import torch
 
 from hybridmoe.cpu import native, quant
 from hybridmoe.cpu.engine import CPUThreadPool, default_pool
+from hybridmoe.cpu.quant import ACTIVATIONS, PackedLayer, PackedMatrix, pad_sizes, page_aligned_empty
 from hybridmoe.cpu.topology import physical_cores
-from hybridmoe.cpu.quant import ACTIVATIONS, PackedLayer, PackedMatrix, page_aligned_empty, pad_sizes
 
 NATIVE_METHODS = ("AMXINT8", "AMXINT4", "BF16")
 _SRC_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
