@@ -8,20 +8,23 @@ Bound = bytes of weights one token reads (every non-expert matrix, top-k packed 
 layer, one embedding row) / the stream-read bandwidth of the engine's pool measured in the same run.
 hybridmoe and llama.cpp (`-ngl 0`, Q8_0 experts, F16 rest: llama_cpp_ref.py; skipped when
 llama-cpp-python is not installed) alternate for --repeats rounds; medians are printed. Random weights
-(`--load-format dummy`: experts drawn directly in packed form), so only speed is compared.
+(`--load-format dummy`: experts drawn directly in packed form), so only speed is compared. Sets
+OMP_WAIT_POLICY=PASSIVE (unless set): torch then takes every core beside the expert pool.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see engine/model_runner.py
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import add_shape_args, decode_tps, parse_shape_args, write_config  # noqa: E402
