@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from hybridmoe.args import OneLineParser
+from hybridmoe.cpu import pack as native_pack
 from hybridmoe.cpu.quant import ACTIVATIONS, GROUP_SIZES, pack_layer
 from hybridmoe.startup import report_failure
 from hybridmoe.weights import cpu_format as cf
@@ -186,8 +187,8 @@ class Converter:
                 gate_up, down = fut.result()
                 if e1 < self.e:
                     fut = prefetch.submit(self._read_chunk, layer, e1, min(e1 + self.chunk, self.e))
-                part = pack_layer(gate_up, down, self.method, self.opts.group_size, True, self.activation,
-                                  chunk=e1 - e0).tensors()
+                part = native_pack.pack_layer(gate_up, down, self.method, self.opts.group_size, True, self.activation,
+                                              chunk=e1 - e0, pool=native_pack.load_pool()).tensors()
                 del gate_up, down
                 if wfut is not None:
                     wfut.result()

@@ -49,6 +49,7 @@ UNITS: list[tuple[str, list[str], bool]] = [
     ("stream.cpp", [], True),
     ("moe.cpp", [], True),
     ("moe_avx2.cpp", AVX2, True),
+    ("quantize.cpp", AVX2 + ["-ffp-contract=off"], True),  # no fused multiply-add: bit-identical to torch
     ("moe_avx512.cpp", AVX512, False),
     ("moe_amx.cpp", AMX, False),
 ]

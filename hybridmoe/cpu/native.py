@@ -17,7 +17,7 @@ from hybridmoe import envs
 from hybridmoe.cpu import build as _build
 from hybridmoe.cpu.settings import CPUEngineSettings
 
-ABI_VERSION = 10  # csrc/api.cpp hm_abi_version
+ABI_VERSION = 11  # csrc/api.cpp hm_abi_version
 ISAS = {"avx2": 0, "avx512": 1, "amx": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DT_F32, DT_BF16 = 0, 1
@@ -94,6 +94,22 @@ class HostCall(C.Structure):
     ]
 
 
+class QuantSrc(C.Structure):
+    """HmQuantSrc (csrc/quantize.h): the float matrices hm_quantize packs (data None: random values)."""
+
+    _fields_ = [("data", C.c_void_p), ("dtype", C.c_int32), ("E", C.c_int32), ("N", C.c_int32), ("K", C.c_int32),
+                ("expert_stride", C.c_int64), ("row_stride", C.c_int64), ("w13_inter", C.c_int32),
+                ("pad_", C.c_int32), ("seed", C.c_uint64), ("std", C.c_double)]
+
+
+class QuantDst(C.Structure):
+    """HmQuantDst (csrc/quantize.h): where hm_quantize writes a PackedMatrix."""
+
+    _fields_ = [("data", C.c_void_p), ("scale", C.c_void_p), ("zero", C.c_void_p), ("wsum", C.c_void_p),
+                ("Np", C.c_int32), ("Kp", C.c_int32), ("method", C.c_int32), ("group", C.c_int32),
+                ("symmetric", C.c_int32), ("pad_", C.c_int32)]
+
+
 _lib = None
 _lock = threading.Lock()
 
@@ -152,6 +168,7 @@ def _declare(lib) -> None:
         "hm_submit_gated": (None, [C.POINTER(HostCall), vp]),
         "hm_submit_gated_many": (None, [C.POINTER(C.POINTER(HostCall)), C.POINTER(vp), i32]),
         "hm_stream_read": (C.c_double, [vp, i64, i32]),
+        "hm_quantize": (i32, [vp, C.POINTER(QuantSrc), C.POINTER(QuantDst), cp, i32]),
         "hm_trace_start": (None, [vp, i64]),
         "hm_trace_stop": (i64, [vp, C.POINTER(C.c_int64), i64]),
     }

@@ -65,6 +65,15 @@ class ModelRunner:
         self.context_len = self.cache_cfg.context_length or model_cfg.max_position
         # the MoE layers: which backend, the hybrid placement and runtime, the memory plan
         self.moe = ExpertsSetup(args, model_cfg, self.device, self.dtype, self.context_len)
+        passive = os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive"
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and self.moe.backend == "cpu" and passive:
+            # every expert on the CPU engine: its pool and torch's ops take turns (each MoE layer waits
+            # for its experts), so torch gets every core too (2 cores: 107 -> 67-70 ms a decode step) -
+            # only with OpenMP workers that sleep when idle (OMP_WAIT_POLICY=passive, read when torch
+            # loads): busy-waiting ones on every core made a step 1.5-4x slower beside other busy processes
+            from hybridmoe.cpu.topology import physical_cores
+
+            torch.set_num_threads(len(physical_cores()))
         self.hooks: MoEHooks = self.moe.runtime or NoHooks()
         attn = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(attn)

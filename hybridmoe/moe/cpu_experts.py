@@ -21,7 +21,8 @@ import torch
 
 from hybridmoe.config import HybridConfig
 from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool, default_pool
-from hybridmoe.cpu.quant import PackedLayer, pack_layer, page_aligned_layer
+from hybridmoe.cpu.pack import pack_layer  # native quantizers (the torch reference where they do not apply)
+from hybridmoe.cpu.quant import PackedLayer, page_aligned_layer
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts
 from hybridmoe.moe.options import ExpertsOptions
 
@@ -54,6 +55,7 @@ class CPUExperts(MoEExperts):
                     page_align=options.page_align,
                     fp8_scales=(weights.gate_up_scale, weights.down_scale) if weights.is_fp8 else None,
                     fp8_block=weights.block,
+                    pool=options.pool,
                 )
             except ValueError as e:  # bad fp8 blocks or NaN weights: say which layer
                 raise ValueError(f"layer {layer_idx} routed experts: {e}") from e

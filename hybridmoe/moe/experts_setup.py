@@ -31,6 +31,12 @@ class ExpertsSetup:
                  context_len: int) -> None:
         self.args, self.model, self.device, self.dtype = args, model, device, dtype
         self.hybrid_cfg = cfg = args.hybrid_config()
+        if device.type == "cpu" and cfg.cpuinfer is None:  # no GPU thread to leave a core for: every core
+            from dataclasses import replace
+
+            from hybridmoe.cpu.topology import physical_cores
+
+            self.hybrid_cfg = cfg = replace(cfg, cpuinfer=len(physical_cores()))
         check_kt_method(cfg.method, model.hf, model.source)
         self.placement: HybridPlacement | None = build_placement(cfg, model, device, args.moe_backend)
         self.runtime: HybridRuntime | None = None
@@ -58,6 +64,10 @@ class ExpertsSetup:
             self.options = ExpertsOptions(device=device, hybrid=cfg, pool=pool, runtime=self.runtime,
                                           pack_device=self.options.pack_device, dtype=dtype)
             self._check_memory_plan(context_len)  # before any weight is read
+        # `--load-format dummy` with every expert on the CPU engine: random experts drawn directly in
+        # packed form (cpu/pack.random_packed_layer), no float copy of them ever made
+        self.random_packed = (self.backend == "cpu" and args.load_format == "dummy" and cfg.converted_weights is None
+                              and cfg.method.upper() in ("AMXINT8", "AMXINT4", "BF16"))
         # always counting (one index_add_ per MoE layer): the expert-distribution record endpoints
         # and the share of routed-expert hits on the GPU read it; --record-expert-distribution is its file
         self.recorder = ExpertDistributionRecorder(cfg.record_expert_distribution, model.num_experts, device,
@@ -73,7 +83,7 @@ class ExpertsSetup:
     @property
     def reads_checkpoint_experts(self) -> bool:
         """False when every expert comes pre-converted from --kt-weight-path."""
-        return not (self.hybrid_cfg.converted_weights is not None and self.placement is None)
+        return not ((self.hybrid_cfg.converted_weights is not None and self.placement is None) or self.random_packed)
 
     def make(self, weights: ExpertWeights | None, layer_idx: int) -> MoEExperts:
         """One MoE layer's experts backend (the loader calls this once per MoE layer)."""
@@ -90,6 +100,15 @@ class ExpertsSetup:
             cpu_ids = None if p is None or p.dynamic_update else (~p.masks[layer_idx]).nonzero().flatten()
             # only the CPU-resident ones (all of them with dynamic expert update)
             options = replace(options, packed=self.kt_weights.load_layer(layer_idx, experts=cpu_ids))
+        elif self.random_packed:
+            from dataclasses import replace
+
+            from hybridmoe.cpu.pack import random_packed_layer
+
+            cfg, spec = self.hybrid_cfg, self.model.spec
+            options = replace(options, packed=random_packed_layer(
+                spec.num_experts, self.model.hf.hidden_size, spec.moe_intermediate, cfg.method, cfg.group_size,
+                cfg.int4_symmetric, seed=layer_idx, pool=options.pool))
         experts = self._built[layer_idx] = create_experts(self.backend, weights, layer_idx, options)
         if self.recorder is not None:
             return RecordingExperts(experts, self.recorder, layer_idx)

@@ -12,6 +12,7 @@
 #include "common.h"
 #include "moe.h"
 #include "pool.h"
+#include "quantize.h"
 
 extern "C" int hm_isa_check(int isa, char* msg, int len);
 
@@ -75,7 +76,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 10; }
+int hm_abi_version() { return 11; }
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];
@@ -190,6 +191,22 @@ double hm_stream_read(void* p, int64_t bytes, int iters) {
   });
   pool->tp.wait_task(id);
   return gbs;
+}
+
+// Quantizes and packs one stacked matrix on all pool threads (quantize.h); waits for it. Returns 0,
+// or 1 with what is wrong in err.
+int hm_quantize(void* p, const HmQuantSrc* src, const HmQuantDst* dst, char* err, int errlen) {
+  Pool* pool = static_cast<Pool*>(p);
+  const char* bad = hm::quantize_check(*src, *dst);
+  if (*bad) {
+    put(err, errlen, std::string("hm_quantize: ") + bad);
+    return 1;
+  }
+  const HmQuantSrc s = *src;
+  const HmQuantDst d = *dst;
+  int64_t id = pool->tp.submit([&] { hm::quantize_run(pool->tp, s, d); });
+  pool->tp.wait_task(id);
+  return 0;
 }
 
 }  // extern "C"

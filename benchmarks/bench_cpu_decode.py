@@ -1,0 +1,130 @@
+"""CPU-only decode at batch 1 (device="cpu", every routed expert on the CPU engine), as a ratio to the
+bandwidth bound, and llama.cpp on the same shape in the same run.
+
+    python benchmarks/bench_cpu_decode.py --layers 6                  # Qwen3-30B-A3B shape, 6 layers
+    python benchmarks/bench_cpu_decode.py --tiny --no-llama --out r.json   # smoke test (CI)
+
+Bound = bytes of weights one token reads (every non-expert matrix, top-k packed experts per MoE
+layer, one embedding row) / the stream-read bandwidth of the engine's pool measured in the same run.
+hybridmoe and llama.cpp (`-ngl 0`, Q8_0 experts, F16 rest: llama_cpp_ref.py; skipped when
+llama-cpp-python is not installed) alternate for --repeats rounds; medians are printed. Random weights
+(`--load-format dummy`: experts drawn directly in packed form), so only speed is compared. Sets
+OMP_WAIT_POLICY=PASSIVE (unless set): torch then takes every core beside the expert pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see engine/model_runner.py
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import add_shape_args, decode_tps, parse_shape_args, write_config  # noqa: E402
+
+TINY = ["--layers", "2", "--experts", "8", "--topk", "2", "--hidden", "128", "--inter", "64", "--heads", "4",
+        "--kv-heads", "2", "--head-dim", "32", "--vocab", "512"]
+
+
+def token_bytes(model, topk: int) -> int:
+    """Weight bytes one decode token reads (see the module docstring)."""
+    total = 0
+    for name, p in model.named_parameters():
+        total += p.shape[1] * p.element_size() if "embed_tokens" in name else p.numel() * p.element_size()
+    for block in model.moe_blocks():
+        experts = block.experts
+        packed = getattr(getattr(experts, "layer", None), "packed", None)
+        if packed is None:  # a torch backend: its expert parameters are counted above, whole
+            continue
+        per_expert = sum(t.nbytes for t in packed.tensors().values()) // packed.num_experts
+        total += topk * per_expert
+    return total
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_args(p)
+    p.add_argument("--method", default="AMXINT8")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every physical core)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    p.add_argument("--gguf", default=None, help="reuse / keep the GGUF at this path")
+    p.add_argument("--tiny", action="store_true", help="a tiny shape, 1 repeat of 4 steps (smoke test)")
+    p.add_argument("--out", default=None)
+    raw = sys.argv[1:] if argv is None else argv
+    a = parse_shape_args(p, (TINY + ["--steps", "4", "--repeats", "1", "--prompt-len", "8"] + raw)
+                         if "--tiny" in raw else raw)
+    if a.layers == 48 and "--layers" not in raw:
+        a.layers = 6  # the issue's model: 6 layers of Qwen3-30B-A3B (the full depth does not fit 23 GB)
+
+    from hybridmoe import LLM
+    from hybridmoe.cpu.engine import default_pool
+    from hybridmoe.cpu.topology import physical_cores
+
+    threads = a.threads or len(physical_cores())
+    res: dict = {"shape": {k: v for k, v in vars(a).items() if k != "dummy_config"}, "threads": threads}
+    with tempfile.TemporaryDirectory() as d:
+        write_config(Path(d), a)
+        t0 = time.perf_counter()
+        llm = LLM(d, device="cpu", dtype="bfloat16", load_format="dummy", progress=False, skip_tokenizer_init=True,
+                  kt_method=a.method, kt_num_gpu_experts=0, kt_cpuinfer=threads, max_running_requests=1,
+                  max_total_tokens=4 * (a.prompt_len + a.steps + 64), context_length=4096)
+        res["load_s"] = time.perf_counter() - t0
+        print(f"hybridmoe: model ready in {res['load_s']:.1f} s ({a.layers} layers, {a.method}, {threads} threads)",
+              flush=True)
+        bpt = token_bytes(llm.engine.runner.model, a.topk)
+        pool = default_pool()
+        llama = None
+        if not a.no_llama:
+            from llama_cpp_ref import LlamaCpp, available, write_gguf
+
+            why = available()
+            if why:
+                print(f"llama.cpp skipped: {why}")
+                res["llama_skipped"] = why
+            else:
+                gg = Path(a.gguf) if a.gguf else Path(d) / "model.gguf"
+                if not gg.exists():
+                    t0 = time.perf_counter()
+                    write_gguf(gg, a)
+                    print(f"GGUF written in {time.perf_counter() - t0:.1f} s ({gg.stat().st_size / 1e9:.2f} GB)")
+                llama = LlamaCpp(gg, threads)
+        hm, ll, bw = [], [], []
+        for r in range(a.repeats):
+            bw.append(pool.stream_read_gbps(256 << 20 if a.tiny else 1 << 30, 5) * 1e9)
+            hm.append(decode_tps(llm, 1, a.prompt_len, a.steps, a.vocab))
+            line = f"round {r}: stream read {bw[-1] / 1e9:.1f} GB/s, hybridmoe {hm[-1]:.2f} tok/s"
+            if llama is not None:
+                ll.append(llama.decode_tps(a.prompt_len, a.steps, a.vocab, seed=r))
+                line += f", llama.cpp {ll[-1]:.2f} tok/s"
+            print(line, flush=True)
+        llm.shutdown()
+        if llama is not None:
+            llama.close()
+    bw_m, hm_m = statistics.median(bw), statistics.median(hm)
+    bound = bw_m / bpt
+    res.update(bytes_per_token=bpt, stream_read_bps=bw_m, bound_tokens_per_s=bound, tokens_per_s=hm_m,
+               ratio_to_bound=hm_m / bound, rounds={"stream_read_bps": bw, "hybridmoe": hm, "llama_cpp": ll})
+    print(f"weights per token {bpt / 1e9:.3f} GB, stream read {bw_m / 1e9:.1f} GB/s (median): bound {bound:.2f} tok/s")
+    print(f"hybridmoe CPU-only decode: {hm_m:.2f} tok/s = {hm_m / bound:.2f} of the bound")
+    if ll:
+        res["llama_cpp_tokens_per_s"] = statistics.median(ll)
+        print(f"llama.cpp: {res['llama_cpp_tokens_per_s']:.2f} tok/s; hybridmoe / llama.cpp = "
+              f"{hm_m / res['llama_cpp_tokens_per_s']:.2f}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,46 @@
+"""Smoke test of benchmarks/bench_cpu_decode.py (tiny shape, no llama.cpp) and of its GGUF writer:
+the script runs end to end in a subprocess (it sets torch's thread count) and reports its numbers."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_cpu_decode_tiny(tmp_path):
+    out = tmp_path / "r.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_decode.py"), "--tiny", "--no-llama",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["tokens_per_s"] > 0 and r["stream_read_bps"] > 0 and 0 < r["ratio_to_bound"]
+    assert r["bytes_per_token"] > 0 and r["load_s"] > 0
+    assert "of the bound" in res.stdout
+
+
+def test_gguf_of_the_shape(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_cpu_decode import TINY
+        from bench_decode import add_shape_args, parse_shape_args
+        from llama_cpp_ref import write_gguf
+    finally:
+        sys.path.pop(0)
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_shape_args(p)
+    a = parse_shape_args(p, TINY)
+    path = write_gguf(tmp_path / "m.gguf", a)
+    rd = gguf.GGUFReader(str(path))
+    t = {x.name: x for x in rd.tensors}
+    assert len(t) == 3 + 12 * a.layers
+    gate = t["blk.0.ffn_gate_exps.weight"]
+    assert gate.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert list(gate.shape) == [a.hidden, a.inter, a.experts]  # ggml order
+    assert str(rd.fields["tokenizer.ggml.model"].contents()) == "none"
