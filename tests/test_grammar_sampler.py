@@ -160,3 +160,20 @@ def test_logprobs_under_a_grammar_are_floored_not_infinite():
     assert vals[2:] == [-9999.0, -9999.0] and all(x > -9999.0 for x in vals[:2]) and out.logprobs[0] > -9999.0
     # the two allowed tokens share the whole mass
     assert abs(sum(torch.tensor(vals[:2]).exp().tolist()) - 1) < 1e-5
+
+
+def test_bitmask_device_buffer_does_not_grow_for_a_steady_batch():
+    """The device rows are reused at a steady batch size (the H200 benchmark, passing device "cuda" for
+    a buffer on cuda:0, once doubled them every step until an allocation of 148 GiB failed); they grow
+    geometrically past the batch size."""
+    from hybridmoe.engine.grammar_mask import BatchBitmask
+
+    bm = BatchBitmask(vocab_size=1000)
+    for _ in range(40):
+        rows = bm._device_rows(4, torch.device("cpu"))
+    assert rows.shape == (4, 32) and bm._dev.shape[0] == 4
+    bm._device_rows(5, torch.device("cpu"))
+    assert bm._dev.shape[0] == 8
+    for _ in range(10):
+        bm._device_rows(3, torch.device("cpu"))
+    assert bm._dev.shape[0] == 8

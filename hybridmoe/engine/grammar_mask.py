@@ -45,10 +45,13 @@ class BatchBitmask:
         return buf[:b]
 
     def _device_rows(self, b: int, device: torch.device) -> torch.Tensor:  # [b, W] int32 on device
-        if self._dev is None or self._dev.shape[0] < b or self._dev.device != device:
-            self._dev = torch.empty(max(b, 2 * (self._dev.shape[0] if self._dev is not None else 0)), self.words,
-                                    dtype=torch.int32, device=device)
-        return self._dev[:b]
+        dev = self._dev
+        # "cuda" (no index) is the current device: compare types, and indices when the caller gives one
+        same = dev is not None and dev.device.type == device.type and device.index in (None, dev.device.index)
+        if not same or dev.shape[0] < b:
+            rows = max(b, 2 * dev.shape[0]) if same else b  # grown geometrically, moved at its needed size
+            self._dev = dev = torch.empty(rows, self.words, dtype=torch.int32, device=device)
+        return dev[:b]
 
     def fill(self, grammars: Sequence[RequestGrammar | None], device: torch.device) -> torch.Tensor:
         """The batch's bitmask [B, W] on `device` (queued there without a host sync)."""
