@@ -15,7 +15,7 @@ from hybridmoe.server.limits import ServerLimits, add_server_limit_args
 # KTransformers command line parses) and refused at startup with exit code 2, never ignored.
 # Remove a flag here once the engine implements it.
 NOT_YET_AVAILABLE: tuple[str, ...] = ()
-KT_METHODS_AVAILABLE = ("AMXINT8", "AMXINT4", "BF16", "FP8")
+KT_METHODS_AVAILABLE = ("AMXINT8", "AMXINT4", "BF16", "FP8", "LLAMAFILE")
 DEFAULT_GRACE_S = 30.0
 MAX_GRACE_S = 86400.0
 

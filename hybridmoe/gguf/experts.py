@@ -50,3 +50,13 @@ def check_layer_count(model: GGUFModel, num_layers: int) -> None:
         n = max(idx) + 1 if idx else 0
     if int(n) != num_layers:
         raise GGUFError(f"{model.path}: {n} layers ({model.arch}.block_count), but --model has {num_layers}")
+
+
+def open_for_model(path: str, config, spec, source: str = "--kt-weight-path") -> GGUFModel:
+    """The GGUF at `path` checked against the model: layer count, and every MoE layer's three expert
+    tensors (names, shapes, supported types). Reads only the headers (the tensors stay mapped)."""
+    model = GGUFModel.open(path)
+    check_layer_count(model, int(config.num_hidden_layers))
+    for layer in spec.moe_layers:
+        layer_experts(model, layer, spec.num_experts, int(config.hidden_size), spec.moe_intermediate)
+    return model

@@ -23,14 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridmoe.config import ConfigError
 from hybridmoe.cpu import gguf_quant
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
 
-class GGUFError(ValueError):
-    """A GGUF file that cannot be served: missing, unreadable, a missing tensor, an unsupported type."""
+class GGUFError(ConfigError):
+    """A GGUF file that cannot be served (a startup configuration error): missing, unreadable, a missing tensor, an unsupported type."""
 
 
 @dataclass
