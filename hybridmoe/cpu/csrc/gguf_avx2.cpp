@@ -26,6 +26,8 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+#include "gguf_dot256.h"
+
 template <int R, bool SGN>
 void dot(const UBlk* U, int B, const ActView& A, int K, int m0, float* out, int64_t ldc) {
   const int8_t* q[R];

@@ -18,6 +18,7 @@ constexpr bool kVnni = true;
 constexpr int MR = 8;  // activation rows per register block
 
 #include "gguf_unpack.h"
+#include "gguf_dot512.h"
 
 template <int R>
 void dot(const UBlk* U, int B, const ActView& A, int K, int m0, float* out, int64_t ldc) {

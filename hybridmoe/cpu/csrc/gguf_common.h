@@ -12,9 +12,12 @@
 //   q  int8 [Kp]        q = rint(x * 127 / amax), per 256 values
 //   bs f32 [Kp / 16]    sum of the 16 q of each group (exact integers)
 //   d  f32 [Kp / 256]   amax / 127
+//   bi i16 [Kp / 16]    the same group sums as int16 (the direct kernels' madd with int16 mins)
 // Dot of a weight row with an activation row, per super-block b:
 //   d_b * ( sum_{v/4} sl[v/4] * (sum of 4 u_v q_v)  +  sum_g bias[g] * bs[g] )
 // where the weight value w_v = S_g * u_v + bias_g (S_g, bias_g per group of 16; sl = S per 4 values).
+// That is the cache-blocked (tile) path of many rows; few rows per expert (decode) take the direct
+// kernels instead (gguf_dot512.h / gguf_dot256.h), which unpack the packed blocks in registers.
 #pragma once
 #include <cstdint>
 
@@ -52,7 +55,12 @@ struct alignas(64) UBlk {
   float bias[16];   // bias of group g (times the activation group sum)
 };
 
-inline int64_t gguf_act_row_bytes(int Kp) { return round_up(int64_t(Kp) + int64_t(Kp) / 16 * 4 + Kp / 256 * 4, 64); }
+inline int64_t gguf_act_row_bytes(int Kp) {
+  return round_up(int64_t(Kp) + int64_t(Kp) / 16 * 4 + Kp / 256 * 4 + int64_t(Kp) / 16 * 2, 64);
+}
+
+// Rows per expert up to which a GEMM item takes the direct kernels (measured: bench_gguf_moe.py).
+constexpr int kGgufDirectRows = 32;
 
 // Bytes per row of K values for a type, or -1 when unknown / K not a multiple of 256.
 inline int64_t gguf_row_bytes(int type, int K) {

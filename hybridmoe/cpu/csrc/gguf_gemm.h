@@ -1,8 +1,9 @@
-// The GGUF GEMM item (Kernels::gemm of the GGUF tables): for each 16-row N-block of the item, the
-// rows' super-blocks are unpacked once into a thread-local UBlk tile (16 x K/256 x 576 B: 74 KB at
+// The GGUF GEMM item (Kernels::gemm of the GGUF tables). Up to kGgufDirectRows activation rows,
+// every weight row goes through the unit's direct kernel (direct_rows: blocks unpacked in registers,
+// one pass over the file's bytes). More rows: for each 16-row N-block of the item, the rows' super-blocks are unpacked once into a thread-local UBlk tile (16 x K/256 x 576 B: 74 KB at
 // K = 2048, L2-resident), then every activation row of the item is dotted against it, MR rows at a
 // time sharing each weight register (the ISA unit's dot<MR, SIGNED>). Included inside an anonymous
-// namespace after gguf_unpack.h; the unit defines MR and dot_rows().
+// namespace after gguf_unpack.h; the unit defines MR, dot_rows() and direct_rows().
 
 struct UBuf {
   UBlk* p = nullptr;
@@ -39,8 +40,15 @@ void gemm(int, const PackedMat& W, int e, const ActView& A, int M, int nb0, int 
     for (int mm = 0; mm < M; ++mm)
       for (int r = nrows; r < 16; ++r) Cb[mm * ldc + r] = 0.0f;
     if (nrows == 0) continue;
-    UBlk* U = tl_ubuf.get(int64_t(16) * B);
     const uint8_t* base = m->data + int64_t(e) * m->expert_stride + int64_t(r0) * m->row_bytes;
+    if (M <= kGgufDirectRows) {  // the row stays in L1 for the later row groups: prefetch once
+      for (int r = 0; r < nrows; ++r)
+        for (int m0 = 0; m0 < M; m0 += MR)
+          direct_rows(m->type, base + r * m->row_bytes, B, A, m->K, m0, M - m0 < MR ? M - m0 : MR,
+                      Cb + int64_t(m0) * ldc + r, ldc, m0 == 0 ? A.prefetch : 0);
+      continue;
+    }
+    UBlk* U = tl_ubuf.get(int64_t(16) * B);
     for (int r = 0; r < nrows; ++r)
       for (int b = 0; b < B; ++b) unpack_block<kVnni>(m->type, base + r * m->row_bytes, b, U[r * B + b]);
     const bool sgn = !kVnni && gguf_signed(m->type);

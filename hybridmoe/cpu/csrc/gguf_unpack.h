@@ -123,6 +123,7 @@ inline bool quant_act_row(const void* src, int dt, int K, uint8_t* dst) {
   int8_t* q = reinterpret_cast<int8_t*>(dst);
   float* bs = reinterpret_cast<float*>(dst + K);
   float* dd = bs + K / 16;
+  int16_t* bi = reinterpret_cast<int16_t*>(dd + K / 256);
   alignas(64) float x[256];
   for (int b = 0; b < K / 256; ++b) {
     if (dt == DT_F32) {
@@ -149,8 +150,51 @@ inline bool quant_act_row(const void* src, int dt, int K, uint8_t* dst) {
       int s = 0;
       for (int i = 0; i < 16; ++i) s += q[b * 256 + g * 16 + i];
       bs[b * 16 + g] = float(s);
+      bi[b * 16 + g] = int16_t(s);
     }
     dd[b] = amax / 127.0f;
   }
   return true;
 }
+
+// R consecutive activation rows of a view, split into their parts (gguf_common.h layout).
+template <int R>
+struct ActRows {
+  const int8_t* q[R];
+  const float* bs[R];
+  const float* d[R];
+  const int16_t* bi[R];
+  ActRows(const ActView& A, int K, int m0) {
+    for (int t = 0; t < R; ++t) {
+      const uint8_t* row = A.data + (m0 + t) * A.ld;
+      q[t] = reinterpret_cast<const int8_t*>(row);
+      bs[t] = reinterpret_cast<const float*>(row + K);
+      d[t] = bs[t] + K / 16;
+      bi[t] = reinterpret_cast<const int16_t*>(d[t] + K / 256);
+    }
+  }
+};
+
+// Q4_K / Q5_K: the 8 6-bit scales (sc) and mins (mn) of a super-block as bytes, from its 12 scale
+// bytes s, with 32-bit word operations (k_scale_min per j, all at once).
+inline void k_scales8(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, s, 4);
+  std::memcpy(&w1, s + 4, 4);
+  std::memcpy(&w2, s + 8, 4);
+  const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+  sc = uint64_t(w0 & 0x3f3f3f3fu) | (uint64_t(sc_hi) << 32);
+  mn = uint64_t(w1 & 0x3f3f3f3fu) | (uint64_t(mn_hi) << 32);
+}
+
+// Software prefetch of the lines of one super-block of BYTES, pf bytes ahead (0: none). Addresses
+// at most 64 apart cover every line of consecutive super-blocks.
+template <int BYTES>
+inline void prefetch_sb(const uint8_t* p, int pf) {
+  if (!pf) return;
+  for (int o = 0; o < BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + pf + o), _MM_HINT_T0);
+}
+
+// IQ4_XS code values + 128 (u8: the AVX-512 dpbusd form of the signed table)
+constexpr uint8_t kIq4ValuesU[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
