@@ -7,7 +7,9 @@ Legend: T tokens, K top-k, E experts, H hidden, I intermediate, RB bytes per row
 
 The matrices stay as the file stores them (uint8 rows of GGUF blocks, typically memory-mapped
 views from hybridmoe.gguf.reader: nothing is copied or requantized); the native kernels
-(csrc/gguf_*.cpp) unpack blocks per GEMM item and quantize activations per token (Q8_K-style).
+(csrc/gguf_*.cpp) quantize activations per token (Q8_K-style); few rows per expert (decode) dot the
+packed blocks directly (unpacked in registers, csrc/gguf_dot512.h / gguf_dot256.h), more rows unpack
+each 16-row block once into a cache-resident tile (csrc/gguf_gemm.h).
 """
 
 from __future__ import annotations

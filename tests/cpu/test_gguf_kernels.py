@@ -84,6 +84,15 @@ def test_random_blocks_many_rows(types, isa, pool):
     check(types, isa, pool, 150, 3, 2, 768, 256, random_bytes=True, act_check=False)
 
 
+@pytest.mark.parametrize("types", TRIPLES, ids=TRIPLE_IDS)
+@pytest.mark.parametrize("t,e,k", [(13, 4, 3), (64, 2, 2), (65, 2, 2)], ids=["rows10", "rows64", "rows65"])
+def test_random_blocks_decode_rows(types, isa, pool, t, e, k):
+    # Few rows per expert run the direct kernels (blocks unpacked in registers, MR-row groups and a
+    # remainder); 64 rows is the last direct size, 65 the first tile one (kGgufDirectRows). Random
+    # blocks: every code and scale pattern (Q8_0 -128, Q6_K scale -128, all 6-bit K-quant scales).
+    check(types, isa, pool, t, e, k, 768, 512, random_bytes=True, act_check=False)
+
+
 @pytest.mark.parametrize("types", TRIPLES[:2], ids=TRIPLE_IDS[:2])
 def test_long_prompt(types, isa, pool):
     # T=1100 over 2 experts: several 256-row items per expert

@@ -94,82 +94,119 @@ struct DecF {  // Q4_0 (8 x 18 B), Q8_0 (8 x 34 B), IQ4_XS (136 B) per super-blo
   }
 };
 
-template <class D, int R>
-void kdot(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int pf) {
-  __m256 acc[R], accm[R];
-  for (int t = 0; t < R; ++t) acc[t] = accm[t] = _mm256_setzero_ps();
-  D dec;
+// NR weight rows (stride rs bytes) x R activation rows: out[t * ldc + i] = dot(row i, act t).
+template <class D, int NR, int R>
+void kdot(const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+  __m256 acc[NR][R], accm[NR][R];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < R; ++t) acc[i][t] = accm[i][t] = _mm256_setzero_ps();
+  D dec[NR];
   for (int b = 0; b < B; ++b) {
-    const uint8_t* p = row + int64_t(b) * D::kBytes;
-    prefetch_sb<D::kBytes>(p, pf);
-    dec.load(p);
-    __m256i ai[R];
-    for (int t = 0; t < R; ++t) ai[t] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      const __m256i w = dec.w(c), s = dec.sc(c);
-      for (int t = 0; t < R; ++t)
-        ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, ld256(a.q[t] + b * 256 + 32 * c)), s));
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* p = row + i * rs + int64_t(b) * D::kBytes;
+      prefetch_sb<D::kBytes>(p, pf);
+      dec[i].load(p);
     }
-    for (int t = 0; t < R; ++t) {
-      const __m256i m = _mm256_madd_epi16(ld256(a.bi[t] + b * 16), dec.mins);
-      const float da = a.d[t][b];
-      if (D::kIntMins)
-        ai[t] = _mm256_add_epi32(ai[t], m);
-      else
-        accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dec.dm * da), accm[t]);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[t]), _mm256_set1_ps(dec.d * da), acc[t]);
-    }
-  }
-  for (int t = 0; t < R; ++t) out[t * ldc] = hsum8(_mm256_add_ps(acc[t], accm[t]));
-}
-
-template <class D, int R>
-void fdot(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int pf) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
-  D dec;
-  for (int b = 0; b < B; ++b) {
-    const uint8_t* p = row + int64_t(b) * D::kBytes;
-    prefetch_sb<D::kBytes>(p, pf);
-    dec.load(p);
-    __m256 blk[R];
-    for (int t = 0; t < R; ++t) blk[t] = _mm256_setzero_ps();
+    __m256i ai[NR][R];
+    for (int i = 0; i < NR; ++i)
+      for (int t = 0; t < R; ++t) ai[i][t] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
-      const __m256i w = dec.w(c), aw = _mm256_sign_epi8(w, w);
-      const __m256 s = _mm256_set1_ps(dec.s[c]);
-      for (int t = 0; t < R; ++t) {
-        const __m256i q = _mm256_sign_epi8(ld256(a.q[t] + b * 256 + 32 * c), w);
-        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, q), ones);
-        blk[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, blk[t]);
+      __m256i av[R];
+      for (int t = 0; t < R; ++t) av[t] = ld256(a.q[t] + b * 256 + 32 * c);
+      for (int i = 0; i < NR; ++i) {
+        const __m256i w = dec[i].w(c), s = dec[i].sc(c);
+        for (int t = 0; t < R; ++t)
+          ai[i][t] = _mm256_add_epi32(ai[i][t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, av[t]), s));
       }
     }
-    for (int t = 0; t < R; ++t) acc[t] = _mm256_fmadd_ps(blk[t], _mm256_set1_ps(a.d[t][b]), acc[t]);
+    for (int t = 0; t < R; ++t) {
+      const __m256i bv = ld256(a.bi[t] + b * 16);
+      const float da = a.d[t][b];
+      for (int i = 0; i < NR; ++i) {
+        const __m256i m = _mm256_madd_epi16(bv, dec[i].mins);
+        if (D::kIntMins)
+          ai[i][t] = _mm256_add_epi32(ai[i][t], m);
+        else
+          accm[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dec[i].dm * da), accm[i][t]);
+        acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[i][t]), _mm256_set1_ps(dec[i].d * da), acc[i][t]);
+      }
+    }
   }
-  for (int t = 0; t < R; ++t) out[t * ldc] = hsum8(acc[t]);
+  for (int t = 0; t < R; ++t)
+    for (int i = 0; i < NR; ++i) out[t * ldc + i] = hsum8(_mm256_add_ps(acc[i][t], accm[i][t]));
 }
 
-template <int R>
-void direct_r(int type, const uint8_t* row, int B, const ActView& A, int K, int m0, float* out, int64_t ldc, int pf) {
-  const ActRows<R> a(A, K, m0);
+template <class D, int NR, int R>
+void fdot(const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NR][R];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < R; ++t) acc[i][t] = _mm256_setzero_ps();
+  D dec[NR];
+  for (int b = 0; b < B; ++b) {
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* p = row + i * rs + int64_t(b) * D::kBytes;
+      prefetch_sb<D::kBytes>(p, pf);
+      dec[i].load(p);
+    }
+    __m256 blk[NR][R];
+    for (int i = 0; i < NR; ++i)
+      for (int t = 0; t < R; ++t) blk[i][t] = _mm256_setzero_ps();
+    for (int c = 0; c < 8; ++c) {
+      __m256i av[R];
+      for (int t = 0; t < R; ++t) av[t] = ld256(a.q[t] + b * 256 + 32 * c);
+      for (int i = 0; i < NR; ++i) {
+        const __m256i w = dec[i].w(c), aw = _mm256_sign_epi8(w, w);
+        const __m256 s = _mm256_set1_ps(dec[i].s[c]);
+        for (int t = 0; t < R; ++t) {
+          const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(av[t], w)), ones);
+          blk[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, blk[i][t]);
+        }
+      }
+    }
+    for (int t = 0; t < R; ++t) {
+      const __m256 da = _mm256_set1_ps(a.d[t][b]);
+      for (int i = 0; i < NR; ++i) acc[i][t] = _mm256_fmadd_ps(blk[i][t], da, acc[i][t]);
+    }
+  }
+  for (int t = 0; t < R; ++t)
+    for (int i = 0; i < NR; ++i) out[t * ldc + i] = hsum8(acc[i][t]);
+}
+
+template <int NR, int R>
+void direct_nr(int type, const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
   switch (type) {
-    case GG_Q4_K: return kdot<DecQ45K<false>, R>(row, B, a, out, ldc, pf);
-    case GG_Q5_K: return kdot<DecQ45K<true>, R>(row, B, a, out, ldc, pf);
-    case GG_Q6_K: return kdot<DecQ6K, R>(row, B, a, out, ldc, pf);
-    case GG_Q4_0: return fdot<DecF<GG_Q4_0>, R>(row, B, a, out, ldc, pf);
-    case GG_Q8_0: return fdot<DecF<GG_Q8_0>, R>(row, B, a, out, ldc, pf);
-    case GG_IQ4_XS: return fdot<DecF<GG_IQ4_XS>, R>(row, B, a, out, ldc, pf);
+    case GG_Q4_K: return kdot<DecQ45K<false>, NR, R>(row, rs, B, a, out, ldc, pf);
+    case GG_Q5_K: return kdot<DecQ45K<true>, NR, R>(row, rs, B, a, out, ldc, pf);
+    case GG_Q6_K: return kdot<DecQ6K, NR, R>(row, rs, B, a, out, ldc, pf);
+    case GG_Q4_0: return fdot<DecF<GG_Q4_0>, NR, R>(row, rs, B, a, out, ldc, pf);
+    case GG_Q8_0: return fdot<DecF<GG_Q8_0>, NR, R>(row, rs, B, a, out, ldc, pf);
+    case GG_IQ4_XS: return fdot<DecF<GG_IQ4_XS>, NR, R>(row, rs, B, a, out, ldc, pf);
   }
 }
 
-// One weight row (B super-blocks of `type`) against activation rows m0 .. m0 + mr - 1 (mr <= 4):
-// out[t * ldc] = the dots. pf: prefetch distance (0: none).
-void direct_rows(int type, const uint8_t* row, int B, const ActView& A, int K, int m0, int mr, float* out, int64_t ldc,
-                 int pf) {
+// nrows weight rows against R activation rows, NR rows at a time (16 registers: NR * R <= 4).
+template <int R>
+void direct_m(int type, const uint8_t* row, int64_t rs, int nrows, int B, const ActView& A, int K, int m0, float* out,
+              int64_t ldc, int pf) {
+  constexpr int NR = R == 1 ? 4 : R == 2 ? 2 : 1;
+  const ActRows<R> a(A, K, m0);
+  // NR rows are read side by side: prefetch the same place in a later group of NR rows, at least
+  // pf bytes of the stream ahead
+  const int64_t grp = NR * rs, lead = pf ? (pf + grp - 1) / grp * grp : 0;
+  int r = 0;
+  for (; r + NR <= nrows; r += NR) direct_nr<NR, R>(type, row + r * rs, rs, B, a, out + r, ldc, lead);
+  for (; r < nrows; ++r) direct_nr<1, R>(type, row + r * rs, rs, B, a, out + r, ldc, lead);
+}
+
+// nrows weight rows (B super-blocks of `type`, stride rs bytes) against activation rows
+// m0 .. m0 + mr - 1 (mr <= 4): out[t * ldc + r] = the dots. pf: prefetch distance (0: none).
+void direct_rows(int type, const uint8_t* row, int64_t rs, int nrows, int B, const ActView& A, int K, int m0, int mr,
+                 float* out, int64_t ldc, int pf) {
   switch (mr) {
-    case 4: return direct_r<4>(type, row, B, A, K, m0, out, ldc, pf);
-    case 3: return direct_r<3>(type, row, B, A, K, m0, out, ldc, pf);
-    case 2: return direct_r<2>(type, row, B, A, K, m0, out, ldc, pf);
-    default: return direct_r<1>(type, row, B, A, K, m0, out, ldc, pf);
+    case 4: return direct_m<4>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
+    case 3: return direct_m<3>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
+    case 2: return direct_m<2>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
+    default: return direct_m<1>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
   }
 }

@@ -41,11 +41,10 @@ void gemm(int, const PackedMat& W, int e, const ActView& A, int M, int nb0, int 
       for (int r = nrows; r < 16; ++r) Cb[mm * ldc + r] = 0.0f;
     if (nrows == 0) continue;
     const uint8_t* base = m->data + int64_t(e) * m->expert_stride + int64_t(r0) * m->row_bytes;
-    if (M <= kGgufDirectRows) {  // the row stays in L1 for the later row groups: prefetch once
-      for (int r = 0; r < nrows; ++r)
-        for (int m0 = 0; m0 < M; m0 += MR)
-          direct_rows(m->type, base + r * m->row_bytes, B, A, m->K, m0, M - m0 < MR ? M - m0 : MR,
-                      Cb + int64_t(m0) * ldc + r, ldc, m0 == 0 ? A.prefetch : 0);
+    if (M <= kGgufDirectRows) {  // the rows stay in L1/L2 for the later row groups: prefetch once
+      for (int m0 = 0; m0 < M; m0 += MR)
+        direct_rows(m->type, base, m->row_bytes, nrows, B, A, m->K, m0, M - m0 < MR ? M - m0 : MR,
+                    Cb + int64_t(m0) * ldc, ldc, m0 == 0 ? A.prefetch : 0);
       continue;
     }
     UBlk* U = tl_ubuf.get(int64_t(16) * B);

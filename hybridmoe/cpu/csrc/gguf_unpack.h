@@ -191,7 +191,7 @@ inline void k_scales8(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
 // Software prefetch of the lines of one super-block of BYTES, pf bytes ahead (0: none). Addresses
 // at most 64 apart cover every line of consecutive super-blocks.
 template <int BYTES>
-inline void prefetch_sb(const uint8_t* p, int pf) {
+inline void prefetch_sb(const uint8_t* p, int64_t pf) {
   if (!pf) return;
   for (int o = 0; o < BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + pf + o), _MM_HINT_T0);
 }
