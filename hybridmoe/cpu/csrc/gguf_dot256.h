@@ -65,7 +65,10 @@ struct DecQ6K {  // 210 B: ql 128, qh 64, int8 scales 16, d; u in [0, 63], w = d
     const int h = c >> 2, k = c & 3;
     const __m256i L = ld256(p + 64 * h + 32 * (k & 1)), Q = ld256(p + 128 + 32 * h);
     const __m256i lo = _mm256_and_si256(k < 2 ? L : _mm256_srli_epi16(L, 4), _mm256_set1_epi8(15));
-    const __m256i hb = k == 0 ? _mm256_slli_epi16(Q, 4) : k == 1 ? _mm256_slli_epi16(Q, 2) : k == 2 ? Q : _mm256_srli_epi16(Q, 2);
+    const __m256i hb = k == 0   ? _mm256_slli_epi16(Q, 4)
+                       : k == 1 ? _mm256_slli_epi16(Q, 2)
+                       : k == 2 ? Q
+                                : _mm256_srli_epi16(Q, 2);
     return _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(48)));
   }
 };
@@ -174,7 +177,8 @@ void fdot(const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out
 }
 
 template <int NR, int R>
-void direct_nr(int type, const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+void direct_nr(int type, const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc,
+               int64_t pf) {
   switch (type) {
     case GG_Q4_K: return kdot<DecQ45K<false>, NR, R>(row, rs, B, a, out, ldc, pf);
     case GG_Q5_K: return kdot<DecQ45K<true>, NR, R>(row, rs, B, a, out, ldc, pf);

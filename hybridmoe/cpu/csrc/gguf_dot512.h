@@ -98,11 +98,16 @@ struct DecQ6K {  // 210 B: ql 128, qh 64, int8 scales 16, d; u in [0, 63], w = d
   }
 };
 
-// 8 fp16 scales, one per 32-value block of `stride` bytes
-inline __m256 scales8_f16(const uint8_t* p, int stride) {
-  uint16_t h[8];
-  for (int i = 0; i < 8; ++i) std::memcpy(&h[i], p + i * stride, 2);
-  return _mm256_cvtph_ps(ld128(h));
+inline short ld16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return short(v);
+}
+// 8 fp16 scales, one per 32-value block of `stride` bytes (built in registers: scalar stores then a
+// vector load of them would stall on store forwarding)
+inline __m256 scales8_f16(const uint8_t* p, int s) {
+  return _mm256_cvtph_ps(_mm_setr_epi16(ld16(p), ld16(p + s), ld16(p + 2 * s), ld16(p + 3 * s), ld16(p + 4 * s),
+                                        ld16(p + 5 * s), ld16(p + 6 * s), ld16(p + 7 * s)));
 }
 
 template <int TYPE>
@@ -115,21 +120,30 @@ struct DecF {  // Q4_0 (8 x 18 B), Q8_0 (8 x 34 B), IQ4_XS (136 B) per super-blo
     p = blk;
     __m256 s;
     if (TYPE == GG_IQ4_XS) {
-      const int sh = p[2] | (p[3] << 8);
-      alignas(32) int32_t ls[8];
-      for (int j = 0; j < 8; ++j) ls[j] = (((p[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
-      s = _mm256_mul_ps(_mm256_cvtepi32_ps(ld256(ls)), _mm256_set1_ps(h2f(p)));
+      // ls_j = low nibble j of the 4 bytes at p + 4 | bits 2j, 2j + 1 of the u16 at p + 2, << 4
+      uint32_t lo;
+      std::memcpy(&lo, p + 4, 4);
+      const __m256i j4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+      const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(lo)), j4), _mm256_set1_epi32(15));
+      const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(p[2] | (p[3] << 8)), _mm256_srli_epi32(j4, 1));
+      const __m256i ls = _mm256_or_si256(nib, _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+      s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))), _mm256_set1_ps(h2f(p)));
     } else {
       s = scales8_f16(p, TYPE == GG_Q4_0 ? 18 : 34);
     }
     D = _mm512_castps256_ps512(s);
     corr = _mm512_mul_ps(_mm512_permutexvar_ps(ld512(kIdxHalf32), D), _mm512_set1_ps(-kOff));
   }
-  __m512 ds(int c) const { return _mm512_permutexvar_ps(_mm512_add_epi32(ld512(kIdxPair32), _mm512_set1_epi32(2 * c)), D); }
+  __m512 ds(int c) const {
+    return _mm512_permutexvar_ps(_mm512_add_epi32(ld512(kIdxPair32), _mm512_set1_epi32(2 * c)), D);
+  }
   __m512i w(int c) const {  // blocks 2c, 2c + 1
-    if (TYPE == GG_Q8_0) return _mm512_xor_si512(join256(ld256(p + 68 * c + 2), ld256(p + 68 * c + 36)), _mm512_set1_epi8(char(0x80)));
-    if (TYPE == GG_Q4_0)
-      return nibbles_2x16(_mm256_inserti128_si256(_mm256_castsi128_si256(ld128(p + 36 * c + 2)), ld128(p + 36 * c + 20), 1));
+    if (TYPE == GG_Q8_0)
+      return _mm512_xor_si512(join256(ld256(p + 68 * c + 2), ld256(p + 68 * c + 36)), _mm512_set1_epi8(char(0x80)));
+    if (TYPE == GG_Q4_0) {
+      const __m128i b0 = ld128(p + 36 * c + 2), b1 = ld128(p + 36 * c + 20);
+      return nibbles_2x16(_mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1));
+    }
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(ld128(kIq4ValuesU)), nibbles_2x16(ld256(p + 8 + 32 * c)));
   }
 };
@@ -218,7 +232,8 @@ void fdot(const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out
 }
 
 template <int NR, int R>
-void direct_nr(int type, const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+void direct_nr(int type, const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc,
+               int64_t pf) {
   switch (type) {
     case GG_Q4_K: return kdot<DecQ45K<false>, NR, R>(row, rs, B, a, out, ldc, pf);
     case GG_Q5_K: return kdot<DecQ45K<true>, NR, R>(row, rs, B, a, out, ldc, pf);

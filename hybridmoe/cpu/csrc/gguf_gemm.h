@@ -1,6 +1,7 @@
 // The GGUF GEMM item (Kernels::gemm of the GGUF tables). Up to kGgufDirectRows activation rows,
 // every weight row goes through the unit's direct kernel (direct_rows: blocks unpacked in registers,
-// one pass over the file's bytes). More rows: for each 16-row N-block of the item, the rows' super-blocks are unpacked once into a thread-local UBlk tile (16 x K/256 x 576 B: 74 KB at
+// one pass over the file's bytes). More rows: for each 16-row N-block of the item, the rows'
+// super-blocks are unpacked once into a thread-local UBlk tile (16 x K/256 x 576 B: 74 KB at
 // K = 2048, L2-resident), then every activation row of the item is dotted against it, MR rows at a
 // time sharing each weight register (the ISA unit's dot<MR, SIGNED>). Included inside an anonymous
 // namespace after gguf_unpack.h; the unit defines MR, dot_rows() and direct_rows().
