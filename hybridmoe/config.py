@@ -216,6 +216,8 @@ class EngineArgs:
              or Path(self.kt_weight_path).resolve() == Path(self.model_path).resolve(), "kt-weight-path",
              "the model directory (or no flag) with --kt-method FP8: the CPU experts are read from the fp8 "
              "checkpoint, no conversion step")
+        need(self.kt_method != "LLAMAFILE" or self.kt_weight_path is not None, "kt-weight-path",
+             "the GGUF file (or directory of split files) holding the experts with --kt-method LLAMAFILE")
         need(self.kt_expert_placement_strategy in PLACEMENT_STRATEGIES, "kt-expert-placement-strategy",
              f"one of {PLACEMENT_STRATEGIES}")
         need(self.kt_num_gpu_experts is None or self.kt_num_gpu_experts >= 0, "kt-num-gpu-experts",

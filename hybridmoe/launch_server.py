@@ -16,9 +16,8 @@ from hybridmoe.sglang_compat import refused
 # KTransformers command line parses) and refused at startup with exit code 2, never ignored.
 # Remove a flag here once the engine implements it.
 NOT_YET_AVAILABLE: tuple[str, ...] = ()
-KT_METHODS_AVAILABLE = ("AMXINT8", "AMXINT4", "BF16", "FP8")
-KT_METHOD_LANDS = {"--kt-method LLAMAFILE": " (GGUF expert blocks land with issue 18; convert the model with "
-                                            "`hybridmoe convert` and use AMXINT8, AMXINT4 or BF16 meanwhile)"}
+KT_METHODS_AVAILABLE = ("AMXINT8", "AMXINT4", "BF16", "FP8", "LLAMAFILE")
+KT_METHOD_LANDS: dict[str, str] = {}  # a method refused at startup: why, and what to use meanwhile
 DEFAULT_GRACE_S = 30.0
 MAX_GRACE_S = 86400.0
 

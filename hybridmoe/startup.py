@@ -137,7 +137,11 @@ def prepare(args: EngineArgs) -> EngineArgs:
     if args.load_format != "dummy":
         check_weights(args.model_path, config, spec)
     check_kt_method(args.kt_method, config, f"{args.model_path}/config.json")
-    if args.kt_weight_path is not None and args.kt_method != "FP8":  # the manifest, the method, the fingerprint
+    if args.kt_method == "LLAMAFILE":  # GGUF experts: layer count, names, shapes and types
+        from hybridmoe.gguf.experts import open_for_model
+
+        open_for_model(args.kt_weight_path, config, spec)  # GGUFError is a ConfigError naming file and tensor
+    elif args.kt_weight_path is not None and args.kt_method != "FP8":  # the manifest, the method, the fingerprint
         from hybridmoe.weights.cpu_format import CPUWeightDir
 
         CPUWeightDir(args.kt_weight_path).check_model(config, args.model_path, args.kt_method, spec)

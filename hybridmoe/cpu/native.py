@@ -17,7 +17,7 @@ from hybridmoe import envs
 from hybridmoe.cpu import build as _build
 from hybridmoe.cpu.settings import CPUEngineSettings
 
-ABI_VERSION = 11  # csrc/api.cpp hm_abi_version
+ABI_VERSION = 12  # csrc/api.cpp hm_abi_version
 ISAS = {"avx2": 0, "avx512": 1, "amx": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DT_F32, DT_BF16 = 0, 1
@@ -45,6 +45,32 @@ class LayerDesc(C.Structure):
         ("act_limit", C.c_float),
         ("w13", PackedMat),
         ("w2", PackedMat),
+    ]
+
+
+class GgufMat(C.Structure):
+    """HmGgufMat (csrc/gguf_common.h): one stacked GGUF expert matrix [E, N, K] in the file's blocks."""
+
+    _fields_ = [
+        ("data", C.c_void_p),
+        ("expert_stride", C.c_int64),
+        ("row_bytes", C.c_int64),
+        ("type", C.c_int32),
+        ("N", C.c_int32),
+        ("K", C.c_int32),
+        ("pad_", C.c_int32),
+    ]
+
+
+class GgufDesc(C.Structure):
+    """HmGgufDesc (csrc/gguf_common.h): a GGUF expert layer for hm_gguf_layer_create."""
+
+    _fields_ = [(n, C.c_int32) for n in ("E", "H", "I", "act")] + [
+        ("act_alpha", C.c_float),
+        ("act_limit", C.c_float),
+        ("gate", GgufMat),
+        ("up", GgufMat),
+        ("down", GgufMat),
     ]
 
 
@@ -156,6 +182,8 @@ def _declare(lib) -> None:
         "hm_pool_settings": (None, [vp, C.POINTER(PoolSettings)]),
         "hm_layer_create": (vp, [C.POINTER(LayerDesc), i32, cp, i32]),
         "hm_layer_destroy": (None, [vp]),
+        "hm_gguf_layer_create": (vp, [C.POINTER(GgufDesc), i32, cp, i32]),
+        "hm_gguf_layer_destroy": (None, [vp]),
         "hm_layer_kernel_name": (cp, [vp]),
         "hm_layer_bind_numa": (i32, [vp, C.POINTER(C.c_int), i32]),
         "hm_submit": (i64, [vp, C.POINTER(Task)]),

@@ -40,6 +40,8 @@ def _round_act(x: torch.Tensor, act_quant: str | None) -> torch.Tensor:
     """x [R, K] fp32 -> the values a kernel actually multiplies (float64)."""
     if act_quant is None:
         return x.double()
+    if callable(act_quant):  # a method's own rounding (gguf_quant.act_round_q8k)
+        return act_quant(x.float()).double()
     if act_quant == "int8":
         q, s = quantize_act_int8(x.float())
         return q.double() * s.double().unsqueeze(-1)
@@ -56,7 +58,7 @@ def moe_reference(
     down: torch.Tensor,  # [E, H, I]
     activation: str = "silu",
     skip: torch.Tensor | None = None,  # [E] bool
-    act_quant: str | None = None,
+    act_quant=None,  # None | "int8" | "bf16" | a callable [R, K] -> rounded values
     out: torch.Tensor | None = None,  # [T, H]; with accumulate=True the result is added to it
     accumulate: bool = False,
 ) -> torch.Tensor:  # [T, H] float32 (or out's dtype when out is given)

@@ -21,6 +21,7 @@ import torch
 
 from hybridmoe.config import HybridConfig
 from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool, default_pool
+from hybridmoe.cpu.gguf_engine import GGUFExperts, GGUFMoELayer
 from hybridmoe.cpu.pack import pack_layer  # native quantizers (the torch reference where they do not apply)
 from hybridmoe.cpu.quant import PackedLayer, page_aligned_layer
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts
@@ -59,6 +60,10 @@ class CPUExperts(MoEExperts):
                 )
             except ValueError as e:  # bad fp8 blocks or NaN weights: say which layer
                 raise ValueError(f"layer {layer_idx} routed experts: {e}") from e
+        if isinstance(packed, GGUFExperts):  # --kt-method LLAMAFILE: the GGUF blocks themselves
+            self.layer = GGUFMoELayer(packed, isa=options.cpu_isa, pool=options.pool or cpu_pool_for(cfg))
+            self.method = packed.method
+            return
         if options.page_align:  # to be page-locked in place for the layerwise GPU prefill
             packed = page_aligned_layer(packed)  # copies only tensors that do not own their pages yet
         pool = options.pool or cpu_pool_for(cfg)

@@ -39,6 +39,9 @@ class ExpertsSetup:
             self.hybrid_cfg = cfg = replace(cfg, cpuinfer=len(physical_cores()))
         check_kt_method(cfg.method, model.hf, model.source)
         self.placement: HybridPlacement | None = build_placement(cfg, model, device, args.moe_backend)
+        if self.placement is not None and cfg.method == "LLAMAFILE":
+            raise ConfigError("--kt-method LLAMAFILE runs every routed expert on the CPU for now: GPU experts "
+                              "(--kt-num-gpu-experts > 0 / --kt-gpu-experts-ratio > 0) from a GGUF are not built yet")
         self.runtime: HybridRuntime | None = None
         if self.placement is not None:
             self.backend = "hybrid"
@@ -88,7 +91,18 @@ class ExpertsSetup:
     def make(self, weights: ExpertWeights | None, layer_idx: int) -> MoEExperts:
         """One MoE layer's experts backend (the loader calls this once per MoE layer)."""
         options = self.options
-        if self.hybrid_cfg.converted_weights is not None:  # packed by `hybridmoe convert`: read and verified
+        if self.hybrid_cfg.method == "LLAMAFILE":  # the experts as the GGUF file stores them (mapped, not copied)
+            from dataclasses import replace
+
+            from hybridmoe.gguf.experts import layer_experts, open_for_model
+
+            if self.kt_weights is None:
+                self.kt_weights = open_for_model(self.hybrid_cfg.weight_path, self.model.hf, self.model.spec)
+            act = weights.activation if weights is not None else "silu"
+            options = replace(options, packed=layer_experts(self.kt_weights, layer_idx, self.model.spec.num_experts,
+                                                            int(self.model.hf.hidden_size),
+                                                            self.model.spec.moe_intermediate, act))
+        elif self.hybrid_cfg.converted_weights is not None:  # packed by `hybridmoe convert`: read and verified
             from dataclasses import replace
 
             from hybridmoe.weights.cpu_format import open_cpu_weights

@@ -27,16 +27,14 @@ def guarded_server(start_server):
     srv.stop()
 
 
-@pytest.mark.parametrize("flag", ["--kt-method"])
-def test_hybrid_flags_not_yet_available(flag, capsys):
-    values = {"--kt-method": ["LLAMAFILE"]}
-    argv = ["--device", "cpu", flag.split("=")[0] if "=" not in flag else flag, *values.get(flag, [])]
-    assert serve_main(argv) == 2
-    err = capsys.readouterr().err
-    assert flag.split("=")[0] in err and "not yet available" in err
+def test_llamafile_without_gguf_is_a_clear_error(capsys):
+    # every --kt-method is built now (LLAMAFILE: issue 18); LLAMAFILE needs the GGUF file
+    assert serve_main(["--device", "cpu", "--kt-method", "LLAMAFILE"]) == 2
+    assert "kt-weight-path" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--kt-method", "AMXINT8"], ["--kt-method", "BF16", "--kt-num-gpu-experts", "4",
+@pytest.mark.parametrize("argv", [["--kt-method", "AMXINT8"], ["--kt-method", "LLAMAFILE", "--kt-weight-path", "x.gguf"],
+                                  ["--kt-method", "BF16", "--kt-num-gpu-experts", "4",
                                   "--kt-max-deferred-experts-per-token", "1", "--kt-cpuinfer", "2"],
                                   ["--kt-num-gpu-experts", "4", "--kt-gpu-prefill-token-threshold", "1024",
                                    "--kt-enable-dynamic-expert-update"], ["--kt-numa-nodes", "0"]])

@@ -1,0 +1,96 @@
+"""CPU MoE layer on GGUF blocks (--kt-method LLAMAFILE), Qwen3-30B-A3B shape by default: decode T as a
+ratio to the stream-read probe measured in the same run (interleaved), large T in TFLOP/s.
+
+    python benchmarks/bench_gguf_moe.py --types Q4_K,Q8_0 --T 1,4,16,1024,4096 [--isa avx512] [--json out.json]
+
+Each type is one layer set of `--layers` copies (so decode reads from DRAM, not cache), random valid
+GGUF blocks (speed does not depend on the values). Bytes touched per task = the distinct experts
+routed x their three matrices' GGUF bytes. Prints one line per (type, T) and the probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from hybridmoe.cpu import gguf_quant as gq
+from hybridmoe.cpu.engine import CPUThreadPool
+from hybridmoe.cpu.gguf_engine import GGUFExperts, GGUFMoELayer
+
+
+def make_layer(typ: str, e: int, h: int, i: int, seed: int) -> GGUFExperts:
+    g = torch.Generator().manual_seed(seed)
+    mats = [gq.random_blocks(typ, e * n, k, generator=g).view(e, n, -1) for n, k in ((i, h), (i, h), (h, i))]
+    return GGUFExperts.of(*mats, (typ,) * 3)
+
+
+def measure(layers, t, k, e, h, seconds, min_iters, max_iters):
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    times, touched = [], []
+    deadline = time.perf_counter() + seconds
+    it = 0
+    while it < min_iters or (time.perf_counter() < deadline and it < max_iters):
+        ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+        w = torch.rand(t, k)
+        layer = layers[it % len(layers)]
+        t0 = time.perf_counter()
+        layer.forward(x, ids, w, out=out)
+        times.append(time.perf_counter() - t0)
+        touched.append(int(ids.unique().numel()))
+        it += 1
+    return statistics.median(times), statistics.median(touched)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default="Q4_K,Q8_0")
+    ap.add_argument("--E", type=int, default=128)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--H", type=int, default=2048)
+    ap.add_argument("--I", type=int, default=768)
+    ap.add_argument("--T", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 1024, 4096])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--isa", default=None)
+    ap.add_argument("--layers", type=int, default=8, help="copies per type (decode must read DRAM)")
+    ap.add_argument("--seconds", type=float, default=1.0)
+    ap.add_argument("--min-iters", type=int, default=3)
+    ap.add_argument("--max-iters", type=int, default=200)
+    ap.add_argument("--stream-bytes", type=int, default=1 << 30)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    pool = CPUThreadPool(threads=a.threads)
+    sets = {}
+    for typ in a.types.split(","):
+        sets[typ] = [GGUFMoELayer(make_layer(typ, a.E, a.H, a.I, s), isa=a.isa, pool=pool) for s in range(a.layers)]
+    kernel = next(iter(sets.values()))[0].kernel_name
+    rows = []
+    probes = [pool.stream_read_gbps(a.stream_bytes, 5)]
+    for t in a.T:
+        for typ, layers in sets.items():  # interleaved with a probe per T: the host's bandwidth swings
+            sec, touched = measure(layers, t, a.k, a.E, a.H, a.seconds, a.min_iters, a.max_iters)
+            per_expert = sum(m.numel() for m in layers[0].packed.tensors().values()) / a.E
+            gbs = touched * per_expert / sec / 1e9
+            tflops = 2 * 3 * a.H * a.I * t * a.k / sec / 1e12
+            rows.append({"type": typ, "T": t, "ms": sec * 1e3, "GB/s": gbs, "TFLOP/s": tflops})
+        probes.append(pool.stream_read_gbps(a.stream_bytes, 5))
+    best = max(probes)
+    print(f"kernel {kernel}, threads {pool.threads}, stream-read probe best {best:.1f} GB/s (all {probes})")
+    for r in rows:
+        r["ratio_to_stream"] = r["GB/s"] / best
+        print(f"{r['type']:7s} T={r['T']:5d}  {r['ms']:9.3f} ms  {r['GB/s']:7.1f} GB/s  ratio {r['ratio_to_stream']:.2f}"
+              f"  {r['TFLOP/s']:.3f} TFLOP/s")
+    res = {"kernel": kernel, "threads": pool.threads, "stream_read_gbps": best, "probes": probes, "rows": rows,
+           "shape": {"E": a.E, "k": a.k, "H": a.H, "I": a.I}}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+// The GGUF GEMM item (Kernels::gemm of the GGUF tables). Up to kGgufDirectRows activation rows,
+// every weight row goes through the unit's direct kernel (direct_rows: blocks unpacked in registers,
+// one pass over the file's bytes). More rows: for each 16-row N-block of the item, the rows'
+// super-blocks are unpacked once into a thread-local UBlk tile (16 x K/256 x 576 B: 74 KB at
+// K = 2048, L2-resident), then every activation row of the item is dotted against it, MR rows at a
+// time sharing each weight register (the ISA unit's dot<MR, SIGNED>). Included inside an anonymous
+// namespace after gguf_unpack.h; the unit defines MR, dot_rows() and direct_rows().
+
+struct UBuf {
+  UBlk* p = nullptr;
+  int64_t cap = 0;
+  ~UBuf() { std::free(p); }
+  UBlk* get(int64_t n) {
+    if (n > cap) {
+      std::free(p);
+      p = static_cast<UBlk*>(std::aligned_alloc(64, size_t(n) * sizeof(UBlk)));
+      if (!p) throw std::bad_alloc();
+      cap = n;
+    }
+    return p;
+  }
+};
+thread_local UBuf tl_ubuf;
+
+int64_t act_row_bytes(int, int Kdp) { return gguf_act_row_bytes(Kdp); }
+
+bool quant_row(int, const void* src, int src_dtype, int K, int Kdp, int, uint8_t* dst, float* scale, int32_t*) {
+  if (K != Kdp || K % 256) return false;  // GGUF layers are built with H, I multiples of 256 (no padding)
+  if (scale) *scale = 0.0f;
+  return quant_act_row(src, src_dtype, K, dst);
+}
+
+void gemm(int, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc, int) {
+  const GgufPair& pr = *reinterpret_cast<const GgufPair*>(W.data);
+  for (int nb = nb0; nb < nb1; ++nb) {
+    const HmGgufMat* m = pr.b ? ((nb & 1) ? pr.b : pr.a) : pr.a;
+    const int r0 = pr.b ? (nb >> 1) * 16 : nb * 16;
+    const int left = m->N - r0, nrows = left < 0 ? 0 : left > 16 ? 16 : left;
+    const int B = m->K / 256;
+    float* Cb = C + int64_t(nb - nb0) * 16;
+    for (int mm = 0; mm < M; ++mm)
+      for (int r = nrows; r < 16; ++r) Cb[mm * ldc + r] = 0.0f;
+    if (nrows == 0) continue;
+    const uint8_t* base = m->data + int64_t(e) * m->expert_stride + int64_t(r0) * m->row_bytes;
+    if (M <= kGgufDirectRows) {  // the rows stay in L1/L2 for the later row groups: prefetch once
+      for (int m0 = 0; m0 < M; m0 += MR)
+        direct_rows(m->type, base, m->row_bytes, nrows, B, A, m->K, m0, M - m0 < MR ? M - m0 : MR,
+                    Cb + int64_t(m0) * ldc, ldc, m0 == 0 ? A.prefetch : 0);
+      continue;
+    }
+    UBlk* U = tl_ubuf.get(int64_t(16) * B);
+    for (int r = 0; r < nrows; ++r)
+      for (int b = 0; b < B; ++b) unpack_block<kVnni>(m->type, base + r * m->row_bytes, b, U[r * B + b]);
+    const bool sgn = !kVnni && gguf_signed(m->type);
+    for (int m0 = 0; m0 < M; m0 += MR) {
+      const int mr = M - m0 < MR ? M - m0 : MR;
+      for (int r = 0; r < nrows; ++r) dot_rows(U + r * B, B, A, m->K, m0, mr, sgn, Cb + int64_t(m0) * ldc + r, ldc);
+    }
+  }
+}

@@ -1,0 +1,1 @@
+"""GGUF models (--kt-method LLAMAFILE): the memory-mapped reader and the expert tensors by layer."""
