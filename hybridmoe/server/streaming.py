@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from hybridmoe.server.async_engine import AsyncEngine, RequestStream
 from hybridmoe.server.errors import APIError
+from hybridmoe.server.parsers.text import partial_tail
 
 DONE = b"data: [DONE]\n\n"
 
@@ -27,13 +28,7 @@ def holdback(text: str, stops: list[str]) -> int:
     A streamed request withholds that tail: if the stop string completes, the engine trims it from
     the text, and a client must never have seen it.
     """
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
+    return partial_tail(text, tuple(stops))
 
 
 def visible_text(out: dict[str, Any], stops: list[str]) -> str:
