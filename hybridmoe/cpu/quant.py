@@ -41,6 +41,7 @@ from hybridmoe.cpu.layout import (  # noqa: F401  (re-exported: tests and dequan
     unpack_int4_blocks,
     unpack_pairs,
 )
+from hybridmoe.cpu.packed_assembly import PackedAssembly
 from hybridmoe.weights.fp8 import FP8_DTYPES, block_dequant, block_quant
 
 METHODS = {"AMXINT8": 0, "AMXINT4": 1, "BF16": 2, "FP8": 3}
@@ -317,26 +318,6 @@ def page_aligned_layer(p: PackedLayer) -> PackedLayer:
                        p.symmetric, p.activation, m(p.w13), m(p.w2))
 
 
-def _to_host(p: PackedMatrix) -> PackedMatrix:
-    def h(t):
-        return None if t is None else t.cpu()
-
-    return PackedMatrix(h(p.data), p.n, p.k, h(p.scale), h(p.zero), h(p.wsum))
-
-
-def _cat(parts: list[PackedMatrix], aligned: bool = False) -> PackedMatrix:
-    def c(name):
-        ts = [getattr(p, name) for p in parts]
-        if ts[0] is None:
-            return None
-        if not aligned:
-            return torch.cat(ts, dim=0)
-        shape = (sum(t.shape[0] for t in ts), *ts[0].shape[1:])
-        return torch.cat(ts, dim=0, out=page_aligned_empty(shape, ts[0].dtype))  # no second copy to align
-
-    return PackedMatrix(c("data"), parts[0].n, parts[0].k, c("scale"), c("zero"), c("wsum"))
-
-
 def _fp8_split(gate_up: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
     """(gate, gate scales), (up, up scales) of a fp8 gate_up [E, 2I, H] (gate's scale rows first)."""
     i = gate_up.shape[1] // 2
@@ -420,7 +401,8 @@ def pack_layer(
         fp8_block = check_fp8_block(fp8_block if fp8_in else (group_size, group_size))
         group_size = fp8_block[1]
     hp, ip = pad_sizes(h, i, method, group_size)
-    w13, w2 = [], []
+    alloc = page_aligned_empty if page_align else None
+    w13, w2 = PackedAssembly(e, alloc), PackedAssembly(e, alloc)  # chunks copied in: no second host copy
     for e0 in range(0, e, chunk):
         sl = slice(e0, e0 + chunk)
         if method == "FP8":
@@ -433,8 +415,8 @@ def pack_layer(
                 qd, sd = _quant_fp8(dn, fp8_block)
                 parts = (torch.cat([qg, qu], 1), qd, torch.cat([sg, su], 1), sd)
             a, b = pack_fp8_matrices(*parts, fp8_block, ip, hp)
-            w13.append(_to_host(a))
-            w2.append(_to_host(b))
+            w13.add(a)
+            w2.add(b)
             continue
         if fp8_in:  # dequantized a chunk at a time: never the whole layer in fp32
             (g8, sg), (u8, su) = _fp8_split(gate_up[sl], fp8_scales[0][sl], fp8_block)
@@ -444,7 +426,6 @@ def pack_layer(
         else:
             gu = gate_up[sl].detach().to(device or "cpu", torch.float32)
             dn = down[sl].detach().to(device or "cpu", torch.float32)
-        w13.append(_to_host(pack_matrix(interleave_w13(gu, ip, hp), method, group_size, symmetric)))
-        w2.append(_to_host(pack_matrix(_pad2(dn, hp, ip), method, group_size, symmetric)))
-    return PackedLayer(method, e, h, i, hp, ip, group_size, symmetric, activation, _cat(w13, page_align),
-                       _cat(w2, page_align))
+        w13.add(pack_matrix(interleave_w13(gu, ip, hp), method, group_size, symmetric))
+        w2.add(pack_matrix(_pad2(dn, hp, ip), method, group_size, symmetric))
+    return PackedLayer(method, e, h, i, hp, ip, group_size, symmetric, activation, w13.result(), w2.result())

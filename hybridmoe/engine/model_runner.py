@@ -81,8 +81,8 @@ class ModelRunner:
             args.model_path, hf_config, self.dtype, self.device, self.moe.make,
             max_position=max(self.context_len, model_cfg.max_position), progress=progress,
             load_format=args.load_format, spec=model_cfg.spec, fp8_dequantize=args.fp8_dequantize,
-            # CPU experts are assembled (and quantized) in host memory, never on the GPU
-            expert_device=(lambda _layer: torch.device("cpu")) if self.moe.on_host else None,
+            # CPU experts are assembled (and quantized) in host memory (random ones: moe.assemble_device)
+            expert_device=lambda _layer: self.moe.assemble_device,
             # pre-converted CPU experts with no GPU share: nothing to read from the checkpoint
             read_experts=self.moe.reads_checkpoint_experts,
         )

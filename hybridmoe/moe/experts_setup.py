@@ -84,6 +84,16 @@ class ExpertsSetup:
         return self.backend in ("cpu", "hybrid")
 
     @property
+    def assemble_device(self) -> torch.device:
+        """Where the loader assembles a MoE layer's stacked expert tensors: host memory for CPU experts
+        (quantized there), except random benchmark weights on a GPU machine: drawn on the GPU, the
+        GPU-resident experts kept there and the CPU ones packed there (options.pack_device), so no float
+        copy of a layer ever sits in host memory (a DeepSeek-V3 layer is 22.5 GB in bf16)."""
+        if self.on_host and not (self.args.load_format == "dummy" and self.device.type == "cuda"):
+            return torch.device("cpu")
+        return self.device
+
+    @property
     def reads_checkpoint_experts(self) -> bool:
         """False when every expert comes pre-converted from --kt-weight-path."""
         return not ((self.hybrid_cfg.converted_weights is not None and self.placement is None) or self.random_packed)

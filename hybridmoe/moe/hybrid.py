@@ -94,7 +94,8 @@ class HybridExperts(MoEExperts):
         self.cpu: CPUExperts | None = None
         if len(gpu_ids):  # only these experts' weights go to the GPU (fp8: with their block scales)
             sel = weights.select(_span(gpu_ids))
-            on_dev = [None if t is None else t.to(dev).contiguous()
+            # always a copy of their own: a view of a layer assembled on the GPU would keep all of it alive
+            on_dev = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=dev).copy_(t)
                       for t in (sel.gate_up, sel.down, sel.gate_up_scale, sel.down_scale)]
             self.gpu_w = ExpertWeights(*on_dev[:2], weights.activation, *on_dev[2:], block=sel.block)
             if self.gpu_w.is_fp8 and self.full_cpu_layer:  # dynamic update swaps rows with the model-dtype buffer
