@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=8192)
     p.add_argument("--threshold", type=int, default=1024)
     p.add_argument("--skip-off", action="store_true", help="do not time the CPU path (threshold off)")
+    p.add_argument("--profile", action="store_true", help="print the GPU kernels of one layerwise prefill by time")
     p.add_argument("--out", default=None)
     a = parse_shape_args(p)
 
@@ -98,6 +99,13 @@ def main() -> None:
         bound_s = cpu_bytes / h2d
         prefill_seconds(llm, a.prompt_len, a.vocab, seed=1)  # warm-up: kernels compiled at this size
         on = min(prefill_seconds(llm, a.prompt_len, a.vocab, seed=2 + i) for i in range(2))
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                prefill_seconds(llm, a.prompt_len, a.vocab, seed=99)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60),
+                  flush=True)
         res.update(h2d_gbps=h2d / GB, cpu_expert_bytes=cpu_bytes, bound_s=bound_s, layerwise_s=on,
                    layerwise_tokens_per_s=a.prompt_len / on, ratio_to_bound=bound_s / on)
         print(f"layerwise prefill of {a.prompt_len} tokens: {on:.3f} s ({a.prompt_len / on:.0f} tok/s); bound "

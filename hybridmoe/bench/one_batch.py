@@ -101,6 +101,19 @@ def run_batch(engine: Any, batch: int, input_len: int, output_len: int, seed: in
     }
 
 
+def gpu_memory_against_plan(engine) -> dict | None:
+    """Peak GPU memory the allocator reserved so far against the startup memory plan's total (its KV
+    cache line as allocated); None without a CUDA device or a hybrid plan."""
+    import torch
+
+    plan = getattr(engine.runner.moe, "memory_plan", None)
+    if plan is None or engine.runner.device.type != "cuda":
+        return None
+    peak, total = torch.cuda.max_memory_reserved(engine.runner.device), sum(plan.gpu.values())
+    return {"peak_reserved_gib": peak / 2**30, "plan_gib": total / 2**30, "peak_over_plan": peak / total,
+            "plan": {k: v / 2**30 for k, v in plan.gpu.items()}}
+
+
 def _engine_args(ns: argparse.Namespace):
     from hybridmoe.args import engine_args_from
 
@@ -144,13 +157,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{b:>5} {r['prefill_latency_ms']:>10.1f} {r['prefill_throughput_tok_s']:>13.1f} "
                   f"{r['decode_latency_ms_median']:>9.2f} {r['decode_latency_ms_p99']:>10.2f} "
                   f"{r['decode_throughput_tok_s']:>12.1f}", flush=True)
+        memory = gpu_memory_against_plan(engine)
+        if memory:
+            print(f"GPU memory: peak reserved {memory['peak_reserved_gib']:.2f} GiB, startup plan "
+                  f"{memory['plan_gib']:.2f} GiB (ratio {memory['peak_over_plan']:.3f})", flush=True)
     except KeyboardInterrupt:
         return 130
     except Exception as e:
         return report_failure("hybridmoe bench one-batch", e, ns.log_level == "debug")
     if ns.out:
         config = {k: v for k, v in dataclasses.asdict(args).items() if k != "cpu_engine"}
-        Path(ns.out).write_text(json.dumps({"benchmark": "one-batch", "config": config, "results": results},
+        Path(ns.out).write_text(json.dumps({"benchmark": "one-batch", "config": config, "results": results,
+                                            "gpu_memory": memory},
                                            indent=2, default=str) + "\n")
         print(f"wrote {ns.out}")
     return 0
