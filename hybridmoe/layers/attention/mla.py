@@ -153,6 +153,22 @@ class MLAAttention(nn.Module):
                        max_seq_len=meta.max_seq_len)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              prefix: int) -> torch.Tensor:  # q [H, Q, Dk], k [H, L, Dk], v [H, L, Dv] -> [H, Q, Dv]
+        """Causal attention of one sequence's queries over its keys through torch's fused kernels: 4-D
+        inputs (3-D ones fall back to the math kernel, which upcasts to fp32 and materialises [H, Q, L]
+        scores: 34 GB for 8192 tokens and 128 heads). Without a cached prefix, V zero-padded to the q/k
+        head dim and is_causal, so the flash kernel is eligible (it wants one head dim); with a prefix
+        the mask (is_causal aligns the diagonal top-left, not to the prefix) and the memory-efficient one."""
+        q4, k4 = q.unsqueeze(0), k.unsqueeze(0)
+        dk, dv = q.shape[-1], v.shape[-1]
+        if prefix == 0 and q.is_cuda and dv < dk:
+            v4 = F.pad(v, (0, dk - dv)).unsqueeze(0)
+            return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=self.scale)[0, ..., :dv]
+        if prefix == 0:
+            return F.scaled_dot_product_attention(q4, k4, v.unsqueeze(0), is_causal=True, scale=self.scale)[0]
+        return F.scaled_dot_product_attention(q4, k4, v.unsqueeze(0), attn_mask=mask[None, None], scale=self.scale)[0]
+
     def _extend(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H, Dv]
         h, dn, lkv = self.num_heads, self.nope_dim, self.kv_lora_rank
         s = cache.shape[1]
@@ -177,7 +193,7 @@ class MLAAttention(nn.Module):
                 probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
                 ob = (probs @ vb.float()).to(qb.dtype)
             else:
-                ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=self.scale)
+                ob = self._sdpa(qb, kb, vb, mask, prefix)
             out[start:start + q_len] = ob.transpose(0, 1)
             start += q_len
         return out
