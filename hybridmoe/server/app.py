@@ -177,14 +177,24 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
         if body.lora_path is not None and any(p is not None for p in (
                 body.lora_path if isinstance(body.lora_path, list) else [body.lora_path])):
             raise APIError(400, "LoRA adapters (lora_path) are not yet available in this version", param="lora_path")
-        check_top_logprobs(body.top_logprobs_num, "top_logprobs_num", max_top_logprobs_num(state))
         n = _batch_size(body)
-        logprobs = dict(return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-                        logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
+
+        def logprobs(i: int) -> dict[str, Any]:  # prompt i's logprob options (one prompt: i = 0, n = None)
+            def pick(name: str) -> Any:
+                value = getattr(body, name)
+                if n is None and isinstance(value, list):
+                    raise APIError(400, f"{name} is a list, but the request has one prompt", param=name)
+                return _pick(value, i, n or 1, name)
+
+            want, top = pick("return_logprob"), pick("top_logprobs_num")
+            check_top_logprobs(top, "top_logprobs_num", max_top_logprobs_num(state))
+            return dict(return_logprob=want, top_logprobs_num=top,
+                        logprob_start_len=pick("logprob_start_len") if want else -1,
                         return_text_in_logprobs=body.return_text_in_logprobs)
+
         if n is None:
             req = await state.build_req(prompt=body.text, input_ids=body.input_ids, params=body.sampling_params,
-                                        rid=body.rid, **logprobs)
+                                        rid=body.rid, **logprobs(0))
             streams = state.submit([req])  # n > 1 (sampling_params.n): n streams, n outputs in a list
             if body.stream:
                 events = _generate_events(streams, req.params.stop_strs)
@@ -203,7 +213,7 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
             state.build_req(prompt=texts[i] if texts is not None else None,
                             input_ids=ids[i] if ids is not None else None,  # type: ignore[index]
                             params=_pick(body.sampling_params, i, n, "sampling_params"),
-                            rid=_pick(body.rid, i, n, "rid"), **logprobs) for i in range(n))))
+                            rid=_pick(body.rid, i, n, "rid"), **logprobs(i)) for i in range(n))))
         return await results(request, state.engine, state.submit(reqs))
 
     @app.get("/get_model_info")

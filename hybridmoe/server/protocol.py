@@ -116,6 +116,9 @@ def _as_dict(params: SamplingParamsIn) -> dict[str, Any]:
 SamplingDict = Annotated[SamplingParamsIn, AfterValidator(_as_dict)]
 
 
+StartLen = Annotated[int, Field(ge=-1, le=INT64_MAX)]
+
+
 class GenerateRequest(RequestModel):
     """POST /generate. One prompt (text or input_ids) or a batch (lists); batches do not stream.
 
@@ -141,10 +144,11 @@ class GenerateRequest(RequestModel):
     input_ids: TokenIds | None = None
     sampling_params: one_or_list(SamplingDict, SamplingDict) | None = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: NonNegInt = 0
+    # each of these three: one value for every prompt, or (a batch) a list of one per prompt, as SGLang takes them
+    return_logprob: one_or_list(bool, bool) = False
+    top_logprobs_num: one_or_list(NonNegInt, NonNegInt) = 0
     # prompt logprobs from this position on (-1: none; SGLang's default), with return_logprob
-    logprob_start_len: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
+    logprob_start_len: one_or_list(StartLen, StartLen) = -1
     return_text_in_logprobs: bool = False
     rid: one_or_list(Rid, Rid) | None = None
     lora_path: one_or_list(str, str | None) | None = None

@@ -159,6 +159,37 @@ def test_n_on_chat_generate_and_streams(http):
     assert {e["index"] for e in events} == {0, 1}
 
 
+def test_generate_batch_takes_logprob_options_per_prompt(http, ref):
+    """SGLang's batch form: return_logprob, top_logprobs_num and logprob_start_len as one list entry per prompt."""
+    texts = [PREFIX, PREFIX + " and a frog", "A third prompt"]
+    ids = [ref[1].encode(t) for t in texts]
+    r = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                     "return_logprob": [True, True, False], "top_logprobs_num": [0, 3, 0],
+                                     "logprob_start_len": [0, 4, 0]})
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    first, second = outs[0]["meta_info"], outs[1]["meta_info"]
+    want = _ref_logprobs(ref, ids[0])
+    assert [t for _, t, _ in first["input_token_logprobs"]] == ids[0]
+    assert abs(sum(x[0] for x in first["input_token_logprobs"][1:]) - sum(want)) < 1e-4
+    assert [t for _, t, _ in second["input_token_logprobs"]] == ids[1][4:]  # from position 4 on
+    assert second["input_token_logprobs"][0][0] is None
+    want2 = _ref_logprobs(ref, ids[1])[4:]  # log p(ids[p] | ids[:p]) for p >= 5
+    assert abs(sum(x[0] for x in second["input_token_logprobs"][1:]) - sum(want2)) < 1e-4
+    assert len(second["input_top_logprobs"][1]) == 3
+    assert "input_token_logprobs" not in outs[2]["meta_info"] or not outs[2]["meta_info"]["input_token_logprobs"]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"text": ["a", "b"], "return_logprob": True, "logprob_start_len": [0]}, "logprob_start_len has 1 entries"),
+    ({"text": "a", "return_logprob": [True]}, "return_logprob is a list, but the request has one prompt"),
+    ({"text": ["a", "b"], "return_logprob": True, "top_logprobs_num": [1, 10**6]}, "top_logprobs_num"),
+])
+def test_generate_per_prompt_logprob_options_checked(http, body, needle):
+    r = http.post("/generate", json=body)
+    assert r.status_code == 400 and needle in r.text, r.text
+
+
 @pytest.mark.parametrize("path,body", [
     ("/v1/completions", {"prompt": "x", "n": 9}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 9}),
