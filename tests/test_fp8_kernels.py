@@ -89,7 +89,13 @@ GEMM_CASES = {
     "m33_n81_k200_b24x16": (33, 81, 200, 24, 16, "float32", "float32"),  # bn not a power of two
     "m3_n40_k96_bf16": (3, 40, 96, 16, 32, "bfloat16", "float32"),
     "m0_n40_k96": (0, 40, 96, 16, 32, "float32", "float32"),
+    # split-K (the small-M path on the GPU): uneven ranges, a bf16 input,
+    # and more splits asked than there are K groups
+    "m1_n37_k200_b16x16_split3": (1, 37, 200, 16, 16, "float32", "float32"),
+    "m4_n70_k300_split5_bf16in": (4, 70, 300, 16, 32, "bfloat16", "float32"),
+    "m2_n20_k64_split9": (2, 20, 64, 16, 32, "float32", "float32"),
 }
+SPLIT_K = {"m1_n37_k200_b16x16_split3": 3, "m4_n70_k300_split5_bf16in": 5, "m2_n20_k64_split9": 9}
 
 
 def _quant_case(name: str) -> dict:
@@ -111,7 +117,7 @@ def _gemm_case(name: str) -> dict:
     m, n, k, bn, bk, xd, od = GEMM_CASES[name]
     x = mixed_input(m, k, 7, getattr(torch, xd)) if m else torch.empty(0, k)
     wq, ws = make_weight(n, k, (bn, bk), 3)
-    y = w8a8_block_gemm(x, wq, ws, (bn, bk), out_dtype=getattr(torch, od))
+    y = w8a8_block_gemm(x, wq, ws, (bn, bk), out_dtype=getattr(torch, od), split_k=SPLIT_K.get(name))
     ref = w8a8_block_gemm_ref(x, wq, ws, (bn, bk), out_dtype=torch.float32)
     dense = x.float() @ block_dequant(wq, ws, (bn, bk)).T
     ok = tuple(y.shape) == (m, n) and y.dtype == getattr(torch, od)
@@ -299,6 +305,8 @@ def test_gpu_gemm_vs_reference_and_dense(m, n, k, bn, bk):
     assert rel_max(y32, ref) <= TIGHT_GPU
     y = w8a8_block_gemm(x, wq, ws, (bn, bk))
     assert y.dtype == torch.bfloat16 and rel_max(y, ref) <= TIGHT_GPU + 2**-9
+    for split in (1, 3):  # the small-M default splits K: one range and three give the same product
+        assert rel_max(w8a8_block_gemm(x, wq, ws, (bn, bk), out_dtype=torch.float32, split_k=split), ref) <= TIGHT_GPU
     dense = x @ block_dequant(wq, ws, (bn, bk)).to(torch.bfloat16).T  # what the bf16 model computes
     assert rel_rms(y, dense) <= LOOSE_RMS
 

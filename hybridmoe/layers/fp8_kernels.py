@@ -124,6 +124,7 @@ if HAVE_TRITON:
         a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr,
         M, N, K, Kb,
         stride_am, stride_wn, stride_ym, stride_wsn,
+        stride_ys, groups_per_split,  # split-K: program_id(1) sums groups [s*gps, (s+1)*gps) into y + s*stride_ys
         BN_W: tl.constexpr,  # weight block rows (bn)
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # BLOCK_K = bk: one group a step
         GROUP_M: tl.constexpr,
@@ -147,9 +148,13 @@ if HAVE_TRITON:
         w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]: W^T tile
         as_ptrs = as_ptr + offs_m.to(tl.int64) * Kb  # [BM] scale of group 0
         ws_ptrs = ws_ptr + (offs_n // BN_W) * stride_wsn  # [BN] the weight block row of each column
+        g0 = tl.program_id(1) * groups_per_split
+        g1 = tl.minimum(g0 + groups_per_split, Kb)
+        a_ptrs += g0 * BLOCK_K
+        w_ptrs += g0 * BLOCK_K
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(0, Kb):
+        for g in range(g0, g1):
             k_left = K - g * BLOCK_K
             a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
             w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
@@ -158,7 +163,8 @@ if HAVE_TRITON:
             acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        y_ptrs = y_ptr + tl.program_id(1).to(tl.int64) * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym \
+            + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -188,10 +194,27 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def _split_k(m: int, n_tiles: int, kb: int, device: torch.device) -> int:
+    """K splits for a small-M GEMM: decode-sized products of a narrow N (DeepSeek-V3's kv_a_proj: N 576 =
+    9 tiles of 64) would otherwise run a handful of programs, each streaming all of K alone, far from the
+    memory bandwidth. Enough splits for ~2 programs per SM, each at least 4 K groups long."""
+    if m > 16 or device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    want = max(1, (2 * _SM_COUNT[idx]) // max(1, n_tiles))
+    return max(1, min(want, kb // 4))
+
+
 def w8a8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None, split_k: int | None = None) -> torch.Tensor:
     """y = x @ W^T with W = weight (fp8 [N, K]) * scale_inv [Nb, Kb] in (bn, bk) blocks; x [M, K] is
     quantized per token group of bk on the fly. Returns [M, N] in out_dtype (default x.dtype).
+    split_k: K cut into that many ranges summed in fp32 (default: _split_k's choice; 1 on the CPU).
     No host synchronization (graph-capturable)."""
     bn, bk = block
     m, k = x.shape
@@ -208,8 +231,15 @@ def w8a8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
         return y.zero_()
     q, s = per_token_group_quant(x, bk)
     bm, bnt, warps, stages = _tiles(m)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bnt),)
-    _w8a8_block_gemm_kernel[grid](
-        q, s, weight, scale_inv, y, m, n, k, kb, q.stride(0), weight.stride(0), y.stride(0), scale_inv.stride(0),
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bnt)
+    splits = max(1, min(split_k or _split_k(m, tiles, kb, x.device), kb))
+    gps = -(-kb // splits)
+    splits = -(-kb // gps)  # no empty split
+    dst = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
+    _w8a8_block_gemm_kernel[(tiles, splits)](
+        q, s, weight, scale_inv, dst, m, n, k, kb, q.stride(0), weight.stride(0), dst.stride(-2), scale_inv.stride(0),
+        dst.stride(0) if splits > 1 else 0, gps,
         BN_W=bn, BLOCK_M=bm, BLOCK_N=bnt, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        torch.sum(dst, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(dst.sum(dim=0))
     return y
