@@ -94,6 +94,8 @@ def main() -> None:
                   cuda_graph_max_bs=4, context_length=a.prompt_len + 256)
         print(f"model ready in {time.perf_counter() - t:.1f} s", flush=True)
         runner = llm.engine.runner
+        ready_alloc = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         plan = runner.hybrid
         cpu_bytes = cpu_expert_bytes(runner.model)
         bound_s = cpu_bytes / h2d
@@ -120,6 +122,10 @@ def main() -> None:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         host_limit = 1.1 * cpu_bytes + 4 * GB  # issue 15's bound
         gpu_peak = torch.cuda.max_memory_reserved()
+        peak_alloc = torch.cuda.max_memory_allocated()
+        res.update(gpu_allocated_at_ready=ready_alloc, gpu_peak_allocated_in_prefill=peak_alloc)
+        print(f"GPU allocated: {ready_alloc / GB:.2f} GB when ready, peak {peak_alloc / GB:.2f} GB in the prefills "
+              f"(+{(peak_alloc - ready_alloc) / GB:.2f} GB of activations and temporaries)", flush=True)
         mplan = runner.moe.memory_plan  # the startup plan, its KV cache line as allocated
         gpu_plan = sum(mplan.gpu.values()) if mplan is not None else float("nan")
         res.update(peak_rss=rss, host_limit=host_limit, gpu_peak_reserved=gpu_peak, gpu_plan=gpu_plan,
