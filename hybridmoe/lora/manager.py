@@ -45,49 +45,61 @@ class LoRAManager:
         self.wrapped: dict[str, LoRALinear] = targets.wrap(model, target_paths, slots, max_rank, self.batch, dtype,
                                                            device)
         self.expert_slots: dict[int, list] = {}  # layer -> [ExpertLoRASlots | CPUExpertLoRA] (attach_experts)
-        self.adapters: dict[str, _Prepared] = {}
-        self.paths: dict[str, str] = {}
+        self.adapters: dict[str, _Prepared] = {}  # by key
+        self.paths: dict[str, str] = {}  # by name
+        self.retired: set[str] = set()  # keys of unloaded adapters that requests still use
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # loaded adapters, least recently used first
         self.free = list(range(slots))
         self.keys: dict[str, str] = {}  # name -> name#n: a reloaded adapter never shares the old one's prefix cache
         self._loads = 0
 
-    # ---- registry ----
+    # ---- registry (adapters are held by their load key, name#n: a request keeps the load it was made with) ----
     def names(self) -> list[str]:
-        return list(self.adapters)
+        return list(self.keys)
 
     def has(self, name: str) -> bool:
-        return name in self.adapters
+        return name in self.keys
 
     def key_of(self, name: str) -> str | None:
         return self.keys.get(name)
 
-    def register(self, adapter: LoRAAdapter) -> None:
-        """Validate against the model and keep (host memory). LoRAAdapterError names the problem."""
-        if adapter.name in self.adapters:
+    def register(self, adapter: LoRAAdapter) -> str:
+        """Validate against the model and keep (host memory); returns its key. LoRAAdapterError names the problem."""
+        if adapter.name in self.keys:
             raise LoRAError(f"a LoRA adapter named {adapter.name!r} is already loaded")
         if adapter.max_rank > self.max_rank:
             raise LoRAAdapterError(f"LoRA adapter {adapter.name!r} ({adapter.path}): rank {adapter.max_rank} exceeds "
                                    f"--max-lora-rank {self.max_rank}")
         linears = targets.check_targets(self.model, adapter, self.wrapped)
         experts = self._stack_experts(adapter)
-        self.adapters[adapter.name] = _Prepared(adapter, linears, experts)
-        self.paths[adapter.name] = adapter.path
         self._loads += 1
-        self.keys[adapter.name] = f"{adapter.name}#{self._loads}"
+        key = f"{adapter.name}#{self._loads}"
+        self.adapters[key] = _Prepared(adapter, linears, experts)
+        self.keys[adapter.name] = key
+        self.paths[adapter.name] = adapter.path
         log.info("LoRA adapter %r loaded from %s (rank %d, %d linears, %d expert layers)", adapter.name,
                  adapter.path, adapter.max_rank, sum(len(p) for p in linears.values()), len(experts))
+        return key
 
-    def unregister(self, name: str) -> None:
-        if name not in self.adapters:
+    def unregister(self, name: str, in_use: set[str]) -> None:
+        """New requests can no longer name it; its weights stay while requests made with it
+        (`in_use`: their keys) still run, and go at a later `collect`."""
+        key = self.keys.pop(name, None)
+        if key is None:
             raise LoRAError(f"no LoRA adapter named {name!r} is loaded")
-        slot = self.slot_of.pop(name, None)
-        if slot is not None:
-            self._clear(slot)
-            self.free.append(slot)
-        del self.adapters[name]
         del self.paths[name]
-        del self.keys[name]
+        self.retired.add(key)
+        self.collect(in_use)
+
+    def collect(self, in_use: set[str]) -> None:
+        """Drop the unloaded adapters no request uses any more (their slots freed)."""
+        for key in [k for k in self.retired if k not in in_use]:
+            self.retired.discard(key)
+            slot = self.slot_of.pop(key, None)
+            if slot is not None:
+                self._clear(slot)
+                self.free.append(slot)
+            del self.adapters[key]
 
     def _stack_experts(self, adapter: LoRAAdapter) -> dict[int, ExpertLoRA]:
         if not adapter.raw_experts:
@@ -129,13 +141,13 @@ class LoRAManager:
                     p.set_slot(slot, lora)
 
     def slots_for(self, names: list[str | None]) -> list[int]:
-        """The slot of each name (-1 for None: the base model), loading adapters into slots as needed."""
+        """The slot of each adapter key (-1 for None: the base model), loading adapters into slots as needed."""
         wanted = {n for n in names if n is not None}
         if len(wanted) > self.num_slots:
             raise LoRAError(f"{len(wanted)} LoRA adapters in one batch; --max-loras-per-batch is {self.num_slots}")
         for n in wanted:
             if n not in self.adapters:
-                raise LoRAError(f"LoRA adapter {n!r} is not loaded")
+                raise LoRAError(f"LoRA adapter {n.split('#')[0]!r} is not loaded")
             if n in self.slot_of:
                 self.slot_of.move_to_end(n)
                 continue
@@ -149,12 +161,12 @@ class LoRAManager:
 
     def prepare(self, reqs: list, num_tokens: list[int]) -> None:
         """An eager forward: each new token gets its request's slot."""
-        slots = self.slots_for([getattr(r, "lora_name", None) for r in reqs])
+        slots = self.slots_for([getattr(r, "lora_key", None) for r in reqs])
         self.batch.set([s for s, n in zip(slots, num_tokens) for _ in range(n)])
 
     def prepare_graph(self, reqs: list, bs: int) -> None:
         """A graph replay of bs rows: the fixed index buffer (padding rows: the base model)."""
-        slots = self.slots_for([getattr(r, "lora_name", None) for r in reqs]) + [-1] * (bs - len(reqs))
+        slots = self.slots_for([getattr(r, "lora_key", None) for r in reqs]) + [-1] * (bs - len(reqs))
         self.batch.graph_index[:bs].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=False)
         self.batch.set_graph(bs)
 
