@@ -59,11 +59,6 @@ def default_targets(model: nn.Module, names: list[str] | None = None) -> list[st
     return out
 
 
-def _parts_of(mod: nn.Module) -> tuple[int, ...]:
-    owner_sizes = getattr(mod, "_lora_parts", None)
-    return owner_sizes or (mod.out_features,)
-
-
 def wrap(model: nn.Module, paths: list[str], slots: int, rank: int, batch: LoRABatch, dtype: torch.dtype,
          device: torch.device) -> dict[str, LoRALinear]:
     """Replace each module at `paths` by a LoRALinear around it; path -> wrapper."""
