@@ -131,6 +131,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="after a layerwise prefill, its most used experts take the least used GPU slots")
     k.add_argument("--record-expert-distribution", default=None,
                    help="write the routed experts' activation statistics to this file at shutdown")
+    lo = p.add_argument_group("LoRA adapters (SGLang-compatible)")
+    lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-paths)")
+    lo.add_argument("--lora-paths", nargs="+", default=None, metavar="NAME=PATH",
+                    help="PEFT adapter directories served at startup, name=path or a path (named by its directory)")
+    lo.add_argument("--max-loras-per-batch", type=int, default=d.max_loras_per_batch,
+                    help="adapter slots: distinct adapters in one batch at most")
+    lo.add_argument("--max-lora-rank", type=int, default=None,
+                    help="rank of the slot buffers; unset: the largest rank of --lora-paths (64 without)")
+    lo.add_argument("--lora-target-modules", nargs="+", default=None,
+                    help="module names that take LoRA (q_proj ... down_proj, or all); unset: those the --lora-paths "
+                         "adapters target")
+    lo.add_argument("--kt-expert-lora-path", default=None,
+                    help="the routed experts' half of the --lora-paths adapter (a convert-lora expert directory)")
     add_compat_args(p)
 
 

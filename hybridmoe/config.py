@@ -37,7 +37,7 @@ REASONING_PARSERS = ("qwen3", "deepseek-r1", "kimi", "kimi_k2")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 INT_MAX = 2**31 - 1  # counts and sizes beyond this are typos, and overflow int32 kernel arguments
 _INT_FIELDS = ("context_length", "max_total_tokens", "page_size", "chunked_prefill_size", "max_running_requests",
-               "max_prefill_tokens", "cuda_graph_max_bs", "kt_cpuinfer",
+               "max_prefill_tokens", "cuda_graph_max_bs", "kt_cpuinfer", "max_loras_per_batch", "max_lora_rank",
                "kt_threadpool_count", "kt_num_gpu_experts", "kt_max_deferred_experts_per_token",
                "kt_gpu_prefill_token_threshold", "stream_interval", "decode_log_interval", "log_requests_level")
 
@@ -133,6 +133,12 @@ class EngineArgs:
     kt_gpu_prefill_token_threshold: int | None = None
     kt_enable_dynamic_expert_update: bool = False
     record_expert_distribution: str | None = None
+    enable_lora: bool = False  # LoRA: SGLang's flags + the seed stack's --kt-expert-lora-path (lora/setup.py)
+    lora_paths: list[str] | None = None  # name=path or path
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None  # unset: the largest rank of --lora-paths (64 without adapters)
+    lora_target_modules: list[str] | None = None  # unset: the modules the startup adapters target (all: every linear)
+    kt_expert_lora_path: str | None = None
     # CPU engine and hybrid driving settings (measured defaults; benchmarks compare others)
     cpu_engine: CPUEngineSettings = field(default_factory=CPUEngineSettings)
     hybrid_blocking_sync: bool = True  # hybrid on CUDA: wait for a step's result sleeping, not spinning
@@ -175,6 +181,7 @@ class EngineArgs:
             need(getattr(self, name) is None or bool(getattr(self, name)), name.replace("_", "-"),
                  "a non-empty value (or leave the flag out)")
         need(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
+        need(self.max_loras_per_batch >= 1 and (self.max_lora_rank or 1) >= 1, "max-loras-per-batch", "counts >= 1")
         need(self.load_format in ("auto", "dummy"), "load-format", "auto or dummy")
         need(self.page_size >= 1, "page-size", "a positive integer")
         need(self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1, "chunked-prefill-size",

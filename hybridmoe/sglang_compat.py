@@ -52,12 +52,10 @@ NO_OP_FLAGS: tuple[tuple[str, str], ...] = (
                                    "experts with the GPU's work instead)"),
 )
 
-_LORA = "LoRA serving is not built yet (issue 17)"
 # Refused: (flag, reason); each takes any number of values so that the refusal, not a parse error, is reported
 REFUSED_FLAGS: tuple[tuple[str, str], ...] = (
-    ("--enable-lora", _LORA), ("--lora-paths", _LORA), ("--max-loras-per-batch", _LORA),
-    ("--max-lora-rank", _LORA), ("--lora-target-modules", _LORA), ("--lora-backend", _LORA),
-    ("--kt-lora-path", _LORA), ("--kt-expert-lora-path", _LORA),
+    ("--lora-backend", "the LoRA kernels are hybridmoe's own (Triton on CUDA, torch on the CPU); leave it out"),
+    ("--kt-lora-path", "give the non-expert half as --lora-paths and the expert half as --kt-expert-lora-path"),
     ("--enable-torch-compile", "torch.compile is not used: decode runs in CUDA graphs of Triton kernels "
                                "(--disable-cuda-graph turns them off)"),
     ("--torch-compile-max-bs", "torch.compile is not used: decode runs in CUDA graphs (--cuda-graph-max-bs)"),

@@ -67,6 +67,7 @@ class DecodeGraphs:
         self.before_replay: dict[int, Callable[[], None]] = {}  # bs -> what the hooks need run before a replay
         self.pool = None
         self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
+        self.lora = None  # lora/manager.py LoRAManager: the per-token adapter slots, a fixed input buffer
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs
@@ -86,6 +87,8 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):
                 ctx = self.ctx_builder(self._meta(bs))
+                if self.lora is not None:  # the graph reads the fixed slot index buffer
+                    self.lora.batch.set_graph(bs)
                 for _ in range(2):  # warm up: autotuning, lazy init outside the graph
                     model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], ctx))
                 graph = torch.cuda.CUDAGraph()
@@ -125,6 +128,8 @@ class DecodeGraphs:
         self.dev32[: self.max_bs + bs * p].copy_(self.host32[: self.max_bs + bs * p], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        if self.lora is not None:  # slots filled (adapters copied in) before the replay; no recapture
+            self.lora.prepare_graph(reqs, bs)
         before = self.before_replay.get(bs)
         if before is not None:  # e.g. the graph's CPU tasks, each started by the graph when its inputs land
             before()

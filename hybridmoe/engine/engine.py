@@ -40,6 +40,7 @@ from hybridmoe.engine.sampler import Sampler
 from hybridmoe.engine.scheduler import ScheduledBatch, Scheduler
 from hybridmoe.engine.step_log import StepLog
 from hybridmoe.engine.stops import match_stop_str
+from hybridmoe.lora.requests import request_lora
 from hybridmoe.models.config import model_config
 from hybridmoe.weights.loader import load_hf_config
 
@@ -63,6 +64,7 @@ class Engine:
         self.kv = KVCacheManager(self.runner.num_pages, cache.page_size, enable_prefix_cache=cache.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, sched.max_running_requests, sched.step_tokens, self.runner.context_len,
                                    schedule_policy=args.schedule_policy)
+        self.scheduler.max_loras = args.max_loras_per_batch if self.runner.lora is not None else None
         self.eos_ids = _eos_ids(args.model_path, self.hf_config, self.tokenizer)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_ids)
         if self.runner.blocking_sync_wanted:  # hybrid on CUDA: a spinning wait takes a CPU experts' core
@@ -95,6 +97,7 @@ class Engine:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         return_text_in_logprobs: bool = False,
+        lora_path: str | None = None,
     ) -> Req:
         """Validate and tokenize; raises RequestError with a message for the user.
 
@@ -140,6 +143,7 @@ class Engine:
         req = Req(rid=rid or new_rid(), prompt_ids=list(input_ids), params=params,
                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, arrival_time=time.time(),
                   logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs)
+        req.lora_name, req.lora_key = request_lora(self.runner.lora, lora_path, RequestError)
         prompt_logprobs.start(req)
         parallel.expand(req)
         return req
@@ -198,7 +202,7 @@ class Engine:
                 self._register(child)
                 self.grammars.attach(child)  # a matcher of its own (the compiled grammar comes from the cache)
             for child in [c for c in children if c.params.max_new_tokens == 0]:
-                self.kv.release(child.pages, child.all_ids[:child.num_computed])  # its shared pages go back
+                self.kv.release(child.pages, child.all_ids[:child.num_computed], namespace=child.lora_key)  # shared pages back
                 child.pages = []
                 child.finish(finish_length(0))
                 done.append(self._retire(child))

@@ -63,10 +63,11 @@ class KVCacheManager:
         return -(-num_tokens // self.page_size)
 
     # ---- operations ----
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: list[int], namespace: str | None = None) -> list[int]:
         """Pages of the longest cached prefix of token_ids, leaving at least one token to compute.
 
-        Each returned page is referenced for the caller, who must `release` it later.
+        Each returned page is referenced for the caller, who must `release` it later. `namespace`
+        (a LoRA adapter's load key): prefixes cached under another namespace are never matched.
         """
         if not self.enable_prefix_cache:
             return []
@@ -74,7 +75,7 @@ class KVCacheManager:
         max_pages = (len(token_ids) - 1) // s
         node, pages, now = self._root, [], next(self._clock)
         for i in range(max_pages):
-            child = node.children.get(tuple(token_ids[i * s:(i + 1) * s]))
+            child = node.children.get(_key(token_ids, i, s, namespace))
             if child is None:
                 break
             self._incref(child.page)
@@ -83,13 +84,13 @@ class KVCacheManager:
             node = child
         return pages
 
-    def cached_prefix_len(self, token_ids: list[int]) -> int:
+    def cached_prefix_len(self, token_ids: list[int], namespace: str | None = None) -> int:
         """Tokens of token_ids that match_prefix would reuse now (no reference taken, no LRU update)."""
         if not self.enable_prefix_cache:
             return 0
         s, node, n = self.page_size, self._root, 0
         for i in range((len(token_ids) - 1) // s):
-            node = node.children.get(tuple(token_ids[i * s:(i + 1) * s]))
+            node = node.children.get(_key(token_ids, i, s, namespace))
             if node is None:
                 break
             n += s
@@ -115,7 +116,7 @@ class KVCacheManager:
             self._ref[p] = 1
         return pages
 
-    def release(self, pages: list[int], token_ids: list[int]) -> None:
+    def release(self, pages: list[int], token_ids: list[int], namespace: str | None = None) -> None:
         """Drop the caller's references; full pages of token_ids (the tokens whose KV is in
         `pages`, in order) are kept in the prefix cache for later requests."""
         s = self.page_size
@@ -123,7 +124,7 @@ class KVCacheManager:
         node, now = self._root, next(self._clock)
         for i, page in enumerate(pages):
             if node is not None and i < num_full:
-                key = tuple(token_ids[i * s:(i + 1) * s])
+                key = _key(token_ids, i, s, namespace)
                 child = node.children.get(key)
                 if child is None and page not in self._node_of:
                     child = _Node(page=page, key=key, parent=node, last_access=now)
@@ -196,3 +197,10 @@ class KVCacheManager:
         self._heap.clear()
         self._num_idle_cached = 0
         return True
+
+
+def _key(token_ids: list[int], i: int, s: int, namespace: str | None) -> tuple:
+    """The tree key of page i: its tokens; the first page's carries the namespace (a LoRA adapter), so
+    the trees of two namespaces share no node."""
+    key = tuple(token_ids[i * s:(i + 1) * s])
+    return (("ns", namespace), *key) if namespace is not None and i == 0 else key

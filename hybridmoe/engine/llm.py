@@ -37,6 +37,7 @@ class LLM:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         return_text_in_logprobs: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (returns a dict) or a batch (a list of dicts).
 
@@ -44,6 +45,9 @@ class LLM:
 
         With stream=True (one prompt) returns an iterator of dicts whose `text` and `output_ids`
         are cumulative, the last one carrying the finish_reason.
+
+        lora_path: a loaded LoRA adapter's name for every prompt, or a list with one per prompt
+        (None: the base model).
         """
         batched = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids
                                                 and isinstance(input_ids[0], list))
@@ -53,12 +57,16 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} lora_path entries for {n} prompts")
         reqs = [
             self.engine.make_request(
                 prompt=prompts[i] if prompts is not None else (None if batched else prompt),
                 input_ids=ids_list[i] if ids_list is not None else (None if batched else input_ids),
                 sampling_params=params[i], return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs)
+                logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs,
+                lora_path=loras[i])
             for i in range(n)
         ]
         every = [s for r in reqs for s in [r, *r.forks]]  # forks leave r.forks when they start

@@ -87,6 +87,12 @@ class ModelRunner:
             read_experts=self.moe.reads_checkpoint_experts,
         )
         self.moe.finish()
+        from hybridmoe.lora.setup import build_manager, note_memory
+
+        # LoRA slot buffers (None when LoRA is off): wrapped linears and experts, before graphs are captured
+        self.lora = build_manager(args, self.model, self.device, self.dtype,
+                                  min(args.cuda_graph_max_bs, args.max_running_requests))
+        note_memory(self.moe.memory_plan, self.lora)
         self._alloc_kv_cache()
         self.moe.note_kv_cache(sum(t.nbytes for layer in self.kv_caches for t in layer))
         self.vocab_size = model_cfg.vocab_size
@@ -111,8 +117,10 @@ class ModelRunner:
 
     def new_graphs(self, max_bs: int) -> DecodeGraphs:
         """Decode graphs for this runner's model and KV cache, not captured yet."""
-        return DecodeGraphs(self.model, self.device, max_bs, self.max_pages_per_seq, self.context_len, self._ctx,
-                            self.hooks)
+        graphs = DecodeGraphs(self.model, self.device, max_bs, self.max_pages_per_seq, self.context_len, self._ctx,
+                              self.hooks)
+        graphs.lora = self.lora  # the per-token adapter slots: a graph input buffer
+        return graphs
 
     def capture_graphs(self) -> None:
         """(Re)capture the decode CUDA graphs (after a runtime setting changed: benchmarks)."""
@@ -220,6 +228,7 @@ class ModelRunner:
                 rows = [i for i, (_, smp) in enumerate(live) if smp]
                 return logits[torch.tensor(rows, device=logits.device)]
         input_ids, positions, meta, rows = self.prepare(batch)
+        self._prepare_lora(batch)
         with self.hooks.forward_scope(input_ids.shape[0]):  # e.g. a layerwise GPU prefill
             hidden = self.model(input_ids, positions, self._ctx(meta))
         if wanted:
@@ -236,6 +245,12 @@ class ModelRunner:
         """Whether a step's result should be waited for sleeping (hybrid on CUDA)."""
         return self.hooks.blocking_sync
 
+    def _prepare_lora(self, batch: ScheduledBatch) -> None:
+        """Each new token's adapter slot (the same request order as `prepare`)."""
+        if self.lora is not None:
+            live = [(r, n) for r, n in zip(batch.reqs, batch.num_tokens) if n > 0]
+            self.lora.prepare([r for r, _ in live], [n for _, n in live])
+
     def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.attn_backend)
 
@@ -243,6 +258,7 @@ class ModelRunner:
     def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [T, V] of every new token of the batch (scoring, tests); no graphs."""
         input_ids, positions, meta, _ = self.prepare(batch)
+        self._prepare_lora(batch)
         with self.hooks.forward_scope(input_ids.shape[0]):
             hidden = self.model(input_ids, positions, self._ctx(meta))
         return self.model.compute_logits(hidden)

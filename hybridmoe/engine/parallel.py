@@ -29,7 +29,8 @@ def expand(req: Req) -> None:
     req.params.n = 1
     for i in range(1, n):
         params = dataclasses.replace(req.params, sampling_seed=derive_seed(req.params.sampling_seed, i))
-        req.forks.append(Req(rid=f"{req.rid}-{i}", prompt_ids=req.prompt_ids, params=params,
+        req.forks.append(Req(rid=f"{req.rid}-{i}", prompt_ids=req.prompt_ids, params=params, lora_name=req.lora_name,
+                             lora_key=req.lora_key,
                              return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
                              logprob_start_len=req.logprob_start_len,
                              return_text_in_logprobs=req.return_text_in_logprobs,

@@ -246,6 +246,8 @@ class Req:
     # n > 1 (parallel.py): the other n-1 sequences, forked from this one once its prompt is prefilled
     forks: list[Req] = field(default_factory=list)
     sample_index: int = 0  # which of the n sequences of its prompt this is
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    lora_key: str | None = None  # that adapter's load (name#n): its prefix cache namespace
 
     @property
     def all_ids(self) -> list[int]:

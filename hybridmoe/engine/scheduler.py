@@ -62,6 +62,7 @@ class Scheduler:
         self.admitted_cached_tokens = 0  # of them, reused from the prefix cache
         # seconds waited by each first admission, drained by the metrics (bounded: nobody may read them)
         self.queue_times: deque[float] = deque(maxlen=4096)
+        self.max_loras: int | None = None  # --max-loras-per-batch when LoRA is on: distinct adapters running at most
 
     # ---- requests in and out ----
     def add(self, req: Req) -> None:
@@ -133,9 +134,11 @@ class Scheduler:
                     f"or the KV cache ({self.kv.capacity_tokens} tokens)"))
                 aborted.append(req)
                 continue
+            if self.max_loras is not None and _too_many_loras(self.running, req, self.max_loras):
+                break  # its adapter would exceed --max-loras-per-batch: it waits for a slot
             if not req.pages:  # a forked sequence comes with its prompt's pages
                 # a request scoring its prompt reuses no cached page past its next scored position
-                req.pages = self.kv.match_prefix(prompt_logprobs.cache_limit(req))
+                req.pages = self.kv.match_prefix(prompt_logprobs.cache_limit(req), namespace=req.lora_key)
                 req.num_computed = len(req.pages) * self.kv.page_size
             n = min(req.seq_len - req.num_computed, budget)
             need = self.kv.pages_for(req.num_computed + n) - len(req.pages)
@@ -173,7 +176,7 @@ class Scheduler:
             return
         resumed = [r for r in self.waiting if r.num_preemptions > 0]
         fresh = [r for r in self.waiting if r.num_preemptions == 0]
-        fresh.sort(key=lambda r: -self.kv.cached_prefix_len(r.all_ids))
+        fresh.sort(key=lambda r: -self.kv.cached_prefix_len(r.all_ids, namespace=r.lora_key))
         self.waiting = deque(resumed + fresh)
 
     def _grow(self, req: Req, n: int) -> bool:
@@ -200,7 +203,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def _release(self, req: Req) -> None:
-        self.kv.release(req.pages, req.all_ids[:req.num_computed])
+        self.kv.release(req.pages, req.all_ids[:req.num_computed], namespace=req.lora_key)
         req.pages = []
         req.num_computed = 0
 
@@ -217,3 +220,11 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self._release(req)
+
+
+def _too_many_loras(running: list[Req], req: Req, limit: int) -> bool:
+    """Whether admitting req would make more than `limit` distinct adapters run together."""
+    if req.lora_name is None:
+        return False
+    names = {r.lora_name for r in running if r.lora_name is not None}
+    return req.lora_name not in names and len(names) >= limit

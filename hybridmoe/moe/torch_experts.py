@@ -35,6 +35,7 @@ class TorchExperts(MoEExperts):
         if weights.is_fp8:
             weights = weights.dequantized(dtype or torch.float32)
         self.w = weights
+        self.lora = None  # lora/experts.py ExpertLoRASlots: per-token adapter deltas (attached by the LoRA manager)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         t, h = x.shape
@@ -47,12 +48,18 @@ class TorchExperts(MoEExperts):
         wts = topk_weights.reshape(-1).float()  # [N]
         per_pair = self.w.gate_up.shape[1] * h + self.w.down.shape[1] * self.w.down.shape[2]
         step = max(1, _MAX_GATHER_ELEMS // per_pair)
+        lora = self.lora
         for s in range(0, ids.numel(), step):
             e, tk = ids[s:s + step], tok[s:s + step]
             xs = x[tk].unsqueeze(-1)  # [n, H, 1]
             gu = torch.bmm(self.w.gate_up[e], xs).squeeze(-1)  # [n, 2I]
+            if lora is not None:  # the adapters' deltas before the activation
+                slot, scale = lora.pair_slots(t, tk)
+                gu = gu + lora.gate_up(xs.squeeze(-1), e, slot, scale)
             act = _activate(gu, self.w.activation)
             y = torch.bmm(self.w.down[e], act.unsqueeze(-1)).squeeze(-1)  # [n, H]
+            if lora is not None:  # and after down
+                y = y + lora.down(act, e, slot, scale)
             out.index_add_(0, tk, y.float() * wts[s:s + step, None])
         return out.to(x.dtype)
 

@@ -49,6 +49,10 @@ class TritonExperts(MoEExperts):
         self.gate_up = weights.gate_up.contiguous()  # [E, 2I, H]
         self.down = weights.down.contiguous()  # [E, H, I]
         self.config: MoEKernelConfig | None = options.triton_config if options is not None else None
+        # expert LoRA (lora/experts.py): set by the LoRA manager with `lora_torch`, the gathered torch path
+        # that adds the per-token deltas before the activation (the fused kernel has no hook there)
+        self.lora = None
+        self.lora_torch: MoEExperts | None = None
 
     def config_for(self, num_tokens: int, top_k: int) -> MoEKernelConfig:
         """Tile sizes used at this T (the forced one, a tuned one for this shape, or the heuristic)."""
@@ -66,6 +70,8 @@ class TritonExperts(MoEExperts):
         """Weighted sum over each token's selected experts; no host sync (graph-capturable)."""
         if x.shape[0] == 0:
             return x.new_empty((0, self.weights.hidden_size))
+        if self.lora_torch is not None:
+            return self.lora_torch.forward(x, topk_ids, topk_weights)
         w = self.weights
         if w.is_fp8:
             return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights, self.config_for(x.shape[0], topk_ids.shape[1]),

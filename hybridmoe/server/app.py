@@ -19,7 +19,7 @@ from fastapi.routing import APIRoute
 
 from hybridmoe.config import EngineArgs, ServerConfig
 from hybridmoe.engine.engine import Engine, RequestError
-from hybridmoe.server import info_routes, openai_api
+from hybridmoe.server import info_routes, lora_routes, openai_api
 from hybridmoe.server.async_engine import AsyncEngine, EngineFailed, RequestStream, Unavailable
 from hybridmoe.server.connections import RequestLimitsMiddleware
 from hybridmoe.server.errors import APIError, error_body, error_response, install_error_handlers
@@ -174,9 +174,6 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
         """SGLang's native generation: text or input_ids, one prompt or a batch."""
-        if body.lora_path is not None and any(p is not None for p in (
-                body.lora_path if isinstance(body.lora_path, list) else [body.lora_path])):
-            raise APIError(400, "LoRA adapters (lora_path) are not yet available in this version", param="lora_path")
         n = _batch_size(body)
 
         def logprobs(i: int) -> dict[str, Any]:  # prompt i's logprob options (one prompt: i = 0, n = None)
@@ -193,8 +190,10 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
                         return_text_in_logprobs=body.return_text_in_logprobs)
 
         if n is None:
+            if isinstance(body.lora_path, list):
+                raise APIError(400, "lora_path is a list; one prompt takes one adapter name", param="lora_path")
             req = await state.build_req(prompt=body.text, input_ids=body.input_ids, params=body.sampling_params,
-                                        rid=body.rid, **logprobs(0))
+                                        rid=body.rid, lora_path=body.lora_path, **logprobs(0))
             streams = state.submit([req])  # n > 1 (sampling_params.n): n streams, n outputs in a list
             if body.stream:
                 events = _generate_events(streams, req.params.stop_strs)
@@ -213,7 +212,8 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
             state.build_req(prompt=texts[i] if texts is not None else None,
                             input_ids=ids[i] if ids is not None else None,  # type: ignore[index]
                             params=_pick(body.sampling_params, i, n, "sampling_params"),
-                            rid=_pick(body.rid, i, n, "rid"), **logprobs(i)) for i in range(n))))
+                            rid=_pick(body.rid, i, n, "rid"), lora_path=_pick(body.lora_path, i, n, "lora_path"),
+                            **logprobs(i)) for i in range(n))))
         return await results(request, state.engine, state.submit(reqs))
 
     @app.get("/get_model_info")
@@ -310,6 +310,7 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] 
     _register_native_routes(app, state)
     openai_api.register_routes(app, state)
     info_routes.register_routes(app, state)
+    lora_routes.register_routes(app, state)
     app.add_middleware(JSONBodyMiddleware)
     if server.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key)

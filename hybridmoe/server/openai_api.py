@@ -13,6 +13,7 @@ from hybridmoe.engine.request import Req
 from hybridmoe.server.async_engine import EngineFailed, RequestStream
 from hybridmoe.server.chat_tools import plan_chat, prompt_tail, template_message, template_tools
 from hybridmoe.server.errors import APIError, error_body
+from hybridmoe.server.lora_routes import adapter_cards
 from hybridmoe.server.parsers.chat_output import ChatOutput
 from hybridmoe.server.protocol import (
     ChatCompletionRequest,
@@ -122,14 +123,14 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        core = state.core
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
+        core, now = state.core, int(time.time())
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now,
                                              "owned_by": "hybridmoe", "root": state.args.model_path,
-                                             "max_model_len": core.context_len}]}
+                                             "max_model_len": core.context_len}, *adapter_cards(state, now)]}
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        state.check_model(body.model)
+        lora = state.check_model(body.model)
         if body.logprobs is not None:
             check_top_logprobs(body.logprobs, "logprobs", max_top_logprobs_num(state))
         prompts: list[Any]
@@ -149,7 +150,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
                                 params=dict(params), rid=body.rid if len(prompts) == 1 else None,
                                 return_logprob=k is not None, top_logprobs_num=k or 0,
                                 logprob_start_len=0 if body.echo and k is not None else -1,  # echo: prompt logprobs
-                                check_max_tokens=body.max_tokens is not None) for x in prompts]
+                                check_max_tokens=body.max_tokens is not None, lora_path=lora) for x in prompts]
         names = _Tokens(state.core.tokenizer)
         n = body.n or 1
         echo = [_echo_text(state, r) if body.echo else "" for r in reqs for _ in range(n)]
@@ -172,7 +173,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        state.check_model(body.model)
+        lora = state.check_model(body.model)
         if body.top_logprobs is not None:
             check_top_logprobs(body.top_logprobs, "top_logprobs", max_top_logprobs_num(state))
         ids = await _chat_prompt_ids(state, body)
@@ -182,7 +183,8 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         tail = prompt_tail(state.core.tokenizer, ids) if plan.reasoning_format is not None else ""
         top = body.top_logprobs or 0
         req = await state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
-                              top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None)
+                              top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None,
+                              lora_path=lora)
         names = _Tokens(state.core.tokenizer)
         streams = state.submit([req])  # n > 1: n streams
         base = {"id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),

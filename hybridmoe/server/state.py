@@ -91,13 +91,13 @@ class ServerState:
         assert self.engine.engine is not None
         return self.engine.engine
 
-    def check_model(self, model: str | None) -> None:
-        """An OpenAI `model` field must name this server's model."""
+    def check_model(self, model: str | None) -> str | None:
+        """An OpenAI `model` field must name this server's model, "<model>:<adapter>" or "<adapter>" (a
+        loaded LoRA adapter); returns the adapter's name (None: the base model)."""
+        from hybridmoe.server.lora_routes import model_adapter
+
         names = (self.model_name, self.args.model_path, Path(self.args.model_path).name, "default")
-        if model is None or model in names:
-            return
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                       param="model")
+        return model_adapter(self, model, names)
 
     def tokenizer(self):
         tok = self.core.tokenizer
@@ -108,7 +108,7 @@ class ServerState:
     async def build_req(self, *, prompt: str | None = None, input_ids: list[int] | None = None,
                         params: dict[str, Any] | None = None, rid: str | None = None, return_logprob: bool = False,
                         top_logprobs_num: int = 0, check_max_tokens: bool = True, logprob_start_len: int = -1,
-                        return_text_in_logprobs: bool = False) -> Req:
+                        return_text_in_logprobs: bool = False, lora_path: str | None = None) -> Req:
         """Validate and tokenize one request (tokenization off the event loop); APIError(400) with
         the engine's message when bad.
 
@@ -130,7 +130,7 @@ class ServerState:
             req = engine.make_request(prompt=prompt, input_ids=input_ids, sampling_params=params, rid=rid,
                                       return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                                       logprob_start_len=logprob_start_len,
-                                      return_text_in_logprobs=return_text_in_logprobs)
+                                      return_text_in_logprobs=return_text_in_logprobs, lora_path=lora_path)
         except RequestError as e:
             raise APIError(400, str(e)) from e
         await attach_grammar(self, req)  # structured output: compiled off the event loop, 400 if it fails

@@ -47,11 +47,17 @@ def test_refused_flags_name_themselves_and_why(flag: str, reason: str, values: l
     assert err == [f"hybridmoe serve: error: {flag}: {reason}; remove the flag"]
 
 
-@pytest.mark.parametrize("flag", ["--lora-paths", "--kt-lora-path", "--kt-expert-lora-path", "--max-loras-per-batch",
-                                  "--max-lora-rank", "--enable-lora"])
-def test_lora_flags_point_to_issue_17(flag: str, capsys) -> None:
-    assert serve_main([flag, "a=b"] if flag == "--lora-paths" else [flag]) == 2
-    assert "LoRA serving is not built yet (issue 17)" in capsys.readouterr().err
+@pytest.mark.parametrize("flags", [["--lora-paths", "a=b", "c"], ["--kt-expert-lora-path", "d"],
+                                   ["--max-loras-per-batch", "3"], ["--max-lora-rank", "16"], ["--enable-lora"],
+                                   ["--lora-target-modules", "q_proj", "o_proj"]])
+def test_lora_flags_are_accepted(flags: list[str]) -> None:  # issue 17: served (tests/lora)
+    assert refusals(flags, _parse(flags)) == []
+
+
+@pytest.mark.parametrize("flag", ["--kt-lora-path", "--lora-backend"])
+def test_other_lora_flags_are_refused_with_a_reason(flag: str, capsys) -> None:
+    assert serve_main([flag, "x"]) == 2
+    assert "remove the flag" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,default,reason", SINGLE_DEVICE_FLAGS, ids=[f[0] for f, _, _ in SINGLE_DEVICE_FLAGS])
@@ -64,12 +70,12 @@ def test_single_device_sizes(flags: tuple[str, ...], default: int, reason: str, 
 
 
 def test_several_refusals_are_one_line_each(capsys) -> None:
-    assert serve_main(["--tp-size", "2", "--enable-torch-compile", "--enable-lora"]) == 2
+    assert serve_main(["--tp-size", "2", "--enable-torch-compile", "--lora-backend", "triton"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("hybridmoe serve: error: ") for line in err), err
     assert any("--tp-size 2: only 1 is supported" in line for line in err)
     assert any("--enable-torch-compile: torch.compile is not used" in line for line in err)
-    assert any("--enable-lora" in line and "issue 17" in line for line in err)
+    assert any("--lora-backend" in line and "hybridmoe's own" in line for line in err)
     assert "not wired into the server" not in "".join(err)
 
 

@@ -1,0 +1,158 @@
+"""The LoRA manager of a model runner, from the engine options (--enable-lora, --lora-paths,
+--max-loras-per-batch, --max-lora-rank, --lora-target-modules, --kt-expert-lora-path).
+
+--kt-expert-lora-path DIR (the seed stack's expert half, e.g. convert-lora --expert-output-dir):
+its tensors join the one adapter of --lora-paths (whose dir holds the non-expert half), each half
+keeping its own scaling; without --lora-paths it is an adapter of its own, named by its dir.
+With several --lora-paths it is an error (which adapter it belongs to would be a guess): put the
+expert half into that adapter's directory instead.
+
+Legend: S slots, E experts.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from hybridmoe.lora import targets
+from hybridmoe.lora.adapter import LoRAAdapter, LoRAAdapterError, read_adapter
+from hybridmoe.lora.cpu_bridge import CPUExpertLoRA
+from hybridmoe.lora.experts import ExpertLoRASlots
+from hybridmoe.lora.manager import LoRAManager
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_RANK = 64  # --enable-lora without adapters or --max-lora-rank
+
+
+def lora_enabled(args) -> bool:
+    return bool(args.enable_lora or args.lora_paths or args.kt_expert_lora_path)
+
+
+def parse_lora_paths(values: list[str] | None) -> list[tuple[str, str]]:
+    """`name=path` or a bare `path` (named by its directory) -> (name, path), names unique."""
+    out: list[tuple[str, str]] = []
+    for v in values or []:
+        name, sep, path = str(v).partition("=")
+        if not sep:
+            name, path = Path(v.rstrip("/")).name, v
+        if not name or not path:
+            raise LoRAAdapterError(f"--lora-paths {v!r}: expected name=path or a path")
+        if any(n == name for n, _ in out):
+            raise LoRAAdapterError(f"--lora-paths: the name {name!r} is given twice")
+        out.append((name, path))
+    return out
+
+
+def initial_adapters(args) -> list[LoRAAdapter]:
+    adapters = [read_adapter(p, n) for n, p in parse_lora_paths(args.lora_paths)]
+    if args.kt_expert_lora_path:
+        expert = read_adapter(args.kt_expert_lora_path)
+        if len(adapters) > 1:
+            raise LoRAAdapterError("--kt-expert-lora-path with several --lora-paths: which adapter it belongs to is "
+                                   "ambiguous; put the expert half into that adapter's directory (convert-lora "
+                                   "without --expert-output-dir)")
+        if adapters:
+            adapters[0].merge(expert)
+        else:
+            adapters = [expert]
+    return adapters
+
+
+def _unwrap(experts):
+    return getattr(experts, "inner", experts)  # RecordingExperts
+
+
+def _gpu_side(mgr: LoRAManager, backend, rows: torch.Tensor, layer: int, hidden: int, inter: int):
+    """Expert LoRA slots of a GPU-side backend (torch; Triton computes through a torch twin with LoRA)."""
+    from hybridmoe.moe.torch_experts import TorchExperts
+    from hybridmoe.moe.triton_experts import TritonExperts
+
+    b = backend
+    if isinstance(b, TritonExperts):
+        b.lora_torch = TorchExperts(b.weights, b.gate_up.dtype)
+        b = b.lora_torch
+    if not isinstance(b, TorchExperts):
+        raise LoRAAdapterError(f"layer {layer}: expert LoRA is not supported by the {b.name!r} experts backend")
+    w = b.w.gate_up
+    b.lora = ExpertLoRASlots(rows, mgr.num_slots, mgr.max_rank, hidden, inter, mgr.batch, w.dtype, w.device)
+    return b.lora
+
+
+def attach_experts(mgr: LoRAManager, model) -> None:
+    """Expert LoRA slots for every MoE layer: the GPU-side share next to its weights, the CPU share
+    through the CPU engine (cpu_bridge; a clear error until it has the native LoRA kernels)."""
+    from hybridmoe.moe.cpu_experts import CPUExperts
+    from hybridmoe.moe.hybrid import HybridExperts
+
+    hidden = model.config.hidden_size
+    for block in model.moe_blocks():
+        layer, backend, inter = block.layer_idx, _unwrap(block.experts), block.intermediate
+        parts: list = []
+        if isinstance(backend, HybridExperts):
+            if backend.runtime.layerwise is not None:
+                raise LoRAAdapterError("expert LoRA with --kt-gpu-prefill-token-threshold (layerwise prefill) is "
+                                       "not supported")
+            if backend.full_cpu_layer:
+                raise LoRAAdapterError("expert LoRA with --kt-enable-dynamic-expert-update is not supported")
+            mask = backend.mask
+            if backend.gpu is not None:
+                parts.append(_gpu_side(mgr, backend.gpu, mask.nonzero().flatten(), layer, hidden, inter))
+            if backend.cpu is not None:
+                parts.append(CPUExpertLoRA(backend.cpu.layer, layer, (~mask).nonzero().flatten(), mgr.num_slots,
+                                           mgr.max_rank))
+        elif isinstance(backend, CPUExperts):
+            parts.append(CPUExpertLoRA(backend.layer, layer, torch.arange(block.num_experts), mgr.num_slots,
+                                       mgr.max_rank))
+        else:
+            parts.append(_gpu_side(mgr, backend, torch.arange(block.num_experts), layer, hidden, inter))
+        mgr.expert_slots[layer] = parts
+
+
+def build_manager(args, model, device: torch.device, dtype: torch.dtype, graph_capacity: int) -> LoRAManager | None:
+    """The runner's LoRA manager (None when LoRA is off), the startup adapters registered."""
+    if not lora_enabled(args):
+        return None
+    adapters = initial_adapters(args)
+    ranks = [a.max_rank for a in adapters]
+    max_rank = args.max_lora_rank or max(ranks, default=DEFAULT_MAX_RANK)
+    for a in adapters:
+        if a.max_rank > max_rank:
+            raise LoRAAdapterError(f"LoRA adapter {a.name!r} ({a.path}): rank {a.max_rank} exceeds --max-lora-rank "
+                                   f"{max_rank}")
+    if args.lora_target_modules or not adapters:
+        paths = targets.default_targets(model, args.lora_target_modules)
+    else:
+        paths = []
+        for a in adapters:
+            for layer, module in a.linears:
+                hit = targets.resolve(model, layer, module)
+                if hit is None:
+                    raise LoRAAdapterError(f"{a.path}/adapter_model.safetensors: model.layers.{layer}.{module}: "
+                                           f"unknown target module {module!r} for this model")
+                if hit[0] not in paths:
+                    paths.append(hit[0])
+    mgr = LoRAManager(model, device, dtype, args.max_loras_per_batch, max_rank, paths, graph_capacity)
+    if any(a.has_experts for a in adapters):
+        attach_experts(mgr, model)
+    for a in adapters:
+        mgr.register(a)
+    dev, host = mgr.nbytes()
+    log.info("LoRA: %d slots of rank %d on %d linears%s: %.1f MB on %s, %.1f MB host", mgr.num_slots, max_rank,
+             len(paths), f" and the experts of {len(mgr.expert_slots)} layers" if mgr.expert_slots else "",
+             dev / 1e6, device.type, host / 1e6)
+    return mgr
+
+
+def note_memory(plan, mgr: LoRAManager | None) -> None:
+    """The slot buffers as lines of the startup memory plan (moe/memory_plan.py), logged."""
+    if plan is None or mgr is None:
+        return
+    dev, host = mgr.nbytes()
+    plan.gpu["LoRA slots"] = dev
+    if host:
+        plan.host["LoRA expert slots (CPU share)"] = host
+    log.info(plan.lines()[0].replace("GPU memory plan", "GPU memory plan with the LoRA slots"))
