@@ -115,7 +115,7 @@ def check_flags_against_model(args: EngineArgs, hf_config) -> None:
     check_kv_cache_dtype(args, hf_config)
     if args.init_expert_location is not None and not Path(args.init_expert_location).is_file():
         raise ConfigError(f"--init-expert-location {args.init_expert_location}: no such file")
-    if args.kt_weight_path is not None and not Path(args.kt_weight_path).is_dir():
+    if args.kt_weight_path is not None and args.kt_method != "LLAMAFILE" and not Path(args.kt_weight_path).is_dir():
         raise ConfigError(f"--kt-weight-path {args.kt_weight_path}: no such directory")
     if args.record_expert_distribution is not None:
         parent = Path(args.record_expert_distribution).resolve().parent
