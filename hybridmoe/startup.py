@@ -140,7 +140,7 @@ def prepare(args: EngineArgs) -> EngineArgs:
     if args.kt_method == "LLAMAFILE":  # GGUF experts: layer count, names, shapes and types
         from hybridmoe.gguf.experts import open_for_model
 
-        open_for_model(args.kt_weight_path, config, spec)  # GGUFError is a ConfigError naming file and tensor
+        open_for_model(args.kt_weight_path, config, spec, model_path=args.model_path)  # GGUFError is a ConfigError naming file and tensor
     elif args.kt_weight_path is not None and args.kt_method != "FP8":  # the manifest, the method, the fingerprint
         from hybridmoe.weights.cpu_format import CPUWeightDir
 
