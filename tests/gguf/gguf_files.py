@@ -104,8 +104,11 @@ def write_model_gguf(ckpt: Path, path: Path, layer_types: tuple[str, ...], arch:
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if family == "qwen":
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-            w.add_key_length(cfg["head_dim"])
-            w.add_value_length(cfg["head_dim"])
+            if arch == "qwen3moe":
+                w.add_key_length(cfg["head_dim"])
+                w.add_value_length(cfg["head_dim"])
+            else:
+                w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
         if tokenizer:
             add_tokenizer(w)
         top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
