@@ -203,10 +203,9 @@ def format_report(r: dict[str, Any]) -> str:
 def add_model_sizing(report: dict[str, Any], ns: argparse.Namespace) -> None:
     """With --model: the method for that checkpoint, the largest --kt-num-gpu-experts that fits the
     GPU (or --gpu-memory-gib), and a ready `hybridmoe serve` command line."""
+    from hybridmoe.gguf.paths import is_gguf_model
     from hybridmoe.model_check import load_checked_config
     from hybridmoe.sizing import GiB, gpu_total_bytes, recommend_method, size_gpu_experts
-
-    from hybridmoe.gguf.paths import is_gguf_model
 
     if is_gguf_model(ns.model):  # the method follows from the file's expert types (gguf/method_report.py)
         from hybridmoe.gguf.method_report import gguf_method

@@ -137,16 +137,6 @@ class EngineArgs:
     cpu_engine: CPUEngineSettings = field(default_factory=CPUEngineSettings)
     hybrid_blocking_sync: bool = True  # hybrid on CUDA: wait for a step's result sleeping, not spinning
 
-    def _adopt_gguf_model(self) -> None:
-        """A GGUF --model (a .gguf file, a split part or a directory of them): model_path becomes the
-        directory that presents it as a Hugging Face model (gguf/view.py)."""
-        from hybridmoe.gguf.view import ERRORS, adopt_gguf_model
-
-        try:
-            adopt_gguf_model(self)
-        except ERRORS as e:
-            raise ConfigError(f"--model-path: {e}") from None
-
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
         """Build and validate from user options; an unknown option is an error naming it."""
@@ -219,7 +209,11 @@ class EngineArgs:
                 load_chat_template(self.chat_template)
             except (ValueError, OSError) as e:
                 raise ConfigError(str(e)) from None
-        self._adopt_gguf_model()  # --model FILE.gguf: its view directory, experts from its blocks
+        from hybridmoe.gguf.view import ERRORS, adopt_gguf_model  # --model FILE.gguf: as a model directory
+        try:
+            adopt_gguf_model(self)
+        except ERRORS as e:
+            raise ConfigError(f"--model-path: {e}") from None
         need(self.kt_method.upper() in KT_METHODS, "kt-method", f"one of {KT_METHODS}")
         self.kt_method = self.kt_method.upper()
         # FP8 reads the experts straight from the fp8 checkpoint: --kt-weight-path, if given, is the model

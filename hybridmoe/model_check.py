@@ -284,9 +284,8 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
     shape the config gives and of a loadable dtype; the routed experts too when `experts`."""
     import torch
 
-    from hybridmoe.models.base import MoECausalLM
-
     from hybridmoe.gguf.view import gguf_source
+    from hybridmoe.models.base import MoECausalLM
 
     gguf = gguf_source(model_path)  # a `--model FILE.gguf` view directory: the tensors are the GGUF's
     if gguf is None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from gguf_files import f16_exact, with_experts, write_model_gguf
+
 from tiny_models import make_tiny_model
 
 LAYER_TYPES = ("Q4_K", "Q6_K", "Q8_0")

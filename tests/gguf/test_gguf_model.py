@@ -17,6 +17,7 @@ import torch
 
 from hybridmoe import LLM
 from hybridmoe.config import ConfigError
+
 from tiny_models import assert_greedy_agrees
 
 PROMPT = torch.randint(0, 4000, (29,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -14,13 +14,14 @@ import json
 
 import pytest
 import torch
-
 from gguf_files import f16_exact, with_experts, write_model_gguf
+
 from hybridmoe import LLM
 from hybridmoe.check import check_main
 from hybridmoe.config import ConfigError
 from hybridmoe.convert import main as convert_main
 from hybridmoe.weights.cpu_format import CPUWeightsError
+
 from tiny_models import make_tiny_model
 
 PROMPT = torch.randint(0, 190, (23,), generator=torch.Generator().manual_seed(7)).tolist()
