@@ -113,3 +113,14 @@ def test_bad_gguf_model_paths_are_one_line_errors(tmp_path):
         LLM(str(tmp_path / "a.gguf"), device="cpu", progress=False)
     with pytest.raises(ConfigError, match="no such GGUF file"):
         LLM(str(tmp_path / "missing.gguf"), device="cpu", progress=False)
+
+
+def test_startup_checks_accept_a_gguf_model(qwen3_gguf):
+    """The server's checks before loading (startup.prepare: config, tokenizer, every tensor's shape, the
+    GGUF experts) on a GGUF --model."""
+    from hybridmoe.config import EngineArgs
+    from hybridmoe.startup import prepare
+
+    _, gguf, _ = qwen3_gguf
+    args = prepare(EngineArgs.from_kwargs(model_path=str(gguf), device="cpu"))
+    assert (args.kt_method, args.kt_weight_path, args.served_model_name) == ("LLAMAFILE", str(gguf), str(gguf))
