@@ -188,6 +188,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append("versions       " + ", ".join(f"{k} {v or 'not installed'}" for k, v in r["versions"].items()))
     lines.append("recommended    " + " ".join(f"{k} {v}" for k, v in r["recommended_flags"].items()))
     lines.append(f"why            {r['method_reason']}")
+    for side, counts in (r.get("gguf_tensor_types") or {}).items():
+        lines.append(f"GGUF {side:<9} " + ", ".join(f"{k} x{v}" for k, v in counts.items()))
     for line in (r.get("sizing") or {}).get("lines", []):
         lines.append(f"sizing         {line}")
     if r.get("command"):
@@ -201,11 +203,19 @@ def format_report(r: dict[str, Any]) -> str:
 def add_model_sizing(report: dict[str, Any], ns: argparse.Namespace) -> None:
     """With --model: the method for that checkpoint, the largest --kt-num-gpu-experts that fits the
     GPU (or --gpu-memory-gib), and a ready `hybridmoe serve` command line."""
+    from hybridmoe.gguf.paths import is_gguf_model
     from hybridmoe.model_check import load_checked_config
     from hybridmoe.sizing import GiB, gpu_total_bytes, recommend_method, size_gpu_experts
 
-    config, spec = load_checked_config(ns.model, flag="--model")
-    method, why = recommend_method(report["cpu"]["isa"], config)
+    if is_gguf_model(ns.model):  # the method follows from the file's expert types (gguf/method_report.py)
+        from hybridmoe.gguf.method_report import gguf_method
+        from hybridmoe.gguf.view import gguf_view
+
+        method, why, report["gguf_tensor_types"] = gguf_method(ns.model)
+        config, spec = load_checked_config(str(gguf_view(ns.model)), flag="--model")
+    else:
+        config, spec = load_checked_config(ns.model, flag="--model")
+        method, why = recommend_method(report["cpu"]["isa"], config)
     if ns.kt_method:
         method, why = ns.kt_method.upper(), f"--kt-method {ns.kt_method.upper()} as given"
     gpu = int(ns.gpu_memory_gib * GiB) if ns.gpu_memory_gib else gpu_total_bytes()
@@ -228,7 +238,8 @@ def check_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hybridmoe check", description="environment report and recommended flags")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--model", "--model-path", dest="model", default=None,
-                   help="a model directory (config.json is enough): size its experts for this machine")
+                   help="a model directory (config.json is enough) or a GGUF file: size its experts for this "
+                        "machine (a GGUF: the method its expert types call for)")
     p.add_argument("--context-length", type=int, default=None, help="with --model: context to size for "
                    "(default: the model's max_position_embeddings)")
     p.add_argument("--max-total-tokens", type=int, default=None,
@@ -248,7 +259,7 @@ def check_main(argv: list[str] | None = None) -> int:
 
         try:
             add_model_sizing(report, ns)
-        except (ConfigError, CheckpointError, ValueError) as e:
+        except (ConfigError, CheckpointError, ValueError) as e:  # GGUF path errors are ValueErrors
             print(f"hybridmoe check: error: {e}", file=sys.stderr)
             return 2
     print(json.dumps(report, indent=2) if ns.json else format_report(report))

@@ -216,6 +216,11 @@ class EngineArgs:
                 load_chat_template(self.chat_template)
             except (ValueError, OSError) as e:
                 raise ConfigError(str(e)) from None
+        from hybridmoe.gguf.view import ERRORS, adopt_gguf_model  # --model FILE.gguf: as a model directory
+        try:
+            adopt_gguf_model(self)
+        except ERRORS as e:
+            raise ConfigError(f"--model-path: {e}") from None
         need(self.kt_method.upper() in KT_METHODS, "kt-method", f"one of {KT_METHODS}")
         self.kt_method = self.kt_method.upper()
         # FP8 reads the experts straight from the fp8 checkpoint: --kt-weight-path, if given, is the model

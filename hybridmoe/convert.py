@@ -16,6 +16,7 @@ Legend: E experts, I expert intermediate size, H hidden size, c experts per chun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ from hybridmoe.weights.source_reader import INPUT_DTYPES, ConvertError, SourceRe
 
 log = logging.getLogger("hybridmoe.convert")
 
+INPUT_TYPES = [*sorted(INPUT_DTYPES), "gguf"]
 QUANT_METHODS = {"int8": "AMXINT8", "moe_int8": "AMXINT8", "int4": "AMXINT4", "moe_int4": "AMXINT4", "bf16": "BF16"}
 CHUNK_BYTES = 128 << 20  # float32 input of one chunk of experts
 DELAY_ENV = "HYBRIDMOE_CONVERT_LAYER_DELAY_S"  # tests: pause after each layer (to kill mid-way)
@@ -67,13 +69,22 @@ class Converter:
         from hybridmoe.model_check import check_expert_tensors, expert_shapes, load_checked_config
 
         self.opts = opts
+        self.source_path = str(Path(opts.input_path).resolve())  # as given (a GGUF: not its view directory)
         if opts.quant_method not in QUANT_METHODS:
             raise ConvertError(f"--quant-method {opts.quant_method!r}: expected one of {sorted(QUANT_METHODS)}")
-        if opts.input_type not in INPUT_DTYPES:
-            raise ConvertError(f"--input-type {opts.input_type!r}: expected one of {sorted(INPUT_DTYPES)}")
+        if opts.input_type not in INPUT_TYPES:
+            raise ConvertError(f"--input-type {opts.input_type!r}: expected one of {INPUT_TYPES}")
         self.method = QUANT_METHODS[opts.quant_method]
         if self.method == "AMXINT4" and opts.group_size not in GROUP_SIZES:
             raise ConvertError(f"--group-size {opts.group_size}: int4 groups must be one of {GROUP_SIZES}")
+        gguf = opts.input_type == "gguf"
+        if gguf:  # the GGUF seen as a model directory (config.json from its metadata: gguf/view.py)
+            from hybridmoe.gguf.view import ERRORS, gguf_view
+
+            try:
+                self.opts = opts = dataclasses.replace(opts, input_path=str(gguf_view(opts.input_path)))
+            except ERRORS as e:
+                raise ConvertError(f"--input-path: {e}") from None
         config, self.spec = load_checked_config(opts.input_path, flag="--input-path")
         if not self.spec.moe_layers:
             raise ConvertError(f"{opts.input_path}/config.json: the model has no MoE layers; nothing to convert")
@@ -83,10 +94,16 @@ class Converter:
                                f"kernels ({sorted(ACTIVATIONS)})")
         self.activation = act
         self.e, self.i, self.h = self.spec.num_experts, self.spec.moe_intermediate, config.hidden_size
-        self.reader = SourceReader(opts.input_path, opts.input_type, config)
+        if gguf:  # names, shapes and block types of every expert tensor, checked on opening
+            from hybridmoe.gguf.convert_source import GGUFSourceReader
+            from hybridmoe.gguf.view import gguf_source
+
+            self.reader = GGUFSourceReader(gguf_source(opts.input_path), config, self.spec)
+        else:
+            self.reader = SourceReader(opts.input_path, opts.input_type, config)
         # every expert tensor's presence, shape, dtype and the files' sizes, before anything is written
-        tensors = check_expert_tensors(opts.input_path, config, self.spec)
-        for name in expert_shapes(config, self.spec):
+        tensors = {} if gguf else check_expert_tensors(opts.input_path, config, self.spec)
+        for name in ([] if gguf else expert_shapes(config, self.spec)):
             problem = self.reader.dtype_problem(DTYPES[tensors[name].dtype])
             if problem is not None:
                 raise ConvertError(f"{tensors[name].file.name}: tensor {name!r} {problem}")
@@ -257,7 +274,7 @@ class Converter:
             finally:
                 bar.close()
                 self.reader.close()
-        manifest = dict(self.header, source_path=str(Path(self.opts.input_path).resolve()),
+        manifest = dict(self.header, source_path=self.source_path,
                         files=dict(sorted(done.items())))
         cf.write_json_atomic(self.out / cf.MANIFEST, manifest)
         (self.out / cf.PROGRESS).unlink(missing_ok=True)
@@ -270,7 +287,7 @@ class Converter:
     @property
     def expert_in_bytes(self) -> int:
         """Bytes of one expert in the checkpoint (nominal, for the progress bar and s/GB)."""
-        return 3 * self.i * self.h * {"bf16": 2, "fp16": 2, "fp8": 1}[self.opts.input_type]
+        return 3 * self.i * self.h * {"bf16": 2, "fp16": 2, "fp8": 1, "gguf": 1}[self.opts.input_type]
 
     def _record(self, done: dict, name: str, layer: int, fut: Future, bar: tqdm, total: int) -> None:
         """Waits for a layer file's writer, then records it (with its checksum) in progress.json."""
@@ -300,8 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="hybridmoe convert", description="Hugging Face checkpoint -> CPU expert "
                                 "weights for --kt-weight-path (layer by layer, resumable, checksummed).")
     p.add_argument("--input-path", help="Hugging Face model directory (config.json + *.safetensors)")
-    p.add_argument("--input-type", default="bf16", choices=sorted(INPUT_DTYPES),
-                   help="dtype of the routed experts in the checkpoint (fp8: block-scaled, weight_scale_inv)")
+    p.add_argument("--input-type", default="bf16", choices=INPUT_TYPES,
+                   help="dtype of the routed experts in the checkpoint (fp8: block-scaled, weight_scale_inv; "
+                        "gguf: --input-path is a GGUF file or directory of split files, dequantized block by block)")
     p.add_argument("--output", help="output directory (created; holds only the CPU expert weights)")
     p.add_argument("--quant-method", choices=sorted(QUANT_METHODS),
                    help="int8/moe_int8 -> --kt-method AMXINT8, int4/moe_int4 -> AMXINT4, bf16 -> BF16")
@@ -319,7 +337,7 @@ def _warn_tokenizer(input_path: str) -> None:
     """convert does not read the tokenizer, but a broken one would fail the server later: say so now."""
     from hybridmoe.model_check import check_tokenizer
 
-    if Path(input_path).is_dir():
+    if Path(input_path).is_dir() and (Path(input_path) / "config.json").is_file():
         try:
             check_tokenizer(input_path)
         except CheckpointError as e:

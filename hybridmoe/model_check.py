@@ -284,9 +284,16 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
     shape the config gives and of a loadable dtype; the routed experts too when `experts`."""
     import torch
 
+    from hybridmoe.gguf.view import gguf_source
     from hybridmoe.models.base import MoECausalLM
 
-    tensors = scan_checkpoint(model_path)  # headers and file sizes: a truncated shard is named here
+    gguf = gguf_source(model_path)  # a `--model FILE.gguf` view directory: the tensors are the GGUF's
+    if gguf is None:
+        tensors = scan_checkpoint(model_path)  # headers and file sizes: a truncated shard is named here
+    else:
+        from hybridmoe.gguf.weights import open_weights
+
+        index, tensors = open_weights(gguf), {}
     with torch.device("meta"):  # shapes only: no memory
         try:
             model = MoECausalLM(config, spec, config.max_position_embeddings)
@@ -297,12 +304,15 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
     for name, param in model.named_parameters():
         for src, dst in model.checkpoint_parts(name, param):
             want[src] = tuple(dst.shape)
-    if model.tie_word_embeddings and "lm_head.weight" not in tensors:
+    if model.tie_word_embeddings and "lm_head.weight" not in (tensors if gguf is None else index):
         want.pop("lm_head.weight", None)
     if experts:
         want.update(expert_shapes(config, spec))
     block = fp8_block_of(config)
     for name, shape in want.items():
+        if gguf is not None:
+            index.check(name, shape)
+            continue
         t = _present(tensors, name, shape, model_path)
         if block is not None and t.dtype.startswith("F8") and len(shape) == 2:  # block-scaled fp8 (DeepSeek-V3)
             _fp8_scale(tensors, name, t, block)

@@ -115,7 +115,7 @@ def check_flags_against_model(args: EngineArgs, hf_config) -> None:
     check_kv_cache_dtype(args, hf_config)
     if args.init_expert_location is not None and not Path(args.init_expert_location).is_file():
         raise ConfigError(f"--init-expert-location {args.init_expert_location}: no such file")
-    if args.kt_weight_path is not None and not Path(args.kt_weight_path).is_dir():
+    if args.kt_weight_path is not None and args.kt_method != "LLAMAFILE" and not Path(args.kt_weight_path).is_dir():
         raise ConfigError(f"--kt-weight-path {args.kt_weight_path}: no such directory")
     if args.record_expert_distribution is not None:
         parent = Path(args.record_expert_distribution).resolve().parent
@@ -140,7 +140,7 @@ def prepare(args: EngineArgs) -> EngineArgs:
     if args.kt_method == "LLAMAFILE":  # GGUF experts: layer count, names, shapes and types
         from hybridmoe.gguf.experts import open_for_model
 
-        open_for_model(args.kt_weight_path, config, spec)  # GGUFError is a ConfigError naming file and tensor
+        open_for_model(args.kt_weight_path, config, spec, model_path=args.model_path)  # GGUFError is a ConfigError naming file and tensor
     elif args.kt_weight_path is not None and args.kt_method != "FP8":  # the manifest, the method, the fingerprint
         from hybridmoe.weights.cpu_format import CPUWeightDir
 

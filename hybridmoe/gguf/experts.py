@@ -19,7 +19,7 @@ def expert_name(layer: int, proj: str) -> str:
 
 
 def layer_experts(model: GGUFModel, layer: int, num_experts: int, hidden: int, inter: int,
-                  activation: str = "silu") -> GGUFExperts:
+                  activation: str = "silu", model_path: str | None = None) -> GGUFExperts:
     """Layer `layer`'s experts as views of the file (checked: names, shapes, types)."""
     mats = []
     for proj in PROJ:
@@ -29,8 +29,8 @@ def layer_experts(model: GGUFModel, layer: int, num_experts: int, hidden: int, i
         t = model.tensor(name)
         want = (num_experts, hidden, inter) if proj == "down" else (num_experts, inter, hidden)
         if t.shape != want:
-            raise GGUFError(f"{t.file}: tensor {name} has shape {list(t.shape)}, the model (--model config) needs "
-                            f"{list(want)}")
+            raise GGUFError(f"{t.file}: tensor {name} has shape {list(t.shape)}, the model (--model "
+                            f"{_model_name(model_path)}) needs {list(want)}")
         if t.type not in TYPES:
             raise GGUFError(f"{t.file}: tensor {name} is {t.type_name}, which the CPU kernels do not support "
                             f"(supported: {', '.join(sorted(TYPE_IDS))})")
@@ -42,21 +42,33 @@ def layer_experts(model: GGUFModel, layer: int, num_experts: int, hidden: int, i
         raise GGUFError(str(e)) from None
 
 
-def check_layer_count(model: GGUFModel, num_layers: int) -> None:
+def _model_name(model_path: str | None) -> str:
+    """--model as the user gave it: the GGUF behind a view directory (gguf/view.py), else the path."""
+    if model_path is None:
+        return "config"
+    from hybridmoe.gguf.view import gguf_source
+
+    return gguf_source(model_path) or model_path
+
+
+def check_layer_count(model: GGUFModel, num_layers: int, model_path: str | None = None) -> None:
     """The file's block count (metadata, else the highest blk index) must be the model's layer count."""
     n = model.meta(f"{model.arch}.block_count")
     if n is None:
         idx = [int(k.split(".")[1]) for k in model.tensors if k.startswith("blk.")]
         n = max(idx) + 1 if idx else 0
     if int(n) != num_layers:
-        raise GGUFError(f"{model.path}: {n} layers ({model.arch}.block_count), but --model has {num_layers}")
+        raise GGUFError(f"{model.path}: {n} layers ({model.arch}.block_count), but --model "
+                        f"{_model_name(model_path)} has {num_layers}")
 
 
-def open_for_model(path: str, config, spec, source: str = "--kt-weight-path") -> GGUFModel:
+def open_for_model(path: str, config, spec, source: str = "--kt-weight-path",
+                   model_path: str | None = None) -> GGUFModel:
     """The GGUF at `path` checked against the model: layer count, and every MoE layer's three expert
     tensors (names, shapes, supported types). Reads only the headers (the tensors stay mapped)."""
     model = GGUFModel.open(path)
-    check_layer_count(model, int(config.num_hidden_layers))
+    check_layer_count(model, int(config.num_hidden_layers), model_path)
     for layer in spec.moe_layers:
-        layer_experts(model, layer, spec.num_experts, int(config.hidden_size), spec.moe_intermediate)
+        layer_experts(model, layer, spec.num_experts, int(config.hidden_size), spec.moe_intermediate,
+                      model_path=model_path)
     return model

@@ -15,7 +15,6 @@ faults).
 
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,8 @@ import torch
 
 from hybridmoe.config import ConfigError
 from hybridmoe.cpu import gguf_quant
+from hybridmoe.gguf import paths
 
-_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
 
@@ -90,27 +89,11 @@ def _view(a: np.ndarray) -> torch.Tensor:
 
 
 def split_parts(path: str | Path) -> list[Path]:
-    """The files of the model at `path` (a .gguf file, one part of a split set, or a directory)."""
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(p.glob("*.gguf"))
-        if not files:
-            raise GGUFError(f"{p}: no .gguf file in this directory")
-        stems = {m["stem"] if (m := _SPLIT.match(f.name)) else f.name for f in files}
-        if len(stems) > 1:
-            raise GGUFError(f"{p}: holds several GGUF models ({', '.join(sorted(stems))}); pass one file")
-        p = files[0]
-    if not p.is_file():
-        raise GGUFError(f"{p}: no such GGUF file")
-    m = _SPLIT.match(p.name)
-    if m is None:
-        return [p]
-    n = int(m["n"])
-    parts = [p.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
-    missing = [str(q) for q in parts if not q.is_file()]
-    if missing:
-        raise GGUFError(f"{p}: split set of {n} files is incomplete; missing {', '.join(missing)}")
-    return parts
+    """The files of the model at `path` (gguf/paths.py), a bad path as a GGUFError."""
+    try:
+        return paths.split_parts(path)
+    except paths.GGUFPathError as e:
+        raise GGUFError(str(e)) from None
 
 
 class GGUFModel:

@@ -39,9 +39,11 @@ class ExpertsSetup:
             self.hybrid_cfg = cfg = replace(cfg, cpuinfer=len(physical_cores()))
         check_kt_method(cfg.method, model.hf, model.source)
         self.placement: HybridPlacement | None = build_placement(cfg, model, device, args.moe_backend)
-        if self.placement is not None and cfg.method == "LLAMAFILE":
-            raise ConfigError("--kt-method LLAMAFILE runs every routed expert on the CPU for now: GPU experts "
-                              "(--kt-num-gpu-experts > 0 / --kt-gpu-experts-ratio > 0) from a GGUF are not built yet")
+        if self.placement is not None and cfg.method == "LLAMAFILE":  # GPU experts dequantized from the GGUF
+            if self.placement.prefill_threshold is not None or self.placement.dynamic_update:
+                raise ConfigError("--kt-gpu-prefill-token-threshold / --kt-enable-dynamic-expert-update with "
+                                  "--kt-method LLAMAFILE: the layerwise GPU prefill of GGUF blocks is not built yet "
+                                  "(convert the GGUF with `hybridmoe convert --input-type gguf` for it)")
         self.runtime: HybridRuntime | None = None
         if self.placement is not None:
             self.backend = "hybrid"
@@ -75,7 +77,7 @@ class ExpertsSetup:
         # and the share of routed-expert hits on the GPU read it; --record-expert-distribution is its file
         self.recorder = ExpertDistributionRecorder(cfg.record_expert_distribution, model.num_experts, device,
                                                    tuple(model.spec.moe_layers))
-        self.kt_weights = None
+        self.kt_weights = getattr(self, "kt_weights", None)  # the GGUF, when the memory plan opened it
         self._built: dict[int, MoEExperts] = {}
 
     @property
@@ -96,6 +98,8 @@ class ExpertsSetup:
     @property
     def reads_checkpoint_experts(self) -> bool:
         """False when every expert comes pre-converted from --kt-weight-path."""
+        if self.hybrid_cfg.method == "LLAMAFILE":  # GPU experts too come from the GGUF (make)
+            return False
         return not ((self.hybrid_cfg.converted_weights is not None and self.placement is None) or self.random_packed)
 
     def make(self, weights: ExpertWeights | None, layer_idx: int) -> MoEExperts:
@@ -107,11 +111,19 @@ class ExpertsSetup:
             from hybridmoe.gguf.experts import layer_experts, open_for_model
 
             if self.kt_weights is None:
-                self.kt_weights = open_for_model(self.hybrid_cfg.weight_path, self.model.hf, self.model.spec)
+                self.kt_weights = open_for_model(self.hybrid_cfg.weight_path, self.model.hf, self.model.spec,
+                                                 model_path=self.args.model_path)
             act = weights.activation if weights is not None else "silu"
-            options = replace(options, packed=layer_experts(self.kt_weights, layer_idx, self.model.spec.num_experts,
-                                                            int(self.model.hf.hidden_size),
-                                                            self.model.spec.moe_intermediate, act))
+            packed = layer_experts(self.kt_weights, layer_idx, self.model.spec.num_experts,
+                                   int(self.model.hf.hidden_size), self.model.spec.moe_intermediate, act,
+                                   model_path=self.args.model_path)
+            if self.placement is not None:  # GPU-resident experts dequantized now, the others stay blocks
+                from hybridmoe.gguf.gpu_experts import gpu_expert_weights, select_experts
+
+                mask = self.placement.masks[layer_idx]
+                weights = gpu_expert_weights(packed, mask, self.dtype)
+                packed = select_experts(packed, (~mask).nonzero().flatten())
+            options = replace(options, packed=packed)
         elif self.hybrid_cfg.converted_weights is not None:  # packed by `hybridmoe convert`: read and verified
             from dataclasses import replace
 
@@ -155,8 +167,17 @@ class ExpertsSetup:
         p, cfg, m = self.placement, self.hybrid_cfg, self.model
         assert p is not None
         elt = torch.finfo(self.dtype).bits // 8
+        cpu_bytes = None
+        if cfg.method == "LLAMAFILE":  # the GGUF blocks' real sizes (each layer may have its own types)
+            from hybridmoe.gguf.experts import open_for_model
+            from hybridmoe.gguf.gpu_experts import expert_bytes_by_layer
+
+            self.kt_weights = getattr(self, "kt_weights", None) or open_for_model(cfg.weight_path, m.hf, m.spec,
+                                                                model_path=self.args.model_path)
+            cpu_bytes = expert_bytes_by_layer(self.kt_weights, m.spec.moe_layers)
         plan = plan_memory(m.hf, m.spec, p.masks, elt, cfg.method, context_len, self.args.max_running_requests,
-                           prefill_threshold=p.prefill_threshold, dynamic_update=p.dynamic_update)
+                           prefill_threshold=p.prefill_threshold, dynamic_update=p.dynamic_update,
+                           cpu_expert_bytes=cpu_bytes)
         for line in plan.lines():
             log.info(line)
         self.memory_plan = plan

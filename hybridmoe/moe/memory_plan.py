@@ -150,6 +150,7 @@ def plan_memory(
     prefill_threshold: int | None = None,
     dynamic_update: bool = False,
     gpu_fp8: bool | None = None,
+    cpu_expert_bytes: dict[int, int] | None = None,
 ) -> MemoryPlan:
     """Sizes from the config alone. The KV cache item is the minimum the server needs (one full
     context); the runner gives it whatever --mem-fraction-static leaves. With a layerwise prefill
@@ -159,7 +160,10 @@ def plan_memory(
 
     gpu_fp8: the GPU keeps a block-scaled fp8 checkpoint's linear weights (and GPU experts) in fp8,
     1 byte per weight plus a float32 scale per block; None: so when the config is fp8 (quant_method
-    fp8), False: dequantized to the model dtype at load (GPUs without fp8, or when asked)."""
+    fp8), False: dequantized to the model dtype at load (GPUs without fp8, or when asked).
+
+    cpu_expert_bytes: layer -> bytes of one of its CPU experts as stored (GGUF blocks, --kt-method
+    LLAMAFILE: each layer may have its own types); None: the method's bytes per parameter."""
     h, inter = hf_config.hidden_size, spec.moe_intermediate
     block = fp8_block(hf_config)
     if gpu_fp8 is None:
@@ -175,7 +179,10 @@ def plan_memory(
     plan.gpu["KV cache (minimum)"] = kv_tokens * kv_bytes_per_token(hf_config, dtype_bytes)
     plan.gpu["activations and graphs"] = 64 * max_batch * h * dtype_bytes * 8 + GiB // 2
     cpu_bytes = _CPU_BYTES_PER_PARAM.get(kt_method, 2.0)
-    if dynamic_update:
+    if cpu_expert_bytes is not None:
+        plan.host["CPU experts (GGUF blocks)"] = sum(int((~m).sum()) * cpu_expert_bytes[layer]
+                                                     for layer, m in masks.items())
+    elif dynamic_update:
         n_all = sum(len(m) for m in masks.values())
         plan.host["CPU experts (all of them: dynamic expert update)"] = int(n_all * per_expert * cpu_bytes)
     else:

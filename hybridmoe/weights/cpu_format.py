@@ -346,7 +346,7 @@ class CPUWeightDir:
                         model_path)
             return
         scheme = str(recorded).split(":", 1)[0]
-        if scheme != fingerprint.SCHEME:
+        if scheme not in fingerprint.SCHEMES:
             raise CPUWeightsError(f"{self.path / MANIFEST}: expert fingerprint scheme {scheme!r} is unknown to this "
                                   f"hybridmoe (it computes {fingerprint.SCHEME!r}); convert again with this version")
         actual = fingerprint.expert_fingerprint(model_path, spec, config)

@@ -22,6 +22,7 @@ from hybridmoe.weights.loader import CheckpointError
 from hybridmoe.weights.shards import DTYPES, TensorInfo, scan_checkpoint
 
 SCHEME = "bf16-sample-v1"
+SCHEMES = (SCHEME, "gguf-blocks-v1")  # the second: a GGUF source (gguf/convert_source.py)
 RUNS, RUN = 4, 16  # per tensor: 4 runs of 16 consecutive elements
 _FLOATS = ("F32", "F16", "BF16", "F64")
 _FP8 = ("F8_E4M3", "F8_E5M2")
@@ -89,7 +90,15 @@ def _values(reader: _Reader, tensors: dict[str, TensorInfo], name: str, info: Te
 
 
 def expert_fingerprint(model_path: str | Path, spec, config=None) -> str:
-    """`SCHEME:sha256` of the sampled routed-expert weights of the checkpoint in `model_path`."""
+    """`SCHEME:sha256` of the sampled routed-expert weights of the checkpoint in `model_path` (of the
+    GGUF's blocks for a `--model FILE.gguf` view directory: gguf/convert_source.py)."""
+    from hybridmoe.gguf.view import gguf_source
+
+    if (gguf := gguf_source(model_path)) is not None:
+        from hybridmoe.gguf.convert_source import gguf_fingerprint
+        from hybridmoe.gguf.reader import GGUFModel
+
+        return gguf_fingerprint(GGUFModel.open(gguf), spec)
     tensors = scan_checkpoint(model_path)
     files = sorted({t.file for t in tensors.values()})
     try:

@@ -131,6 +131,19 @@ class SafetensorsIndex:
         dst.copy_(self.get(name, tuple(dst.shape)))
 
 
+def checkpoint_index(model_path: str):
+    """The tensors of a model directory: its safetensors, or the GGUF a `--model FILE.gguf` view
+    directory stands for (gguf/view.py; dequantized on read, gguf/weights.py)."""
+    from hybridmoe.gguf.view import gguf_source
+
+    src = gguf_source(model_path)
+    if src is None:
+        return SafetensorsIndex(model_path)
+    from hybridmoe.gguf.weights import open_weights
+
+    return open_weights(src)
+
+
 class DummyWeights:
     """Random weights generated in place on the target device (`--load-format dummy`), for
     benchmarks of full-size shapes without a checkpoint on disk."""
@@ -183,7 +196,7 @@ def load_model(
     """
     spec = spec or arch_spec(config, f"{model_path}/config.json")
     dummy = load_format == "dummy"
-    index = DummyWeights() if dummy else SafetensorsIndex(model_path)
+    index = DummyWeights() if dummy else checkpoint_index(model_path)
     try:
         block = fp8_block_of(config)
     except ValueError as e:

@@ -1,0 +1,98 @@
+"""A GGUF model's tensors under their Hugging Face names, dequantized on read: the loader's
+checkpoint index for `--model FILE.gguf` (weights/loader.py uses it in place of SafetensorsIndex).
+
+    w = GGUFWeights(GGUFModel.open(path))
+    w.fill("model.layers.0.self_attn.q_proj.weight", dst)   # dequantized, converted to dst's dtype
+    w.fill("model.layers.0.mlp.experts.3.up_proj.weight", dst)  # one expert of blk.0.ffn_up_exps
+
+q/k rows of a llama-architecture file are un-permuted (gguf/names.py). A missing tensor or a shape
+that does not fit is a GGUFError naming the file and both names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.cpu import gguf_quant
+from hybridmoe.gguf.names import PERMUTED_QK, gguf_name, unpermute_rows
+from hybridmoe.gguf.reader import GGUFError, GGUFModel, GGUFTensor
+
+
+class GGUFWeights:
+    """The loader's index interface (`in`, fill, dtype_of, shape_of, file_of) over one GGUF model."""
+
+    def __init__(self, model: GGUFModel) -> None:
+        self.model = model
+        self.permute = model.arch in PERMUTED_QK
+        heads = model.meta(f"{model.arch}.attention.head_count")
+        self.heads = int(heads) if heads is not None else None
+        kv = model.meta(f"{model.arch}.attention.head_count_kv")
+        self.kv_heads = int(kv) if kv is not None else self.heads
+        # every Hugging Face name this file can fill (experts expanded), for the MTP note and `in`
+        self.file_of: dict[str, str] = {}
+
+    def _lookup(self, hf: str) -> tuple[GGUFTensor, int | None] | None:
+        m = gguf_name(hf)
+        if m is None or not self.model.has(m[0]):
+            return None
+        return self.model.tensor(m[0]), m[1]
+
+    def __contains__(self, hf: str) -> bool:
+        return self._lookup(hf) is not None
+
+    def _get(self, hf: str) -> tuple[GGUFTensor, int | None]:
+        found = self._lookup(hf)
+        if found is None:
+            m = gguf_name(hf)
+            what = f"no tensor {m[0]}" if m else "no GGUF tensor name for it"
+            raise GGUFError(f"{self.model.path}: {what} (parameter {hf})")
+        return found
+
+    def shape_of(self, hf: str) -> tuple[int, ...]:
+        t, e = self._get(hf)
+        return t.shape[1:] if e is not None else t.shape
+
+    def dtype_of(self, hf: str) -> torch.dtype:
+        return torch.float32  # dequantized on read
+
+    def values(self, hf: str) -> torch.Tensor:
+        """The parameter as float32 (one expert of a 3-D expert tensor: only its rows dequantized)."""
+        t, e = self._get(hf)
+        if e is None:
+            out = t.values()
+        elif t.type in gguf_quant.TYPES:
+            out = gguf_quant.dequantize(t.rows()[e], t.type)
+        else:
+            out = t.values()[e]
+        if self.permute and self.heads and (".attn_q." in t.name or ".attn_k." in t.name):
+            out = unpermute_rows(out, self.heads if ".attn_q." in t.name else self.kv_heads)
+        return out
+
+    def fill(self, hf: str, dst: torch.Tensor) -> None:
+        v = self.values(hf)
+        if tuple(v.shape) != tuple(dst.shape):
+            if v.numel() != dst.numel() or v.dim() == dst.dim():  # [H] for [1, H] is fine, a transposition is not
+                t, _ = self._get(hf)
+                raise GGUFError(f"{t.file}: tensor {t.name} gives {hf} the shape {tuple(v.shape)}, the model "
+                                f"(config) needs {tuple(dst.shape)}")
+            v = v.reshape(dst.shape)
+        dst.copy_(v)
+
+    def check(self, hf: str, shape: tuple[int, ...]) -> None:
+        """Parameter `hf` exists with `shape` (a [1, H] parameter may be stored as [H])."""
+        got = tuple(self.shape_of(hf))
+        if got != tuple(shape) and not (len(got) != len(shape) and _numel(got) == _numel(shape)):
+            t, _ = self._get(hf)
+            raise GGUFError(f"{t.file}: tensor {t.name} gives {hf} the shape {got}, the model (config) needs "
+                            f"{tuple(shape)}")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def open_weights(path: str) -> GGUFWeights:
+    return GGUFWeights(GGUFModel.open(path))
