@@ -239,15 +239,10 @@ class EngineArgs:
         need(self.kt_cpuinfer is None or self.kt_cpuinfer >= 1, "kt-cpuinfer", "a positive integer")
         need(self.kt_threadpool_count >= 1, "kt-threadpool-count", "a positive integer")
         if self.kt_numa_nodes is not None:
-            from hybridmoe.cpu.topology import numa_nodes, parse_node_list
+            from hybridmoe.cpu.topology import numa_nodes_problem
 
-            try:
-                nodes = parse_node_list(str(self.kt_numa_nodes))
-            except ValueError:
-                nodes = None
-            need(nodes is not None, "kt-numa-nodes", "NUMA node ids like 0 or 0,1")
-            present = sorted(numa_nodes())
-            need(all(n in present for n in nodes or []), "kt-numa-nodes", f"nodes of this machine: {present}")
+            problem = numa_nodes_problem(str(self.kt_numa_nodes))
+            need(problem is None, "kt-numa-nodes", problem or "")
         need(self.kt_max_deferred_experts_per_token >= 0, "kt-max-deferred-experts-per-token",
              "a non-negative integer")
         need(self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,

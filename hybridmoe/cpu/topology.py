@@ -102,3 +102,13 @@ def plan_threads(threads: int | None, subpools: int = 1, nodes: list[int] | None
         extra = [c for c in allowed if c not in cores]
         cores = cores + extra
     return [cores[j % len(cores)] for j in range(n)], subpools
+
+
+def numa_nodes_problem(spec: str) -> str | None:
+    """What is wrong with a --kt-numa-nodes value ("0" or "0,1"), or None when every node exists here."""
+    try:
+        nodes = parse_node_list(spec)
+    except ValueError:
+        return "NUMA node ids like 0 or 0,1"
+    present = sorted(numa_nodes())
+    return None if all(n in present for n in nodes) else f"nodes of this machine: {present}"
