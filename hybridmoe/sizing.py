@@ -47,10 +47,10 @@ class GpuSizing:
 
 def size_gpu_experts(hf_config: Any, spec: Any, gpu_total: int | None, *, mem_fraction: float | None = None,
                      context_len: int | None = None, kv_tokens: int | None = None, kt_method: str = "AMXINT8",
-                     max_running_requests: int = 256, dtype_bytes: int = 2) -> GpuSizing:
+                     max_running_requests: int = 256, dtype_bytes: int = 2, prefill_tokens: int = 8192) -> GpuSizing:
     """The largest N (GPU experts per MoE layer, uniform placement) whose GPU plan fits
     `mem_fraction` of `gpu_total` bytes with a KV cache of `kv_tokens` tokens (default: one
-    `context_len` context). No GPU (gpu_total None): 0."""
+    `context_len` context) and a prefill chunk of `prefill_tokens`. No GPU (gpu_total None): 0."""
     from hybridmoe.moe.memory_plan import plan_memory
     from hybridmoe.moe.placement import place_experts
 
@@ -65,7 +65,8 @@ def size_gpu_experts(hf_config: Any, spec: Any, gpu_total: int | None, *, mem_fr
 
     def plan(n: int):
         masks = place_experts("uniform", layers, n_exp, n)
-        return plan_memory(hf_config, spec, masks, dtype_bytes, kt_method, tokens, max_running_requests)
+        return plan_memory(hf_config, spec, masks, dtype_bytes, kt_method, tokens, max_running_requests,
+                           prefill_tokens=min(prefill_tokens, ctx))
 
     def fits(n: int) -> bool:
         return sum(plan(n).gpu.values()) <= budget
@@ -107,7 +108,9 @@ def resolve_auto_gpu_experts(args: Any) -> int:
     dtype_bytes = 4 if args.dtype in ("float32", "float") else 2
     s = size_gpu_experts(config, spec, gpu, mem_fraction=args.mem_fraction_static, context_len=args.context_length,
                          kv_tokens=args.max_total_tokens, kt_method=args.kt_method,
-                         max_running_requests=args.max_running_requests, dtype_bytes=dtype_bytes)
+                         max_running_requests=args.max_running_requests, dtype_bytes=dtype_bytes,
+                         prefill_tokens=min(args.chunked_prefill_size if args.chunked_prefill_size > 0
+                                            else args.max_prefill_tokens, args.max_prefill_tokens))
     for line in s.lines:
         log.info("--kt-num-gpu-experts auto: %s", line)
     log.info("--kt-num-gpu-experts auto: using %d", s.num_gpu_experts)

@@ -151,3 +151,30 @@ def test_masks_are_per_layer(model):
     _, _, spec = model
     masks = place_experts("uniform", list(spec.moe_layers), spec.num_experts, 4)
     assert all(isinstance(m, torch.Tensor) and int(m.sum()) == 4 for m in masks.values())
+
+
+def test_prefill_lines_count_the_chunk_and_the_dequantized_buffer():
+    """The prefill chunk's activations grow with its tokens; the layerwise buffer holds the streamed experts in
+    the model dtype (dequantized from INT8), not in their fp8 GPU form."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybridmoe.moe.memory_plan import expert_params, plan_memory, prefill_activation_bytes
+
+    cfg = SimpleNamespace(hidden_size=7168, num_attention_heads=128, kv_lora_rank=512, qk_nope_head_dim=128,
+                          qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536, vocab_size=1000,
+                          num_hidden_layers=2, quantization_config={"quant_method": "fp8",
+                                                                    "weight_block_size": [128, 128]})
+    spec = SimpleNamespace(moe_intermediate=2048, top_k=8, dense_intermediate=18432, moe_layers=[1],
+                           num_experts=8, shared_intermediate=2048)
+    per_tok = prefill_activation_bytes(cfg, spec, 2)
+    assert per_tok == (128 * (4 * 192 + 128 + 2 * 128) + 4 * 7168) * 2  # MLA's temporaries are the largest here
+    masks = {1: torch.tensor([True, False, False, True, False, False, False, False])}
+    a = plan_memory(cfg, spec, masks, 2, "AMXINT8", 64, 1, prefill_threshold=1024, prefill_tokens=4096)
+    b = plan_memory(cfg, spec, masks, 2, "AMXINT8", 64, 1, prefill_threshold=1024, prefill_tokens=8192)
+    assert b.gpu["prefill activations"] == 2 * a.gpu["prefill activations"] == 8192 * per_tok
+    e = expert_params(7168, 2048)
+    assert a.gpu["prefill buffers"] >= 6 * (2 * e + 2 * e * 1.0)  # 6 streamed experts: bf16 buffer + 2 int8 slots
+    fp8 = plan_memory(cfg, spec, masks, 2, "FP8", 64, 1, prefill_threshold=1024)
+    assert fp8.gpu["prefill buffers"] < a.gpu["prefill buffers"]  # fp8 copied as it is: no bf16 buffer

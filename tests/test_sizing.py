@@ -48,7 +48,7 @@ def test_largest_that_fits(q30, gib, ctx):
 
     def total(n):
         masks = place_experts("uniform", list(spec.moe_layers), spec.num_experts, n)
-        return sum(plan_memory(cfg, spec, masks, 2, "AMXINT8", ctx, 256).gpu.values())
+        return sum(plan_memory(cfg, spec, masks, 2, "AMXINT8", ctx, 256, prefill_tokens=min(8192, ctx)).gpu.values())
 
     assert 0 < s.num_gpu_experts < spec.num_experts
     assert total(s.num_gpu_experts) <= budget < total(s.num_gpu_experts + 1)

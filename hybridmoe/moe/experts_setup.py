@@ -175,9 +175,11 @@ class ExpertsSetup:
             self.kt_weights = getattr(self, "kt_weights", None) or open_for_model(cfg.weight_path, m.hf, m.spec,
                                                                 model_path=self.args.model_path)
             cpu_bytes = expert_bytes_by_layer(self.kt_weights, m.spec.moe_layers)
+        chunk = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else self.args.max_prefill_tokens
         plan = plan_memory(m.hf, m.spec, p.masks, elt, cfg.method, context_len, self.args.max_running_requests,
                            prefill_threshold=p.prefill_threshold, dynamic_update=p.dynamic_update,
-                           cpu_expert_bytes=cpu_bytes)
+                           cpu_expert_bytes=cpu_bytes,
+                           prefill_tokens=min(chunk, self.args.max_prefill_tokens, context_len))
         for line in plan.lines():
             log.info(line)
         self.memory_plan = plan

@@ -129,6 +129,24 @@ def non_expert_bytes(cfg, spec, wb: WeightBytes) -> dict[str, int]:
     return out
 
 
+def prefill_activation_bytes(cfg, spec, dtype_bytes: int) -> int:
+    """GPU activation bytes per prompt token of a prefill chunk at its peak, inside one layer: the
+    larger of the attention's temporaries (MLA: q, the kv_b_proj output, k, V padded to the q/k head
+    dim, the padded attention output, o: layers/attention/mla.py; else q, k, v and the output) and
+    the fused MoE's (per token and top-k slot: gate/up, the activation, down's output) or a dense
+    MLP's, plus four hidden-size tensors of the residual stream (x, residual, normed, the layer's output)."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    if is_mla(cfg):
+        qk, nope, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        attn = heads * (4 * qk + nope + 2 * v)
+    else:
+        hd = getattr(cfg, "head_dim", None) or h // heads
+        attn = (2 * heads + 2 * (getattr(cfg, "num_key_value_heads", None) or heads)) * hd
+    moe = spec.top_k * (3 * spec.moe_intermediate + h)
+    dense = 3 * spec.dense_intermediate if len(spec.moe_layers) < cfg.num_hidden_layers else 0
+    return (max(attn, moe, dense) + 4 * h) * dtype_bytes
+
+
 def param_counts(cfg, spec) -> dict[str, int]:
     """Parameter counts: `non-expert`, `routed experts` (all layers), `total`, and `activated` per token
     (the non-expert part, top-k routed experts per MoE layer, one embedding row instead of the table)."""
@@ -151,12 +169,14 @@ def plan_memory(
     dynamic_update: bool = False,
     gpu_fp8: bool | None = None,
     cpu_expert_bytes: dict[int, int] | None = None,
+    prefill_tokens: int = 0,
 ) -> MemoryPlan:
     """Sizes from the config alone. The KV cache item is the minimum the server needs (one full
     context); the runner gives it whatever --mem-fraction-static leaves. With a layerwise prefill
     threshold the GPU also holds the prefill buffers (one layer's streamed experts in their GPU form,
     two staging slots of their packed bytes, the dequantization temporaries); with dynamic expert
-    update the host holds every expert of every layer.
+    update the host holds every expert of every layer. prefill_tokens: the largest prefill chunk (its
+    activations, prefill_activation_bytes per token).
 
     gpu_fp8: the GPU keeps a block-scaled fp8 checkpoint's linear weights (and GPU experts) in fp8,
     1 byte per weight plus a float32 scale per block; None: so when the config is fp8 (quant_method
@@ -178,6 +198,8 @@ def plan_memory(
     plan.gpu["GPU experts"] = n_gpu * gpu_expert
     plan.gpu["KV cache (minimum)"] = kv_tokens * kv_bytes_per_token(hf_config, dtype_bytes)
     plan.gpu["activations and graphs"] = 64 * max_batch * h * dtype_bytes * 8 + GiB // 2
+    if prefill_tokens:
+        plan.gpu["prefill activations"] = prefill_tokens * prefill_activation_bytes(hf_config, spec, dtype_bytes)
     cpu_bytes = _CPU_BYTES_PER_PARAM.get(kt_method, 2.0)
     if cpu_expert_bytes is not None:
         plan.host["CPU experts (GGUF blocks)"] = sum(int((~m).sum()) * cpu_expert_bytes[layer]
@@ -194,7 +216,9 @@ def plan_memory(
         # FP8 CPU experts streamed to fp8 GPU experts are copied as they are: no dequantization
         dequant = ec_max and not (kt_method == "FP8" and wb.block is not None)
         temps = min(ec_max * 2 * h * inter, DEQUANT_CHUNK_ELEMS) * (dtype_bytes + 4) if dequant else 0
-        plan.gpu["prefill buffers"] = int(ec_max * (gpu_expert + 2 * per_expert * cpu_bytes)) + temps
+        # the buffer holds the streamed experts in the model dtype (dequantized), fp8 only when copied as they are
+        buffer_expert = gpu_expert if not dequant else per_expert * dtype_bytes
+        plan.gpu["prefill buffers"] = int(ec_max * (buffer_expert + 2 * per_expert * cpu_bytes)) + temps
     plan.host["pinned buffers"] = 2 * max(max_batch, 8192) * h * 4 * 2  # in/out, double-buffered
     return plan
 
