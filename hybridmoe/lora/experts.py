@@ -75,3 +75,38 @@ class ExpertLoRASlots:
     def down(self, h: torch.Tensor, e: torch.Tensor, slot: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """[n, H]: the down delta of pairs with activations h [n, I]."""
         return self._delta(self.down_A[slot, e], self.down_B[slot, e], h, scale)
+
+    def pair_deltas(self, x: torch.Tensor, topk_ids: torch.Tensor) -> PairDeltas:
+        """The fused Triton path's hook (moe/triton_moe_kernels.fused_moe): deltas for every pair
+        p = t * K + j in routing order. x [T, H], topk_ids [T, K] (local ids; pairs of the other side
+        come with weight 0, so their deltas never reach the output)."""
+        return PairDeltas(self, x, topk_ids)
+
+
+_MAX_GATHER = 1 << 25  # gathered adapter elements per chunk of pairs (memory, not speed)
+
+
+class PairDeltas:
+    """Gate/up deltas [P, 2I] before the activation and down deltas [P, H] from the activations, in
+    chunks of pairs so a long prefill never gathers more than _MAX_GATHER adapter elements at once."""
+
+    def __init__(self, slots: ExpertLoRASlots, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        t, k = topk_ids.shape
+        self.slots, self.x = slots, x
+        self.tok = torch.arange(t, device=x.device).repeat_interleave(k)  # [P]
+        self.e = topk_ids.reshape(-1).long()  # [P]
+        self.slot, self.scale = slots.pair_slots(t, self.tok)  # [P], [P]
+        r, h, i = slots.gate_A.shape[2], slots.gate_A.shape[3], slots.down_A.shape[3]
+        self.step = max(1, _MAX_GATHER // (r * (2 * h + 3 * i)))
+
+    def _chunks(self):
+        for s in range(0, self.e.numel(), self.step):
+            yield slice(s, s + self.step)
+
+    def gate_up(self) -> torch.Tensor:  # [P, 2I]
+        parts = [self.slots.gate_up(self.x[self.tok[c]], self.e[c], self.slot[c], self.scale[c]) for c in self._chunks()]
+        return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+    def down(self, act: torch.Tensor) -> torch.Tensor:  # act [P, I] -> [P, H]
+        parts = [self.slots.down(act[c], self.e[c], self.slot[c], self.scale[c]) for c in self._chunks()]
+        return torch.cat(parts) if len(parts) != 1 else parts[0]

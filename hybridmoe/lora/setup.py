@@ -67,17 +67,16 @@ def _unwrap(experts):
 
 
 def _gpu_side(mgr: LoRAManager, backend, rows: torch.Tensor, layer: int, hidden: int, inter: int):
-    """Expert LoRA slots of a GPU-side backend (torch; Triton computes through a torch twin with LoRA)."""
+    """Expert LoRA slots of a GPU-side backend (torch, or the fused Triton kernels' delta hook)."""
     from hybridmoe.moe.torch_experts import TorchExperts
     from hybridmoe.moe.triton_experts import TritonExperts
 
     b = backend
-    if isinstance(b, TritonExperts):
-        b.lora_torch = TorchExperts(b.weights, b.gate_up.dtype)
-        b = b.lora_torch
-    if not isinstance(b, TorchExperts):
+    if not isinstance(b, (TorchExperts, TritonExperts)):
         raise LoRAAdapterError(f"layer {layer}: expert LoRA is not supported by the {b.name!r} experts backend")
-    w = b.w.gate_up
+    w = b.w.gate_up if isinstance(b, TorchExperts) else b.gate_up
+    if w.dtype == torch.float8_e4m3fn:  # fp8 experts: the adapter in the activation dtype
+        w = torch.empty(0, dtype=torch.bfloat16, device=w.device)
     b.lora = ExpertLoRASlots(rows, mgr.num_slots, mgr.max_rank, hidden, inter, mgr.batch, w.dtype, w.device)
     return b.lora
 

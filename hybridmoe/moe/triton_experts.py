@@ -49,10 +49,9 @@ class TritonExperts(MoEExperts):
         self.gate_up = weights.gate_up.contiguous()  # [E, 2I, H]
         self.down = weights.down.contiguous()  # [E, H, I]
         self.config: MoEKernelConfig | None = options.triton_config if options is not None else None
-        # expert LoRA (lora/experts.py): set by the LoRA manager with `lora_torch`, the gathered torch path
-        # that adds the per-token deltas before the activation (the fused kernel has no hook there)
+        # expert LoRA (lora/experts.py ExpertLoRASlots), attached by the LoRA manager: the fused kernels
+        # add its per-pair gate/up deltas before the activation and its down deltas after down
         self.lora = None
-        self.lora_torch: MoEExperts | None = None
 
     def config_for(self, num_tokens: int, top_k: int) -> MoEKernelConfig:
         """Tile sizes used at this T (the forced one, a tuned one for this shape, or the heuristic)."""
@@ -70,16 +69,15 @@ class TritonExperts(MoEExperts):
         """Weighted sum over each token's selected experts; no host sync (graph-capturable)."""
         if x.shape[0] == 0:
             return x.new_empty((0, self.weights.hidden_size))
-        if self.lora_torch is not None:
-            return self.lora_torch.forward(x, topk_ids, topk_weights)
         w = self.weights
+        lora = self.lora.pair_deltas(x, topk_ids) if self.lora is not None else None
+        cfg = self.config_for(x.shape[0], topk_ids.shape[1])
         if w.is_fp8:
-            return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights, self.config_for(x.shape[0], topk_ids.shape[1]),
-                             gate_up_scale=self.gate_up_scale, down_scale=self.down_scale, block=w.block)
+            return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights, cfg, gate_up_scale=self.gate_up_scale,
+                             down_scale=self.down_scale, block=w.block, lora=lora)
         if x.dtype != self.gate_up.dtype:
             raise TypeError(f"triton experts: x is {x.dtype}, weights are {self.gate_up.dtype}")
-        cfg = self.config_for(x.shape[0], topk_ids.shape[1])
-        return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights, cfg)
+        return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights, cfg, lora=lora)
 
 
 def fp8_experts_supported(weights: ExpertWeights) -> bool:

@@ -234,9 +234,9 @@ def _gate_up_kernel(
     x_ptr, w_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, num_experts, num_m_blocks, H, I_SIZE, top_k,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ip, stride_ii,
-    s_ptr, stride_se, stride_sn, stride_sk, up_scale_row,
+    s_ptr, stride_se, stride_sn, stride_sk, up_scale_row, delta_ptr, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    IEEE: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, DELTA: tl.constexpr,
 ):
     """inter[pair, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one [BM pairs, BN] tile.
     FP8: the weights are e4m3 codes with (SBN x SBK) block scales at s_ptr (gate's rows, then up's
@@ -283,6 +283,11 @@ def _gate_up_kernel(
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
 
+    if DELTA:  # LoRA: per-pair gate and up deltas [P, 2I] added before the activation
+        d_ptrs = delta_ptr + pairs[:, None].to(tl.int64) * stride_dp + offs_n[None, :]
+        dmask = valid_m[:, None] & mask_n[None, :]
+        acc_g += tl.load(d_ptrs, mask=dmask, other=0.0).to(tl.float32)
+        acc_u += tl.load(d_ptrs + I_SIZE, mask=dmask, other=0.0).to(tl.float32)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
     out_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * stride_ip + offs_n[None, :] * stride_ii
     tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid_m[:, None] & mask_n[None, :])
@@ -376,6 +381,7 @@ def fused_moe(
     gate_up_scale: torch.Tensor | None = None,  # fp8: [E, 2*ceil(I/bn), ceil(H/bk)] float32
     down_scale: torch.Tensor | None = None,  # fp8: [E, ceil(H/bn), ceil(I/bk)] float32
     block: tuple[int, int] | None = None,  # fp8: (bn, bk)
+    lora=None,  # lora/experts.PairDeltas: gate/up deltas before the activation, down deltas after down
 ) -> torch.Tensor:  # [T, H], dtype of x
     """out[t] = sum_j w[t, j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, j]. Sync-free.
 
@@ -412,6 +418,7 @@ def fused_moe(
     else:
         nbi, gs, ds = 0, gate_up, down  # unused pointers (FP8=False)
 
+    delta = lora.gate_up().contiguous() if lora is not None else inter_dummy(x)  # [P, 2I]
     inter = torch.empty((num_pairs, inter_size), dtype=act_dtype, device=x.device)  # [P, I]
     grid1 = (num_m_blocks * triton.cdiv(inter_size, cfg.gu_block_n),)
     _gate_up_kernel[grid1](
@@ -419,9 +426,10 @@ def fused_moe(
         num_pairs, num_experts, num_m_blocks, hidden, inter_size, top_k,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         inter.stride(0), inter.stride(1),
-        gs, gs.stride(0), gs.stride(1), gs.stride(2), nbi,
+        gs, gs.stride(0), gs.stride(1), gs.stride(2), nbi, delta, delta.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=gu_bk, GROUP_M=cfg.group_m,
-        IEEE=ieee, FP8=fp8, SBN=sbn, SBK=sbk, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
+        IEEE=ieee, FP8=fp8, SBN=sbn, SBK=sbk, DELTA=lora is not None, num_warps=cfg.gu_warps,
+        num_stages=cfg.gu_stages,
     )
 
     out_pairs = torch.empty((num_pairs, hidden), dtype=act_dtype, device=x.device)  # [P, H]
@@ -435,6 +443,13 @@ def fused_moe(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=dn_bk, GROUP_M=cfg.group_m,
         IEEE=ieee, FP8=fp8, SBN=sbn, SBK=sbk, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
     )
+    if lora is not None:  # y_e += s B_d A_d h, weighted like the expert's output
+        out_pairs = (out_pairs.float() + weights.float()[:, None] * lora.down(inter).float()).to(act_dtype)
     if top_k == 1:
         return out_pairs
     return sum_pairs(out_pairs, num_tokens, top_k)
+
+
+def inter_dummy(x: torch.Tensor) -> torch.Tensor:
+    """A one-element stand-in for the delta pointer when DELTA is off (never read)."""
+    return x.new_zeros((1, 1))
