@@ -35,6 +35,9 @@ def main() -> None:
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    p.add_argument("--prefill", type=int, default=0,
+                   help="profile the prefill of one prompt of this many tokens instead (after one untimed prompt of "
+                        "the same length: Triton compiles excluded), to its first token")
     a = parse_shape_args(p)
 
     from torch.profiler import ProfilerActivity, profile
@@ -52,6 +55,10 @@ def main() -> None:
                   max_total_tokens=a.batch * 512, context_length=4096, **opts)
         eng = llm.engine
         g = torch.Generator().manual_seed(0)
+        if a.prefill:
+            profile_prefill(eng, a, g, profile, ProfilerActivity)
+            llm.shutdown()
+            return
         reqs = [eng.make_request(input_ids=torch.randint(0, a.vocab, (32,), generator=g).tolist(),
                                  sampling_params={"max_new_tokens": a.steps + 8, "temperature": 0, "ignore_eos": True})
                 for _ in range(a.batch)]
@@ -66,6 +73,33 @@ def main() -> None:
             torch.cuda.synchronize()
         llm.shutdown()
 
+    summarize(prof, a, a.steps, "decode steps")
+
+
+def profile_prefill(eng, a, g, profile, activity) -> None:
+    import time
+
+    def one() -> None:
+        r = eng.make_request(input_ids=torch.randint(0, a.vocab, (a.prefill,), generator=g).tolist(),
+                             sampling_params={"max_new_tokens": 1, "temperature": 0, "ignore_eos": True})
+        eng.submit(r)
+        while not r.finished:
+            eng.step()
+        torch.cuda.synchronize()
+
+    one()  # compiles and first-touch allocations
+    walls = []
+    for _ in range(3):
+        t = time.perf_counter()
+        one()
+        walls.append(time.perf_counter() - t)
+    print(f"prefill of {a.prefill} tokens to the first token: {', '.join(f'{1e3 * w:.1f}' for w in walls)} ms (wall)")
+    with profile(activities=[activity.CUDA, activity.CPU]) as prof:
+        one()
+    summarize(prof, a, 1, f"prefill of {a.prefill} tokens")
+
+
+def summarize(prof, a, n: int, what: str) -> None:
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]  # kernels, memcpys, memsets
     if not events:
         print("no GPU events recorded (CUPTI unavailable?)")
@@ -87,8 +121,7 @@ def main() -> None:
             cur_e = max(cur_e, e)
     busy += cur_e - cur_s
     window = spans[-1][1] - spans[0][0]
-    n = a.steps
-    print(f"{n} decode steps, batch {a.batch}, graphs {'off' if a.no_graphs else 'on'}, "
+    print(f"{n} {what}, batch {a.batch}, graphs {'off' if a.no_graphs else 'on'}, "
           f"{'all experts on the GPU' if a.gpu_experts is None else f'{a.gpu_experts} GPU experts ({a.method})'}")
     print(f"per step: window {window / n / 1e3:.2f} ms, GPU busy {busy / n / 1e3:.2f} ms, idle {(window - busy) / n / 1e3:.2f} "
           f"ms in {len(gaps) / n:.0f} gaps (median gap {sorted(gaps)[len(gaps) // 2] if gaps else 0:.1f} us, "
