@@ -5,7 +5,8 @@ checkpoint index for `--model FILE.gguf` (weights/loader.py uses it in place of 
     w.fill("model.layers.0.self_attn.q_proj.weight", dst)   # dequantized, converted to dst's dtype
     w.fill("model.layers.0.mlp.experts.3.up_proj.weight", dst)  # one expert of blk.0.ffn_up_exps
 
-q/k rows of a llama-architecture file are un-permuted (gguf/names.py). A missing tensor or a shape
+q/k rows of a llama-architecture file are un-permuted (gguf/names.py); a deepseek2 file's split
+attn_k_b / attn_v_b are put together as kv_b_proj (gguf/deepseek2.py). A missing tensor or a shape
 that does not fit is a GGUFError naming the file and both names.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.cpu import gguf_quant
+from hybridmoe.gguf.deepseek2 import split_kv_b
 from hybridmoe.gguf.names import PERMUTED_QK, gguf_name, unpermute_rows
 from hybridmoe.gguf.reader import GGUFError, GGUFModel, GGUFTensor
 
@@ -33,8 +35,11 @@ class GGUFWeights:
 
     def _lookup(self, hf: str) -> tuple[GGUFTensor, int | None] | None:
         m = gguf_name(hf)
-        if m is None or not self.model.has(m[0]):
+        if m is None:
             return None
+        if not self.model.has(m[0]):
+            split = split_kv_b(self.model, m[0])  # deepseek2's newer k_b / v_b form of kv_b_proj
+            return (split, None) if split is not None else None
         return self.model.tensor(m[0]), m[1]
 
     def __contains__(self, hf: str) -> bool:
