@@ -151,7 +151,8 @@ class SplitKVB:
     index reads (name, file, shape, values), assembled on read (nothing kept)."""
 
     def __init__(self, name: str, k_b, v_b) -> None:
-        self.name, self.file, self.k_b, self.v_b = name, k_b.file, k_b, v_b
+        self.name = f"{k_b.name} + {v_b.name}"  # what errors name: the file has no `name` itself
+        self.file, self.k_b, self.v_b = k_b.file, k_b, v_b
         h, lora, nope = k_b.shape
         self.shape = (h * (nope + v_b.shape[1]), lora)
         self.type = 0  # float32 once assembled
@@ -167,7 +168,7 @@ class SplitKVB:
         return kv_b_from_split(k_b, v_b)
 
 
-def split_kv_b(model, name: str) -> SplitKVB | None:
+def split_kv_b(model, name: str) -> SplitKVB | None:  # model: gguf.reader.GGUFModel
     """The split form of `blk.L.attn_kv_b.weight` when the file has attn_k_b and attn_v_b instead."""
     if not name.endswith(".attn_kv_b.weight"):
         return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.cpu import gguf_quant
-from hybridmoe.gguf.deepseek2 import split_kv_b
+from hybridmoe.gguf.deepseek2 import SplitKVB, split_kv_b
 from hybridmoe.gguf.names import PERMUTED_QK, gguf_name, unpermute_rows
 from hybridmoe.gguf.reader import GGUFError, GGUFModel, GGUFTensor
 
@@ -33,7 +33,7 @@ class GGUFWeights:
         # every Hugging Face name this file can fill (experts expanded), for the MTP note and `in`
         self.file_of: dict[str, str] = {}
 
-    def _lookup(self, hf: str) -> tuple[GGUFTensor, int | None] | None:
+    def _lookup(self, hf: str) -> tuple[GGUFTensor | SplitKVB, int | None] | None:
         m = gguf_name(hf)
         if m is None:
             return None
@@ -45,7 +45,7 @@ class GGUFWeights:
     def __contains__(self, hf: str) -> bool:
         return self._lookup(hf) is not None
 
-    def _get(self, hf: str) -> tuple[GGUFTensor, int | None]:
+    def _get(self, hf: str) -> tuple[GGUFTensor | SplitKVB, int | None]:
         found = self._lookup(hf)
         if found is None:
             m = gguf_name(hf)

@@ -104,6 +104,9 @@ def test_deepseek2_gguf_alone_matches_the_hf_directory(ds_gguf, name):
     print(f"{name}: GGUF alone (LLAMAFILE experts) vs torch on the dequantized weights: rel {err:.3f}")
     assert err < 0.10
     n_exp = alone.engine.model_config.spec.num_experts
+    some = LLM(str(gguf), device="cpu", progress=False, kt_num_gpu_experts=3)  # 3 dequantized, the rest blocks
+    assert some.engine.runner.moe.backend == "hybrid"
+    assert _rel(some.prompt_logits(PROMPT), ref) < 0.10
     allgpu = LLM(str(gguf), device="cpu", progress=False, kt_num_gpu_experts=n_exp).prompt_logits(PROMPT)
     assert _rel(allgpu, ref) < 1e-4
     with torch.no_grad():
@@ -139,6 +142,32 @@ def test_kv_b_from_split_inverts_the_converters_split(h, lora, nope, v):
     assert torch.equal(kv_b_from_split(k_b, v_b), kv_b)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu", [0, 3])
+def test_deepseek2_gguf_on_cuda_matches_the_cpu_device(ds_gguf, gpu):
+    """The H200 run: bf16 MLA and dense layers on the GPU, `gpu` experts per layer dequantized there,
+    the rest on the CPU kernels, CUDA graphs on; against the same file on the CPU device (fp32).
+    Bound 0.05 as tests/gguf/test_gguf_cuda.py (std 0.1 weights: tests/test_deepseek.py measured 1-5%
+    bf16 error of transformers itself on such models)."""
+    from tiny_models import assert_greedy_agrees
+
+    _, gguf, _, _ = ds_gguf("v3")
+    ref = LLM(str(gguf), device="cpu", progress=False, kt_num_gpu_experts=gpu)
+    llm = LLM(str(gguf), device="cuda", progress=False, kt_num_gpu_experts=gpu)
+    try:
+        a, b = llm.prompt_logits(PROMPT).float().cpu(), ref.prompt_logits(PROMPT).float()
+        rel = _rel(a, b)
+        print(f"deepseek2 GGUF on CUDA, {gpu} GPU experts: prompt logits rel {rel:.4f} against the CPU device")
+        assert rel < 0.05
+        ref_tokens = ref.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+        logits = ref.prompt_logits(PROMPT + ref_tokens)[len(PROMPT) - 1: -1].float()
+        top2 = logits.topk(2, dim=-1).values
+        got = llm.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+        assert_greedy_agrees(got, ref_tokens, top2[:, 0] - top2[:, 1], 2 * (a - b).abs().max().item())
+    finally:
+        llm.shutdown()
+
+
 def test_check_reports_llamafile_for_a_deepseek2_gguf(ds_gguf, capsys):
     from hybridmoe.check import check_main
 
@@ -148,6 +177,32 @@ def test_check_reports_llamafile_for_a_deepseek2_gguf(ds_gguf, capsys):
     assert report["recommended_flags"]["--kt-method"] == "LLAMAFILE"
     assert report["gguf_tensor_types"]["experts"] == {"Q4_K": 3, "Q8_0": 3}
     assert report["sizing"]["num_experts"] == 8
+
+
+def test_convert_a_deepseek2_gguf_to_bf16(ds_gguf, tmp_path):
+    from hybridmoe.convert import main as convert_main
+
+    _, gguf, _, same = ds_gguf("v2lite")
+    out = tmp_path / "bf16"
+    assert convert_main(["--input-path", str(gguf), "--input-type", "gguf", "--output", str(out),
+                         "--quant-method", "bf16", "--no-progress"]) == 0
+    llm = LLM(str(gguf), device="cpu", progress=False, kt_method="BF16", kt_weight_path=str(out))
+    err = _rel(llm.prompt_logits(PROMPT), LLM(str(same), device="cpu", progress=False).prompt_logits(PROMPT))
+    print(f"deepseek2 GGUF -> convert bf16: rel {err:.2e}")
+    assert err < 2e-2  # bf16 weights and activations in the CPU kernels (test_gguf_tools.py's bound)
+
+
+@pytest.mark.parametrize("form", ["split", "old"])
+def test_startup_checks_accept_a_deepseek2_gguf(ds_gguf, form):
+    """startup.prepare: config, tokenizer, every tensor's shape (kv_b_proj from attn_k_b / attn_v_b
+    in the split form), the GGUF experts."""
+    from hybridmoe.config import EngineArgs
+    from hybridmoe.startup import prepare
+
+    _, new, old, _ = ds_gguf("v3")
+    gguf = new if form == "split" else old
+    args = prepare(EngineArgs.from_kwargs(model_path=str(gguf), device="cpu"))
+    assert (args.kt_method, args.kt_weight_path) == ("LLAMAFILE", str(gguf))
 
 
 def test_deepseek2_metadata_that_is_neither_v2_nor_v3_is_refused(ds_gguf):
