@@ -145,34 +145,3 @@ def kv_b_from_split(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     h, lora = k_b.shape[0], k_b.shape[1]
     return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, lora) if h else k_b.new_empty(0, lora)
 
-
-class SplitKVB:
-    """kv_b_proj of a file that stores attn_k_b / attn_v_b: the GGUFTensor interface the weight
-    index reads (name, file, shape, values), assembled on read (nothing kept)."""
-
-    def __init__(self, name: str, k_b, v_b) -> None:
-        self.name = f"{k_b.name} + {v_b.name}"  # what errors name: the file has no `name` itself
-        self.file, self.k_b, self.v_b = k_b.file, k_b, v_b
-        h, lora, nope = k_b.shape
-        self.shape = (h * (nope + v_b.shape[1]), lora)
-        self.type = 0  # float32 once assembled
-        self.type_name = f"{k_b.type_name} + {v_b.type_name} (attn_k_b + attn_v_b)"
-
-    def values(self) -> torch.Tensor:
-        k_b, v_b = self.k_b.values(), self.v_b.values()
-        if k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
-            from hybridmoe.gguf.reader import GGUFError
-
-            raise GGUFError(f"{self.file}: {self.k_b.name} {list(k_b.shape)} and {self.v_b.name} "
-                            f"{list(v_b.shape)} do not form one kv_b_proj (heads, kv_lora_rank differ)")
-        return kv_b_from_split(k_b, v_b)
-
-
-def split_kv_b(model, name: str) -> SplitKVB | None:  # model: gguf.reader.GGUFModel
-    """The split form of `blk.L.attn_kv_b.weight` when the file has attn_k_b and attn_v_b instead."""
-    if not name.endswith(".attn_kv_b.weight"):
-        return None
-    k, v = name.replace(".attn_kv_b.", ".attn_k_b."), name.replace(".attn_kv_b.", ".attn_v_b.")
-    if not (model.has(k) and model.has(v)):
-        return None
-    return SplitKVB(name, model.tensor(k), model.tensor(v))

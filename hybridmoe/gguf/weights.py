@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.cpu import gguf_quant
-from hybridmoe.gguf.deepseek2 import SplitKVB, split_kv_b
+from hybridmoe.gguf.deepseek2 import kv_b_from_split
 from hybridmoe.gguf.names import PERMUTED_QK, gguf_name, unpermute_rows
 from hybridmoe.gguf.reader import GGUFError, GGUFModel, GGUFTensor
 
@@ -90,6 +90,36 @@ class GGUFWeights:
             t, _ = self._get(hf)
             raise GGUFError(f"{t.file}: tensor {t.name} gives {hf} the shape {got}, the model (config) needs "
                             f"{tuple(shape)}")
+
+
+class SplitKVB:
+    """kv_b_proj of a deepseek2 file that stores attn_k_b / attn_v_b (gguf/deepseek2.py): the
+    GGUFTensor interface the index reads (name, file, shape, values), assembled on read (nothing kept)."""
+
+    def __init__(self, k_b: GGUFTensor, v_b: GGUFTensor) -> None:
+        self.name = f"{k_b.name} + {v_b.name}"  # what errors name: the file has no attn_kv_b
+        self.file, self.k_b, self.v_b = k_b.file, k_b, v_b
+        h, lora, nope = k_b.shape
+        self.shape = (h * (nope + v_b.shape[1]), lora)
+        self.type = 0  # float32 once assembled
+        self.type_name = f"{k_b.type_name} + {v_b.type_name} (attn_k_b + attn_v_b)"
+
+    def values(self) -> torch.Tensor:
+        k_b, v_b = self.k_b.values(), self.v_b.values()
+        if k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+            raise GGUFError(f"{self.file}: {self.k_b.name} {list(k_b.shape)} and {self.v_b.name} "
+                            f"{list(v_b.shape)} do not form one kv_b_proj (heads, kv_lora_rank differ)")
+        return kv_b_from_split(k_b, v_b)
+
+
+def split_kv_b(model: GGUFModel, name: str) -> SplitKVB | None:
+    """The split form of `blk.L.attn_kv_b.weight` when the file has attn_k_b and attn_v_b instead."""
+    if not name.endswith(".attn_kv_b.weight"):
+        return None
+    k, v = name.replace(".attn_kv_b.", ".attn_k_b."), name.replace(".attn_kv_b.", ".attn_v_b.")
+    if not (model.has(k) and model.has(v)):
+        return None
+    return SplitKVB(model.tensor(k), model.tensor(v))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
