@@ -114,3 +114,29 @@ def test_stream_path_on_cpu(setup, monkeypatch, defer):
     if not defer:
         assert got[0] == want
     llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu_experts,defer", [(0, 0), (4, 0), (4, 1)], ids=["no_gpu_experts", "hybrid", "deferred"])
+def test_cuda_graphs_cpu_expert_lora(setup, gpu_experts, defer):
+    """On CUDA (the lead's H200): CPU-resident experts with LoRA driven from the stream, graphs on and
+    off, a mixed batch of the adapter and the base against the CPU device's Python-driven path; the
+    slot index is a graph input copied to the pinned buffer like x."""
+    base, ad, prompt, want, base_ids = setup
+    prompts = [prompt, prompt[:9], prompt[:15], prompt[2:]]
+    loras = ["ex", None, "ex", None]
+    opts = dict(dtype="float32", progress=False, lora_paths=[str(ad)], kt_method="BF16",
+                kt_num_gpu_experts=gpu_experts, kt_max_deferred_experts_per_token=defer)
+    cpu = LLM(str(base), device="cpu", **opts)
+    ref = [o["output_ids"] for o in cpu.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=loras)]
+    cpu.shutdown()
+    if not defer:
+        assert ref[0] == want
+    for graphs in (True, False):
+        llm = LLM(str(base), device="cuda", disable_cuda_graph=not graphs, cuda_graph_max_bs=8, max_total_tokens=4096,
+                  **opts)
+        got = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=loras)]
+        assert got == ref, (graphs, gpu_experts, defer)
+        if gpu_experts:  # (every expert on the CPU without a split: the runner turns graphs off itself)
+            assert (llm.engine.runner.graphs is not None) == graphs
+        llm.shutdown()
