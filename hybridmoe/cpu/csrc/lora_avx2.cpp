@@ -74,7 +74,25 @@ void dot(const void* A, int wdt, int64_t lda, int rows, const void* x, int xdt, 
 
 void axpy(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int nblk, int64_t bstep, float* C,
           int64_t cstep) {
-  for (int b = 0; b < nblk; ++b) {
+  int b = 0;
+  for (; b + 2 <= nblk; b += 2) {  // four independent accumulators: not bound by the FMA latency
+    float* c = C + b * cstep;
+    __m256 c0 = _mm256_loadu_ps(c), c1 = _mm256_loadu_ps(c + 8), c2 = _mm256_loadu_ps(c + cstep),
+           c3 = _mm256_loadu_ps(c + cstep + 8);
+    for (int k = 0; k < rows; ++k) {
+      const __m256 ak = _mm256_set1_ps(a[k]);
+      const int64_t o = k * ldb + b * bstep;
+      c0 = _mm256_fmadd_ps(ak, load8(Bt, wdt, o), c0);
+      c1 = _mm256_fmadd_ps(ak, load8(Bt, wdt, o + 8), c1);
+      c2 = _mm256_fmadd_ps(ak, load8(Bt, wdt, o + bstep), c2);
+      c3 = _mm256_fmadd_ps(ak, load8(Bt, wdt, o + bstep + 8), c3);
+    }
+    _mm256_storeu_ps(c, c0);
+    _mm256_storeu_ps(c + 8, c1);
+    _mm256_storeu_ps(c + cstep, c2);
+    _mm256_storeu_ps(c + cstep + 8, c3);
+  }
+  for (; b < nblk; ++b) {
     float* c = C + b * cstep;
     __m256 lo = _mm256_loadu_ps(c), hi = _mm256_loadu_ps(c + 8);
     for (int k = 0; k < rows; ++k) {

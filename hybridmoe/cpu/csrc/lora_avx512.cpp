@@ -50,7 +50,25 @@ void dot(const void* A, int wdt, int64_t lda, int rows, const void* x, int xdt, 
 
 void axpy(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int nblk, int64_t bstep, float* C,
           int64_t cstep) {
-  for (int b = 0; b < nblk; ++b) {
+  int b = 0;
+  for (; b + 4 <= nblk; b += 4) {  // four independent accumulators: not bound by the FMA latency
+    float* c = C + b * cstep;
+    __m512 c0 = _mm512_loadu_ps(c), c1 = _mm512_loadu_ps(c + cstep), c2 = _mm512_loadu_ps(c + 2 * cstep),
+           c3 = _mm512_loadu_ps(c + 3 * cstep);
+    for (int k = 0; k < rows; ++k) {
+      const __m512 ak = _mm512_set1_ps(a[k]);
+      const int64_t o = k * ldb + b * bstep;
+      c0 = _mm512_fmadd_ps(ak, load16(Bt, wdt, o), c0);
+      c1 = _mm512_fmadd_ps(ak, load16(Bt, wdt, o + bstep), c1);
+      c2 = _mm512_fmadd_ps(ak, load16(Bt, wdt, o + 2 * bstep), c2);
+      c3 = _mm512_fmadd_ps(ak, load16(Bt, wdt, o + 3 * bstep), c3);
+    }
+    _mm512_storeu_ps(c, c0);
+    _mm512_storeu_ps(c + cstep, c1);
+    _mm512_storeu_ps(c + 2 * cstep, c2);
+    _mm512_storeu_ps(c + 3 * cstep, c3);
+  }
+  for (; b < nblk; ++b) {
     float* c = C + b * cstep;
     __m512 acc = _mm512_loadu_ps(c);
     for (int k = 0; k < rows; ++k) acc = _mm512_fmadd_ps(_mm512_set1_ps(a[k]), load16(Bt, wdt, k * ldb + b * bstep), acc);
