@@ -55,6 +55,9 @@ UNITS: list[tuple[str, list[str], bool]] = [
     ("gguf_api.cpp", [], True),  # GGUF block layers (--kt-method LLAMAFILE)
     ("gguf_avx2.cpp", AVX2, True),
     ("gguf_avx512.cpp", AVX512, False),
+    ("lora.cpp", [], True),  # expert LoRA on the CPU experts (lora.h)
+    ("lora_avx2.cpp", AVX2, True),
+    ("lora_avx512.cpp", AVX512, False),
 ]
 LINK_FLAGS = ["-shared", "-pthread"]
 

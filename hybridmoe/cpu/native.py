@@ -83,7 +83,9 @@ class Task(C.Structure):
         ("skip", C.c_void_p),
         ("out", C.c_void_p),
         ("T", C.c_int64),
-    ] + [(n, C.c_int32) for n in ("K", "x_dtype", "ids_dtype", "out_dtype", "accumulate", "pad_")]
+    ] + [(n, C.c_int32) for n in ("K", "x_dtype", "ids_dtype", "out_dtype", "accumulate", "pad_")] + [
+        ("lora_idx", C.c_void_p),  # int32 [T] adapter slot per token, -1 none (csrc/lora.h); may be None
+    ]
 
 
 class PoolSettings(C.Structure):
