@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("check", help="environment report and recommended flags", add_help=False)
     sub.add_parser("convert", help="HF checkpoint -> CPU expert weights for --kt-weight-path; "
                    "`hybridmoe convert --help` for its flags", add_help=False)
+    sub.add_parser("convert-lora", help="KTransformers fused-expert LoRA checkpoint -> PEFT adapter dir for "
+                   "--lora-paths; `hybridmoe convert-lora --help` for its flags", add_help=False)
     sub.add_parser("bench", help="benchmarks: one-batch (latency of one batch), serving (concurrent clients); "
                    "`hybridmoe bench --help`", add_help=False)
     return p
@@ -100,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         from hybridmoe.convert import main as convert_main
 
         return convert_main(argv[1:])
+    if argv[:1] == ["convert-lora"]:
+        from hybridmoe.convert_lora import main as convert_lora_main
+
+        return convert_lora_main(argv[1:])
     ns, extra = build_parser().parse_known_args(argv)
     if extra:  # named by the sub-command's parser, like every other flag error
         OneLineParser(prog=f"hybridmoe {ns.command}").error(f"unrecognized arguments: {' '.join(extra)}")
