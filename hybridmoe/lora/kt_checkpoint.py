@@ -104,7 +104,7 @@ def _plan_experts(file: Path) -> tuple[list[Source], int, int]:
         raise ConvertLoRAError(f"{file}: no tensors (expected {_FUSED_FORM})")
     dims: dict[str, tuple[int, str]] = {}  # dim name -> (value, the key that set it)
     layers: dict[int, dict[tuple[str, str], str]] = {}
-    for key, (dtype, shape) in heads.items():
+    for key, (dtype, shape) in sorted(heads.items()):  # sorted: the same message whatever the file's order
         m = _FUSED_KEY.match(key)
         if m is None:
             raise ConvertLoRAError(f"{file}: unexpected key {key!r} (the only keys are {_FUSED_FORM})")
@@ -149,7 +149,7 @@ def _plan_linears(file: Path, rank: int, taken: set[str]) -> tuple[list[Source],
     """The non-expert tensors' output plan and their modules' last components; `taken`: the expert keys."""
     pairs: dict[tuple[int, str], dict[str, tuple[str, Entry]]] = {}
     names: dict[str, str] = {}  # output key -> input key
-    for key, (dtype, shape) in _headers(file).items():
+    for key, (dtype, shape) in sorted(_headers(file).items()):
         norm = normalize_key(key)
         m = _LINEAR_KEY.match(norm)
         if m is None:

@@ -105,3 +105,59 @@ def merged_hf_model(base: Path, adapter_dir: Path):
             else:
                 params[f"{mod}.weight"] += delta
     return model
+
+
+# ---- KTransformers SFT output directories (the input of convert-lora) -----------------------------------
+# non-expert key styles of a KTransformers SFT adapter_model.safetensors: PEFT's prefix or not, and the
+# `orig_module` component of KTransformers' wrappers before or after the linear's name
+KT_KEY_STYLES = ("base_model.model.model.layers.{L}.self_attn.{p}",
+                 "base_model.model.model.layers.{L}.self_attn.{p}.orig_module",
+                 "model.layers.{L}.self_attn.orig_module.{p}")
+
+
+def kt_sft_dir(hf_cfg, out: Path, seed: int, r: int = 4, alpha: float | None = 8, nonexpert: bool = True,
+               config: bool = True, dtype: torch.dtype = torch.bfloat16, scale: float = 0.3) -> dict[str, torch.Tensor]:
+    """A synthetic KTransformers SFT output directory at `out` for the model config `hf_cfg`:
+    fused_expert_lora.safetensors (layers.{L}.experts.{gate,up,down}_lora_{a,b}, [E, ...], `dtype`) on
+    every MoE layer; with `nonexpert` an adapter_model.safetensors with float32 q/k/v/o_proj LoRA on every
+    layer (the key styles of KT_KEY_STYLES by layer); with `config` an adapter_config.json (lora_alpha
+    omitted when alpha is None). Returns every tensor written, by its key."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, i, e = hf_cfg.hidden_size, hf_cfg.moe_intermediate_size, hf_cfg.num_experts
+    dense = set(getattr(hf_cfg, "mlp_only_layers", []) or [])
+
+    def rnd(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return (torch.randn(shape, generator=g) * scale).to(dt)
+
+    fused: dict[str, torch.Tensor] = {}
+    for layer in range(hf_cfg.num_hidden_layers):
+        if layer in dense:
+            continue
+        p = f"layers.{layer}.experts"
+        for proj in ("gate", "up"):
+            fused[f"{p}.{proj}_lora_a"], fused[f"{p}.{proj}_lora_b"] = rnd(e, r, h), rnd(e, i, r)
+        fused[f"{p}.down_lora_a"], fused[f"{p}.down_lora_b"] = rnd(e, r, i), rnd(e, h, r)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(fused, str(out / "fused_expert_lora.safetensors"))
+    lin: dict[str, torch.Tensor] = {}
+    if nonexpert:
+        d, q, kv = hf_cfg.head_dim, hf_cfg.num_attention_heads, hf_cfg.num_key_value_heads
+        dims = {"q_proj": (h, q * d), "k_proj": (h, kv * d), "v_proj": (h, kv * d), "o_proj": (q * d, h)}
+        for layer in range(hf_cfg.num_hidden_layers):
+            style = KT_KEY_STYLES[layer % len(KT_KEY_STYLES)]
+            for proj, (n_in, n_out) in dims.items():
+                k = style.format(L=layer, p=proj)
+                lin[f"{k}.lora_A.weight"] = rnd(r, n_in, dt=torch.float32)
+                lin[f"{k}.lora_B.weight"] = rnd(n_out, r, dt=torch.float32)
+        save_file(lin, str(out / "adapter_model.safetensors"))
+    if config:
+        cfg = {"peft_type": "LORA", "r": r, "target_modules": ["self_attn.q_proj", "k_proj", "v_proj", "o_proj",
+                                                              "gate_proj", "up_proj", "down_proj"],
+               "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "rank_pattern": {}, "alpha_pattern": {},
+               "use_rslora": False, "use_dora": False}
+        if alpha is not None:
+            cfg["lora_alpha"] = alpha
+        (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return {**fused, **lin}
