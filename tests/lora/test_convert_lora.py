@@ -106,6 +106,16 @@ def test_config_alpha_wins_and_progress(cfg, tmp_path, caplog):
     assert [m.split(":")[0] for m in layer_lines] == ["layer 0", "layer 2"]  # one line per MoE layer
 
 
+def test_config_r_unchecked_without_nonexpert(cfg, tmp_path):
+    """adapter_config's r must equal the experts' rank only when non-expert tensors exist."""
+    src = tmp_path / "sft"
+    kt_sft_dir(cfg, src, seed=12, nonexpert=False)
+    c = json.loads((src / "adapter_config.json").read_text())
+    (src / "adapter_config.json").write_text(json.dumps({**c, "r": 8}))
+    convert(src, tmp_path / "out", "tiny")
+    assert _read(tmp_path / "out")[1]["r"] == 4
+
+
 @pytest.mark.parametrize("flag", ["--expert-output-dir", "--nonexpert-output-dir"])
 def test_split_dirs(cfg, tmp_path, flag):
     src, out, other = tmp_path / "sft", tmp_path / "out", tmp_path / "d" / "half"
@@ -123,6 +133,26 @@ def test_split_dirs(cfg, tmp_path, flag):
     ad = read_adapter(lin_dir)
     ad.merge(read_adapter(exp_dir))
     assert sorted(ad.raw_experts) == [0, 2] and len(ad.linears) == cfg.num_hidden_layers * 4
+
+
+def test_peft_loads_the_nonexpert_half(cfg, tiny_model_dir, tmp_path):
+    """The non-expert output (keys without base_model.model.) loads in peft with every tensor in place."""
+    peft = pytest.importorskip("peft")
+    from tiny_models import hf_model
+
+    src, out = tmp_path / "sft", tmp_path / "out"
+    tensors = kt_sft_dir(cfg, src, seed=10)
+    convert(src, out, "tiny", expert_dir=str(tmp_path / "experts"))
+    model = peft.PeftModel.from_pretrained(hf_model(tiny_model_dir("qwen3_moe")), str(out))
+    n = 0
+    for k, t in _expected(tensors).items():
+        if ".experts." in k:
+            continue
+        mod = model.base_model.model.get_submodule(k.split(".lora_")[0])
+        ab = "lora_A" if ".lora_A." in k else "lora_B"
+        assert torch.equal(getattr(mod, ab)["default"].weight, t), k
+        n += 1
+    assert n == cfg.num_hidden_layers * 8
 
 
 def test_overwrite(cfg, tmp_path):
