@@ -2,8 +2,9 @@
 Hugging Face tokenizer files, through transformers' GGUF tokenizer conversion
 (transformers.integrations.gguf: byte-level BPE `gpt2` and sentencepiece `llama` vocabularies, the
 pre-tokenizer split of `tokenizer.ggml.pre`, control tokens as special tokens). Those functions moved
-between transformers releases (5.17 has neither), so where they are missing the public
-`AutoTokenizer.from_pretrained(dir, gguf_file=...)` does the conversion instead.
+between transformers releases (5.17 has neither), so where they are missing a byte-level BPE
+vocabulary is built by our own mapping (gguf/bpe_tokenizer.py) and any other through the public
+`AutoTokenizer.from_pretrained(dir, gguf_file=...)`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def save_tokenizer(gguf_file: str | Path, out_dir: str | Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     found = _internal_conversion()
-    if found is None:  # another transformers layout: its public GGUF loading
-        _save_through_auto_tokenizer(Path(gguf_file), out_dir)
+    if found is None:  # another transformers layout: our own BPE mapping, or its public GGUF loading
+        _save_without_the_conversion(Path(gguf_file), out_dir)
         return
     convert_gguf_tokenizer, get_gguf_tokenizer = found
     try:
@@ -63,6 +64,25 @@ def _split_like_the_vocabulary(tok, gguf_file: Path) -> None:
         pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
+
+
+def _save_without_the_conversion(gguf_file: Path, out_dir: str | Path) -> None:
+    from hybridmoe.gguf import bpe_tokenizer
+
+    try:
+        byte_level = bpe_tokenizer.is_byte_level_bpe(gguf_file)
+    except Exception as e:  # noqa: BLE001  (not a readable GGUF)
+        raise GGUFTokenizerError(f"{gguf_file}: its tokenizer metadata cannot be read ({e}); pass --tokenizer-path "
+                                 "with a Hugging Face tokenizer") from None
+    if not byte_level:
+        _save_through_auto_tokenizer(gguf_file, out_dir)
+        return
+    try:
+        tok = bpe_tokenizer.build(gguf_file)
+    except Exception as e:  # noqa: BLE001  (malformed vocabulary or merges: name the file)
+        raise GGUFTokenizerError(f"{gguf_file}: its tokenizer metadata cannot be converted ({e}); pass "
+                                 "--tokenizer-path with a Hugging Face tokenizer") from None
+    tok.save_pretrained(str(out_dir))
 
 
 def _save_through_auto_tokenizer(gguf_file: Path, out_dir: str | Path) -> None:

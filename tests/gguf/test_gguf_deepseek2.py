@@ -146,26 +146,12 @@ def test_kv_b_from_split_inverts_the_converters_split(h, lora, nope, v):
 @pytest.mark.parametrize("gpu", [0, 3])
 def test_deepseek2_gguf_on_cuda_matches_the_cpu_device(ds_gguf, gpu):
     """The H200 run: bf16 MLA and dense layers on the GPU, `gpu` experts per layer dequantized there,
-    the rest on the CPU kernels, CUDA graphs on; against the same file on the CPU device (fp32).
-    Bound 0.05 as tests/gguf/test_gguf_cuda.py (std 0.1 weights: tests/test_deepseek.py measured 1-5%
-    bf16 error of transformers itself on such models)."""
-    from tiny_models import assert_greedy_agrees
+    the rest on the CPU kernels, CUDA graphs on; against the same file on the CPU device (fp32), with
+    the bound of cuda_parity.py."""
+    from cuda_parity import check_cuda_against_cpu
 
-    _, gguf, _, _ = ds_gguf("v3")
-    ref = LLM(str(gguf), device="cpu", progress=False, kt_num_gpu_experts=gpu)
-    llm = LLM(str(gguf), device="cuda", progress=False, kt_num_gpu_experts=gpu)
-    try:
-        a, b = llm.prompt_logits(PROMPT).float().cpu(), ref.prompt_logits(PROMPT).float()
-        rel = _rel(a, b)
-        print(f"deepseek2 GGUF on CUDA, {gpu} GPU experts: prompt logits rel {rel:.4f} against the CPU device")
-        assert rel < 0.05
-        ref_tokens = ref.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
-        logits = ref.prompt_logits(PROMPT + ref_tokens)[len(PROMPT) - 1: -1].float()
-        top2 = logits.topk(2, dim=-1).values
-        got = llm.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
-        assert_greedy_agrees(got, ref_tokens, top2[:, 0] - top2[:, 1], 2 * (a - b).abs().max().item())
-    finally:
-        llm.shutdown()
+    _, gguf, _, same = ds_gguf("v3")
+    check_cuda_against_cpu(gguf, same, gpu, PROMPT, GREEDY, "deepseek2 GGUF")
 
 
 def test_check_reports_llamafile_for_a_deepseek2_gguf(ds_gguf, capsys):

@@ -38,3 +38,56 @@ def test_a_tokenizer_neither_path_converts_is_one_error_naming_the_file(tmp_path
     _hide_internal_conversion(monkeypatch)
     with pytest.raises(GGUFTokenizerError, match="bad.gguf.*--tokenizer-path"):
         save_tokenizer(bad, tmp_path / "out")
+
+
+def _tokenizer_only_gguf(path, arch: str, pre: str = "default", add_bos: bool = False):
+    """A GGUF holding only the demo model's vocabulary (gguf_files.add_tokenizer) under `arch`."""
+    from gguf import GGUFWriter
+    from gguf_files import add_tokenizer
+
+    w = GGUFWriter(str(path), arch)
+    add_tokenizer(w)
+    if pre != "default" or add_bos:  # rewrite the two fields add_tokenizer set
+        w.kv_data[0].pop("tokenizer.ggml.pre", None)
+        w.kv_data[0].pop("tokenizer.ggml.add_bos_token", None)
+        w.add_tokenizer_pre(pre)
+        w.add_bool("tokenizer.ggml.add_bos_token", add_bos)
+        w.add_bos_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_own_mapping_for_an_architecture_transformers_refuses(tmp_path, monkeypatch):
+    """deepseek2 (which transformers 5.17's GGUF loading refuses) through gguf/bpe_tokenizer.py."""
+    gguf = _tokenizer_only_gguf(tmp_path / "ds.gguf", "deepseek2")
+    _hide_internal_conversion(monkeypatch)
+    save_tokenizer(gguf, tmp_path / "out")
+    got, demo = AutoTokenizer.from_pretrained(tmp_path / "out"), AutoTokenizer.from_pretrained("hybridmoe/demo_model")
+    for text in TEXTS:
+        assert got(text).input_ids == demo(text).input_ids, text
+    msgs = [{"role": "user", "content": "hi"}]
+    assert got.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        demo.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert got.decode(got("  two spaces\nand 1234").input_ids) == "  two spaces\nand 1234"
+
+
+def test_own_mapping_follows_the_pre_tokenizer_and_bos(tmp_path, monkeypatch):
+    gguf = _tokenizer_only_gguf(tmp_path / "q.gguf", "qwen3moe", pre="qwen2", add_bos=True)
+    _hide_internal_conversion(monkeypatch)
+    save_tokenizer(gguf, tmp_path / "out")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    ids = tok("and 1234").input_ids
+    assert ids[0] == 0  # BOS prepended
+    assert tok.convert_ids_to_tokens(ids[-4:]) == ["1", "2", "3", "4"]  # the Qwen2 split: one digit each
+
+
+def test_other_vocabularies_go_through_auto_tokenizer(qwen3_gguf, tmp_path, monkeypatch):
+    _, gguf, _ = qwen3_gguf
+    _hide_internal_conversion(monkeypatch)
+    monkeypatch.setattr("hybridmoe.gguf.bpe_tokenizer.is_byte_level_bpe", lambda path: False)
+    save_tokenizer(gguf, tmp_path / "auto")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "auto")
+    assert tok("Hello world").input_ids == AutoTokenizer.from_pretrained("hybridmoe/demo_model")("Hello world").input_ids
