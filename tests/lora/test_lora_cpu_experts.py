@@ -63,6 +63,35 @@ def test_expert_lora_on_cpu_experts(setup, gpu_experts):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("gpu_experts", [0, 4])
+def test_layerwise_prefill_keeps_the_split_for_expert_adapters(setup, gpu_experts):
+    """--kt-gpu-prefill-token-threshold with expert LoRA: the streamed (CPU-resident) experts have no
+    adapter rows on the GPU side, so a forward with expert-adapter tokens runs the CPU/GPU split (the
+    CPU engine applies the CPU share) and gives the merged model's tokens; base-only forwards still
+    stream."""
+    base, ad, prompt, want, base_ids = setup
+    llm = LLM(str(base), device="cpu", dtype="float32", progress=False, lora_paths=[str(ad)], kt_method="BF16",
+              kt_num_gpu_experts=gpu_experts, kt_gpu_prefill_token_threshold=8, disable_radix_cache=True)
+    rt = next(iter(llm.engine.runner.model.moe_blocks())).experts.runtime
+    assert rt.layerwise is not None and rt.layerwise_veto is not None
+    assert llm.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="ex")["output_ids"] == want
+    assert rt.num_layerwise_prefills == 0
+    assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == base_ids
+    assert rt.num_layerwise_prefills == 1
+    outs = llm.generate(input_ids=[prompt, prompt], sampling_params=GREEDY, lora_path=["ex", None])
+    assert [o["output_ids"] for o in outs] == [want, base_ids] and rt.num_layerwise_prefills == 1
+    llm.shutdown()
+
+
+def test_dynamic_expert_update_is_refused(setup):
+    from hybridmoe.lora.adapter import LoRAAdapterError
+
+    base, ad, _, _, _ = setup
+    with pytest.raises(LoRAAdapterError, match="kt-enable-dynamic-expert-update is not supported"):
+        LLM(str(base), device="cpu", dtype="float32", progress=False, lora_paths=[str(ad)], kt_method="BF16",
+            kt_num_gpu_experts=4, kt_gpu_prefill_token_threshold=8, kt_enable_dynamic_expert_update=True)
+
+
 def test_deferred_tasks_carry_the_slots(setup, monkeypatch):
     from hybridmoe.moe.cpu_experts import CPUExperts
 
