@@ -9,6 +9,8 @@
 #include "common.h"
 #include "lora.h"
 
+// The tiles' loops are unrolled early (pragmas): GCC then keeps the accumulator arrays in registers
+// (without, tiles of more than four accumulators were stored to the stack every step).
 namespace {
 
 inline __m256 load8(const void* p, int dt, int64_t i) {
@@ -44,18 +46,26 @@ inline void dot_tile(const void* A, int wdt, int64_t lda, int k, const void* con
   const int n8 = n / 8 * 8;
   __m256 c[MM][RK];
   const void* a[RK];
+  #pragma GCC unroll 16
   for (int r = 0; r < RK; ++r) a[r] = row(A, wdt, (k + r) * lda);
+  #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m)
+    #pragma GCC unroll 16
     for (int r = 0; r < RK; ++r) c[m][r] = _mm256_setzero_ps();
   for (int i = 0; i < n8; i += 8) {
     __m256 xv[MM];
+    #pragma GCC unroll 16
     for (int m = 0; m < MM; ++m) xv[m] = load8(x[m], xdt, i);
+    #pragma GCC unroll 16
     for (int r = 0; r < RK; ++r) {
       const __m256 av = load8(a[r], wdt, i);
+      #pragma GCC unroll 16
       for (int m = 0; m < MM; ++m) c[m][r] = _mm256_fmadd_ps(av, xv[m], c[m][r]);
     }
   }
+  #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m)
+    #pragma GCC unroll 16
     for (int r = 0; r < RK; ++r) {
       float v = hsum(c[m][r]);
       for (int i = n8; i < n; ++i) v += load1(a[r], wdt, i) * load1(x[m], xdt, i);
@@ -88,32 +98,44 @@ template <int MM, int NB, int KS>
 inline void axpy_tile(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int64_t lda, int b,
                       int64_t bstep, float* C, int64_t ldc, int64_t cstep) {
   __m256 acc[KS][MM][2 * NB];
+  #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m)
+    #pragma GCC unroll 16
     for (int j = 0; j < 2 * NB; ++j) {
       acc[0][m][j] = _mm256_loadu_ps(C + m * ldc + (b + j / 2) * cstep + (j % 2) * 8);
+      #pragma GCC unroll 16
       for (int q = 1; q < KS; ++q) acc[q][m][j] = _mm256_setzero_ps();
     }
   int k = 0;
   for (; k + KS <= rows; k += KS)
+    #pragma GCC unroll 16
     for (int q = 0; q < KS; ++q) {
       const int64_t o = (k + q) * ldb + b * bstep;
       __m256 bv[2 * NB];
+      #pragma GCC unroll 16
       for (int j = 0; j < 2 * NB; ++j) bv[j] = load8(Bt, wdt, o + (j / 2) * bstep + (j % 2) * 8);
+      #pragma GCC unroll 16
       for (int m = 0; m < MM; ++m) {
         const __m256 am = _mm256_set1_ps(a[m * lda + k + q]);
+        #pragma GCC unroll 16
         for (int j = 0; j < 2 * NB; ++j) acc[q][m][j] = _mm256_fmadd_ps(am, bv[j], acc[q][m][j]);
       }
     }
   for (; k < rows; ++k) {
     const int64_t o = k * ldb + b * bstep;
+    #pragma GCC unroll 16
     for (int j = 0; j < 2 * NB; ++j) {
       const __m256 bv = load8(Bt, wdt, o + (j / 2) * bstep + (j % 2) * 8);
+      #pragma GCC unroll 16
       for (int m = 0; m < MM; ++m) acc[0][m][j] = _mm256_fmadd_ps(_mm256_set1_ps(a[m * lda + k]), bv, acc[0][m][j]);
     }
   }
+  #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m)
+    #pragma GCC unroll 16
     for (int j = 0; j < 2 * NB; ++j) {
       __m256 v = acc[0][m][j];
+      #pragma GCC unroll 16
       for (int q = 1; q < KS; ++q) v = _mm256_add_ps(v, acc[q][m][j]);
       _mm256_storeu_ps(C + m * ldc + (b + j / 2) * cstep + (j % 2) * 8, v);
     }
