@@ -153,8 +153,10 @@ def note_memory(plan, mgr: LoRAManager | None) -> None:
     """The slot buffers as lines of the startup memory plan (moe/memory_plan.py), logged."""
     if plan is None or mgr is None:
         return
-    dev, host = mgr.nbytes()
-    plan.gpu["LoRA slots"] = dev
+    from hybridmoe.lora.plan import GPU_LINE, HOST_LINE
+
+    dev, host = mgr.nbytes()  # the real bytes replace the startup estimate (lora/plan.py)
+    plan.gpu[GPU_LINE] = dev
     if host:
-        plan.host["LoRA expert slots (CPU share)"] = host
+        plan.host[HOST_LINE] = host
     log.info(plan.lines()[0].replace("GPU memory plan", "GPU memory plan with the LoRA slots"))
