@@ -19,6 +19,7 @@ class LoRABatch:
         self.device = device
         self.graph_index = torch.full((max(1, graph_capacity),), -1, dtype=torch.int32, device=device)  # [B]
         self.current = torch.full((0,), -1, dtype=torch.int32, device=device)  # [T]
+        self.expert_tokens = False  # host-side: some token's adapter has expert weights (set by the manager)
 
     def set(self, per_token: list[int]) -> None:
         """An eager forward's slots, one per new token."""

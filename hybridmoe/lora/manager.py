@@ -161,8 +161,11 @@ class LoRAManager:
 
     def prepare(self, reqs: list, num_tokens: list[int]) -> None:
         """An eager forward: each new token gets its request's slot."""
-        slots = self.slots_for([getattr(r, "lora_key", None) for r in reqs])
+        keys = [getattr(r, "lora_key", None) for r in reqs]
+        slots = self.slots_for(keys)
         self.batch.set([s for s, n in zip(slots, num_tokens) for _ in range(n)])
+        self.batch.expert_tokens = any(k is not None and n > 0 and self.adapters[k].experts
+                                       for k, n in zip(keys, num_tokens))
 
     def prepare_graph(self, reqs: list, bs: int) -> None:
         """A graph replay of bs rows: the fixed index buffer (padding rows: the base model)."""

@@ -92,11 +92,12 @@ def attach_experts(mgr: LoRAManager, model) -> None:
         layer, backend, inter = block.layer_idx, _unwrap(block.experts), block.intermediate
         parts: list = []
         if isinstance(backend, HybridExperts):
-            if backend.runtime.layerwise is not None:
-                raise LoRAAdapterError("expert LoRA with --kt-gpu-prefill-token-threshold (layerwise prefill) is "
-                                       "not supported")
-            if backend.full_cpu_layer:
+            if backend.full_cpu_layer:  # swaps would move experts between the two sides' slot rows
                 raise LoRAAdapterError("expert LoRA with --kt-enable-dynamic-expert-update is not supported")
+            if backend.runtime.layerwise is not None and backend.cpu is not None:
+                # the streamed experts have no adapter rows on the GPU: forwards with expert-adapter
+                # tokens keep the CPU/GPU split (the CPU engine applies the CPU share); others stream
+                backend.runtime.layerwise_veto = lambda b=mgr.batch: b.expert_tokens
             mask = backend.mask
             if backend.gpu is not None:
                 parts.append(_gpu_side(mgr, backend.gpu, mask.nonzero().flatten(), layer, hidden, inter))
@@ -152,8 +153,10 @@ def note_memory(plan, mgr: LoRAManager | None) -> None:
     """The slot buffers as lines of the startup memory plan (moe/memory_plan.py), logged."""
     if plan is None or mgr is None:
         return
-    dev, host = mgr.nbytes()
-    plan.gpu["LoRA slots"] = dev
+    from hybridmoe.lora.plan import GPU_LINE, HOST_LINE
+
+    dev, host = mgr.nbytes()  # the real bytes replace the startup estimate (lora/plan.py)
+    plan.gpu[GPU_LINE] = dev
     if host:
-        plan.host["LoRA expert slots (CPU share)"] = host
+        plan.host[HOST_LINE] = host
     log.info(plan.lines()[0].replace("GPU memory plan", "GPU memory plan with the LoRA slots"))

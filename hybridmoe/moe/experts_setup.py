@@ -180,6 +180,9 @@ class ExpertsSetup:
                            prefill_threshold=p.prefill_threshold, dynamic_update=p.dynamic_update,
                            cpu_expert_bytes=cpu_bytes,
                            prefill_tokens=min(chunk, self.args.max_prefill_tokens, context_len))
+        from hybridmoe.lora.plan import add_to_plan  # expert LoRA slots, from the adapters' headers
+
+        add_to_plan(plan, self.args, m.hf.hidden_size, m.spec.moe_intermediate, p.masks, cfg.method, cfg.group_size, elt)
         for line in plan.lines():
             log.info(line)
         self.memory_plan = plan

@@ -16,7 +16,7 @@ before-replay, forward scope, blocking sync wanted, check errors.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -83,6 +83,9 @@ class HybridRuntime(MoEHooks):
         self.submitter = GatedSubmitter()  # the layers' stream tasks queue (or, during a capture, record) through it
         self.layerwise = LayerwisePrefill(self) if placement.prefill_threshold is not None else None
         self.num_layerwise_prefills = 0  # forwards run layerwise (metrics)
+        # True for a forward that must keep the CPU/GPU split although it reaches the threshold: its
+        # tokens use expert LoRA whose CPU share lives with the CPU engine (lora/setup.py sets it)
+        self.layerwise_veto: Callable[[], bool] | None = None
 
     def attach(self, layers: Mapping[int, HybridExperts]) -> None:
         """The model's hybrid MoE layers by layer index (layerwise prefill and deferral changes need them)."""
@@ -132,7 +135,8 @@ class HybridRuntime(MoEHooks):
         """Around one eager forward of `num_tokens` tokens: layerwise (yields True) when the threshold
         is set and reached; never used around CUDA graph capture or replay."""
         threshold = self.placement.prefill_threshold
-        if self.layerwise is None or threshold is None or num_tokens < threshold:
+        if self.layerwise is None or threshold is None or num_tokens < threshold or (
+                self.layerwise_veto is not None and self.layerwise_veto()):
             yield False
             return
         self.collect_pending()

@@ -131,6 +131,21 @@ def test_many_rows_parallel_phases(method, group, sym, isa, pool):
     run(layer, loras, 600, e, k, h, idx=idx, dq=dq, method=method, slots=2)
 
 
+@pytest.mark.parametrize("method,group,sym", [METHODS[0], METHODS[3]], ids=["int8", "bf16"])
+@pytest.mark.parametrize("slot_dtype", [torch.bfloat16, torch.float32], ids=["bf16slots", "f32slots"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32x", "bf16x"])  # bf16 x and slots: vdpbf16ps
+def test_runs_of_one_slot(method, group, sym, slot_dtype, dtype, isa, pool):
+    # prefill-like: each request's tokens in a run, so an expert's rows come in runs of one slot (the
+    # kernels take up to 4 rows at once): runs of 1..9 rows broken by other slots and by -1; ranks
+    # 5 and 7 (not multiples of the 4-rank tiles); H = 131, I = 37 (tails of 16 and of 8 lanes)
+    e, k, h, i = 3, 2, 131, 37
+    p, dq = packed(method, group, sym, e, h, i)
+    layer = CPUMoELayer(p, isa=isa, pool=pool)
+    loras = {0: adapter(e, h, i, 5, 11), 1: adapter(e, h, i, 7, 12, scaling=1.5), 2: adapter(e, h, i, 8, 13)}
+    idx = [0] * 9 + [1] * 5 + [-1] * 2 + [0] * 3 + [2] * 7 + [1] * 2 + [0] + [2] * 4
+    run(layer, loras, len(idx), e, k, h, idx=idx, dq=dq, method=method, slot_dtype=slot_dtype, dtype=dtype, slots=3)
+
+
 def test_clear_and_reload(isa, pool):
     e, k, h, i = 4, 2, 64, 64
     p, dq = packed("AMXINT8", 128, True, e, h, i)

@@ -63,6 +63,66 @@ def test_expert_lora_on_cpu_experts(setup, gpu_experts):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("gpu_experts", [0, 4])
+def test_layerwise_prefill_keeps_the_split_for_expert_adapters(setup, gpu_experts):
+    """--kt-gpu-prefill-token-threshold with expert LoRA: the streamed (CPU-resident) experts have no
+    adapter rows on the GPU side, so a forward with expert-adapter tokens runs the CPU/GPU split (the
+    CPU engine applies the CPU share) and gives the merged model's tokens; base-only forwards still
+    stream."""
+    base, ad, prompt, want, base_ids = setup
+    llm = LLM(str(base), device="cpu", dtype="float32", progress=False, lora_paths=[str(ad)], kt_method="BF16",
+              kt_num_gpu_experts=gpu_experts, kt_gpu_prefill_token_threshold=8, disable_radix_cache=True)
+    rt = next(iter(llm.engine.runner.model.moe_blocks())).experts.runtime
+    assert rt.layerwise is not None and rt.layerwise_veto is not None
+    assert llm.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="ex")["output_ids"] == want
+    assert rt.num_layerwise_prefills == 0
+    assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == base_ids
+    assert rt.num_layerwise_prefills == 1
+    outs = llm.generate(input_ids=[prompt, prompt], sampling_params=GREEDY, lora_path=["ex", None])
+    assert [o["output_ids"] for o in outs] == [want, base_ids] and rt.num_layerwise_prefills == 1
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("gpu_experts", [4, 10])
+def test_startup_plan_counts_the_expert_slots(setup, gpu_experts):
+    """lora/plan.py's estimate from the adapter's header (in the plan before loading, so the fit check
+    sees it) equals the slot buffers built after loading, but for their [S] scale/rank vectors."""
+    from types import SimpleNamespace
+
+    from hybridmoe.lora.plan import HOST_LINE, expert_slot_bytes
+
+    base, ad, _, _, _ = setup
+    llm = LLM(str(base), device="cpu", dtype="float32", progress=False, lora_paths=[str(ad)], kt_method="BF16",
+              kt_num_gpu_experts=gpu_experts, max_loras_per_batch=3)
+    runner = llm.engine.runner
+    blocks = list(runner.model.moe_blocks())
+    masks = {b.layer_idx: b.experts.mask for b in blocks}
+    args = SimpleNamespace(lora_paths=[str(ad)], kt_expert_lora_path=None, enable_lora=False, max_lora_rank=None,
+                           max_loras_per_batch=3)
+    cfg = runner.model.config
+    gpu, host = expert_slot_bytes(args, cfg.hidden_size, blocks[0].intermediate, masks, "BF16", 128, 4)
+    parts = [p for ps in runner.lora.expert_slots.values() for p in ps]
+    cpu_parts = [p for p in parts if isinstance(p, CPUExpertLoRA)]
+    real_host = sum(p.nbytes() for p in cpu_parts)
+    real_gpu = sum(p.nbytes() for p in parts if not isinstance(p, CPUExpertLoRA))
+    assert 0 <= real_host - host <= 8 * 3 * len(cpu_parts) and (host > 0) == (gpu_experts < 10)
+    assert 0 <= real_gpu - gpu <= 4 * 3 * len(blocks) and gpu > 0
+    if gpu_experts < 10:  # (on the CPU device the GPU-side share is host memory too: note_memory counts it there)
+        assert runner.moe.memory_plan.host[HOST_LINE] >= real_host
+    args.lora_paths = []  # no expert adapter: nothing
+    assert expert_slot_bytes(args, cfg.hidden_size, blocks[0].intermediate, masks, "BF16", 128, 4) == (0, 0)
+    llm.shutdown()
+
+
+def test_dynamic_expert_update_is_refused(setup):
+    from hybridmoe.lora.adapter import LoRAAdapterError
+
+    base, ad, _, _, _ = setup
+    with pytest.raises(LoRAAdapterError, match="kt-enable-dynamic-expert-update is not supported"):
+        LLM(str(base), device="cpu", dtype="float32", progress=False, lora_paths=[str(ad)], kt_method="BF16",
+            kt_num_gpu_experts=4, kt_gpu_prefill_token_threshold=8, kt_enable_dynamic_expert_update=True)
+
+
 def test_deferred_tasks_carry_the_slots(setup, monkeypatch):
     from hybridmoe.moe.cpu_experts import CPUExperts
 

@@ -25,6 +25,11 @@ struct LoraTask {
   std::vector<int32_t> sl, re;     // [S] adapter slot of each row (-1: none), expert of each row
   std::vector<float> a1, a2;       // [S][2R] sc A_g x | sc A_u x, [S][R] sc A_d h
   std::vector<int64_t> active;     // the rows with an adapter
+  struct Group {
+    int64_t s;  // first row
+    int n;      // rows s .. s + n - 1: one expert, one slot, n <= LORA_ROWS
+  };
+  std::vector<Group> groups;       // the active rows in runs that share the weight loads
   int nth = 1;
 
   int64_t esz() const { return d->wdtype == DT_F32 ? 4 : 2; }
@@ -54,19 +59,20 @@ inline void range_of(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
   e = n * (tid + 1) / nth;
 }
 
-// units: (active row, gate | up)
+// units: (group, gate | up)
 void ph_a1(int tid, void* p) {
   LoraTask& t = *static_cast<LoraTask*>(p);
   const HmLoraDesc& d = *t.d;
   int64_t b, e;
-  range_of(int64_t(t.active.size()) * 2, tid, t.nth, b, e);
+  range_of(int64_t(t.groups.size()) * 2, tid, t.nth, b, e);
   const int64_t xes = t.xdt == DT_F32 ? 4 : 2;
   for (int64_t u = b; u < e; ++u) {
-    const int64_t s = t.active[size_t(u / 2)];
-    const int part = int(u % 2), slot = t.sl[size_t(s)];
-    const void* xr = static_cast<const uint8_t*>(t.x) + int64_t(t.slot_tok[s]) * t.H * xes;
-    t.k->dot(t.part(slot, t.re[size_t(s)], part ? t.off_au() : 0), d.wdtype, d.Hp, d.rank[slot], xr, t.xdt, t.H,
-             d.scale[slot], t.a1.data() + s * 2 * d.R + part * d.R);
+    const LoraTask::Group g = t.groups[size_t(u / 2)];
+    const int part = int(u % 2), slot = t.sl[size_t(g.s)];
+    const void* xs[LORA_ROWS];
+    for (int m = 0; m < g.n; ++m) xs[m] = static_cast<const uint8_t*>(t.x) + int64_t(t.slot_tok[g.s + m]) * t.H * xes;
+    t.k->dot(t.part(slot, t.re[size_t(g.s)], part ? t.off_au() : 0), d.wdtype, d.Hp, d.rank[slot], xs, t.xdt, g.n,
+             t.H, d.scale[slot], t.a1.data() + g.s * 2 * d.R + part * d.R, 2 * d.R);
   }
 }
 
@@ -74,12 +80,31 @@ void ph_a2(int tid, void* p) {
   LoraTask& t = *static_cast<LoraTask*>(p);
   const HmLoraDesc& d = *t.d;
   int64_t b, e;
-  range_of(int64_t(t.active.size()), tid, t.nth, b, e);
+  range_of(int64_t(t.groups.size()), tid, t.nth, b, e);
   for (int64_t u = b; u < e; ++u) {
-    const int64_t s = t.active[size_t(u)];
-    const int slot = t.sl[size_t(s)];
-    t.k->dot(t.part(slot, t.re[size_t(s)], t.off_ad()), d.wdtype, d.Ip, d.rank[slot], t.af + s * d.Ip, DT_F32, d.Ip,
-             d.scale[slot], t.a2.data() + s * d.R);
+    const LoraTask::Group g = t.groups[size_t(u)];
+    const int slot = t.sl[size_t(g.s)];
+    const void* hs[LORA_ROWS];
+    for (int m = 0; m < g.n; ++m) hs[m] = t.af + (g.s + m) * d.Ip;
+    t.k->dot(t.part(slot, t.re[size_t(g.s)], t.off_ad()), d.wdtype, d.Ip, d.rank[slot], hs, DT_F32, g.n, d.Ip,
+             d.scale[slot], t.a2.data() + g.s * d.R, d.R);
+  }
+}
+
+// Rows m0.. of an item (one expert) with an adapter, in runs of one slot of at most LORA_ROWS rows:
+// fn(m, n, slot) per run.
+template <class F>
+inline void for_runs(const LoraTask& t, int64_t r0, int M, F fn) {
+  for (int m = 0; m < M;) {
+    const int slot = t.sl[size_t(r0 + m)];
+    if (slot < 0) {
+      ++m;
+      continue;
+    }
+    int n = 1;
+    while (n < LORA_ROWS && m + n < M && t.sl[size_t(r0 + m + n)] == slot) ++n;
+    fn(m, n, slot);
+    m += n;
   }
 }
 
@@ -102,6 +127,7 @@ const LoraTask* lora_begin(ThreadPool& pool, const HmLoraDesc& d, int isa, const
   if (!d.w || !lora_idx || S <= 0) return nullptr;
   LoraTask& t = g_task;
   t.active.clear();
+  t.groups.clear();
   t.sl.resize(size_t(S));
   t.re.resize(size_t(S));
   for (int e = 0; e < d.E; ++e)
@@ -118,6 +144,11 @@ const LoraTask* lora_begin(ThreadPool& pool, const HmLoraDesc& d, int isa, const
     if (slot >= 0) {
       t.active.push_back(s);
       rsum += d.rank[slot];
+      LoraTask::Group* g = t.groups.empty() ? nullptr : &t.groups.back();
+      if (g && g->s + g->n == s && g->n < LORA_ROWS && t.sl[size_t(g->s)] == slot && t.re[size_t(g->s)] == t.re[size_t(s)])
+        ++g->n;
+      else
+        t.groups.push_back({s, 1});
     }
   }
   if (t.active.empty()) return nullptr;
@@ -139,17 +170,15 @@ const LoraTask* lora_begin(ThreadPool& pool, const HmLoraDesc& d, int isa, const
 
 void lora_gate_up(const LoraTask& t, int e, int64_t r0, int M, int nb0, int nb1, float* C, int64_t ldc) {
   const HmLoraDesc& d = *t.d;
-  for (int m = 0; m < M; ++m) {
-    const int64_t s = r0 + m;
-    const int slot = t.sl[size_t(s)];
-    if (slot < 0) continue;
-    const float* a = t.a1.data() + s * 2 * d.R;
-    const int64_t j0 = int64_t(nb0 / 2) * 16;  // nb0 is even: its gate block
-    const int npair = (nb1 - nb0) / 2;
+  const int64_t j0 = int64_t(nb0 / 2) * 16;  // nb0 is even: its gate block
+  const int npair = (nb1 - nb0) / 2;
+  for_runs(t, r0, M, [&](int m, int n, int slot) {
+    const float* a = t.a1.data() + (r0 + m) * 2 * d.R;
     float* c = C + m * ldc;
-    t.k->axpy(t.part(slot, e, t.off_bg() + j0), d.wdtype, d.Ip, d.rank[slot], a, npair, 16, c, 32);
-    t.k->axpy(t.part(slot, e, t.off_bu() + j0), d.wdtype, d.Ip, d.rank[slot], a + d.R, npair, 16, c + 16, 32);
-  }
+    t.k->axpy(t.part(slot, e, t.off_bg() + j0), d.wdtype, d.Ip, d.rank[slot], a, 2 * d.R, n, npair, 16, c, ldc, 32);
+    t.k->axpy(t.part(slot, e, t.off_bu() + j0), d.wdtype, d.Ip, d.rank[slot], a + d.R, 2 * d.R, n, npair, 16, c + 16,
+              ldc, 32);
+  });
 }
 
 void lora_mid(ThreadPool& pool, const LoraTask& tc, const float* af) {
@@ -162,13 +191,10 @@ void lora_mid(ThreadPool& pool, const LoraTask& tc, const float* af) {
 
 void lora_down(const LoraTask& t, int e, int64_t r0, int M, int nb0, int nb1, float* y, int64_t ldy) {
   const HmLoraDesc& d = *t.d;
-  for (int m = 0; m < M; ++m) {
-    const int64_t s = r0 + m;
-    const int slot = t.sl[size_t(s)];
-    if (slot < 0) continue;
-    t.k->axpy(t.part(slot, e, t.off_bd() + int64_t(nb0) * 16), d.wdtype, d.Hp, d.rank[slot], t.a2.data() + s * d.R,
-              nb1 - nb0, 16, y + m * ldy, 16);
-  }
+  for_runs(t, r0, M, [&](int m, int n, int slot) {
+    t.k->axpy(t.part(slot, e, t.off_bd() + int64_t(nb0) * 16), d.wdtype, d.Hp, d.rank[slot],
+              t.a2.data() + (r0 + m) * d.R, d.R, n, nb1 - nb0, 16, y + m * ldy, ldy, 16);
+  });
 }
 
 }  // namespace hm

@@ -31,13 +31,18 @@ namespace hm {
 
 class ThreadPool;
 
-// The two kernels, per ISA (lora_avx2.cpp, lora_avx512.cpp); wdt, xdt: DT_F32 or DT_BF16.
+// The two kernels, per ISA (lora_avx2.cpp, lora_avx512.cpp); wdt, xdt: DT_F32 or DT_BF16. Both take
+// up to LORA_ROWS rows of one (expert, slot): the rows share every weight load, and their
+// accumulators are independent FMA chains (prefill rows of one request come in such runs).
+constexpr int LORA_ROWS = 4;
 struct LoraKernels {
-  // out[k] = s * sum_i A[k][i] x[i], k < rows; A row stride lda elements; x holds n values
-  void (*dot)(const void* A, int wdt, int64_t lda, int rows, const void* x, int xdt, int n, float s, float* out);
-  // for 16-column blocks b < nblk: C[b*cstep + j] += sum_k a[k] Bt[k*ldb + b*bstep + j], j < 16
-  void (*axpy)(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int nblk, int64_t bstep, float* C,
-               int64_t cstep);
+  // out[m * ldo + k] = s * sum_i A[k][i] x[m][i], m < M, k < rows; A row stride lda; x[m] holds n values
+  void (*dot)(const void* A, int wdt, int64_t lda, int rows, const void* const* x, int xdt, int M, int n, float s,
+              float* out, int64_t ldo);
+  // for m < M and 16-column blocks b < nblk:
+  //   C[m * ldc + b * cstep + j] += sum_k a[m * lda + k] Bt[k * ldb + b * bstep + j], j < 16
+  void (*axpy)(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int64_t lda, int M, int nblk,
+               int64_t bstep, float* C, int64_t ldc, int64_t cstep);
 };
 
 // One task's LoRA state (lora.cpp); null in the driver when no pair of the task has an adapter.

@@ -1,5 +1,6 @@
-// The expert LoRA kernels (lora.h LoraKernels) in AVX-512 (F + BW + VL): 16 fp32 lanes, weights and
-// inputs widened from bf16 by a shift, masked loads for the tail of a dot. Also run on the AMX path.
+// The expert LoRA kernels (lora.h LoraKernels) in AVX-512 (F + BW + VL + BF16): 16 fp32 lanes, weights and
+// inputs widened from bf16 by a shift, masked loads for the tail of a dot; tiles of up to four rows of
+// one (expert, slot) x four ranks or blocks in registers. Also run on the AMX path.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -7,6 +8,8 @@
 #include "common.h"
 #include "lora.h"
 
+// The tiles' loops are unrolled early (pragmas): GCC then keeps the accumulator arrays in registers
+// (without, tiles of more than four accumulators were stored to the stack every step).
 namespace {
 
 // 16 values from p (fp32, or bf16 widened exactly), lanes >= n zero
@@ -21,58 +24,162 @@ inline const void* row(const void* base, int dt, int64_t off) {
   return static_cast<const uint8_t*>(base) + off * (dt == hm::DT_F32 ? 4 : 2);
 }
 
-void dot(const void* A, int wdt, int64_t lda, int rows, const void* x, int xdt, int n, float s, float* out) {
-  int k = 0;
-  for (; k + 4 <= rows; k += 4) {  // four rows share each x load
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-    const void *a0 = row(A, wdt, k * lda), *a1 = row(A, wdt, (k + 1) * lda), *a2 = row(A, wdt, (k + 2) * lda),
-               *a3 = row(A, wdt, (k + 3) * lda);
-    for (int i = 0; i < n; i += 16) {
-      const int m = n - i;
-      const __m512 xv = load16(x, xdt, i, m);
-      c0 = _mm512_fmadd_ps(load16(a0, wdt, i, m), xv, c0);
-      c1 = _mm512_fmadd_ps(load16(a1, wdt, i, m), xv, c1);
-      c2 = _mm512_fmadd_ps(load16(a2, wdt, i, m), xv, c2);
-      c3 = _mm512_fmadd_ps(load16(a3, wdt, i, m), xv, c3);
+// A tile of MM rows x RK ranks (MM * RK accumulators): each x load serves RK ranks, each A load MM rows.
+template <int MM, int RK>
+inline void dot_tile(const void* A, int wdt, int64_t lda, int k, const void* const* x, int xdt, int n, float s,
+                     float* out, int64_t ldo) {
+  __m512 c[MM][RK];
+  const void* a[RK];
+  #pragma GCC unroll 16
+  for (int r = 0; r < RK; ++r) a[r] = row(A, wdt, (k + r) * lda);
+  #pragma GCC unroll 16
+  for (int m = 0; m < MM; ++m)
+    #pragma GCC unroll 16
+    for (int r = 0; r < RK; ++r) c[m][r] = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    const int left = n - i;
+    __m512 xv[MM];
+    #pragma GCC unroll 16
+    for (int m = 0; m < MM; ++m) xv[m] = load16(x[m], xdt, i, left);
+    #pragma GCC unroll 16
+    for (int r = 0; r < RK; ++r) {
+      const __m512 av = load16(a[r], wdt, i, left);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MM; ++m) c[m][r] = _mm512_fmadd_ps(av, xv[m], c[m][r]);
     }
-    out[k] = s * _mm512_reduce_add_ps(c0);
-    out[k + 1] = s * _mm512_reduce_add_ps(c1);
-    out[k + 2] = s * _mm512_reduce_add_ps(c2);
-    out[k + 3] = s * _mm512_reduce_add_ps(c3);
   }
-  for (; k < rows; ++k) {
-    __m512 c = _mm512_setzero_ps();
-    const void* a = row(A, wdt, k * lda);
-    for (int i = 0; i < n; i += 16) c = _mm512_fmadd_ps(load16(a, wdt, i, n - i), load16(x, xdt, i, n - i), c);
-    out[k] = s * _mm512_reduce_add_ps(c);
+  #pragma GCC unroll 16
+  for (int m = 0; m < MM; ++m)
+    #pragma GCC unroll 16
+    for (int r = 0; r < RK; ++r) out[m * ldo + k + r] = s * _mm512_reduce_add_ps(c[m][r]);
+}
+
+// 32 bf16 values from p + i, lanes >= left zero
+inline __m512bh load32bh(const void* p, int64_t i, int left) {
+  const __mmask32 m = left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1);
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i);
+}
+
+// dot_tile for bf16 weights and bf16 x (a bf16 model's gate/up input): vdpbf16ps takes the pairs as
+// they are (exact products, fp32 sums; the AVX-512 path requires avx512_bf16, dispatch.cpp), no
+// widening: half the instructions per product.
+template <int MM, int RK>
+inline void dot_tile_bf16(const void* A, int64_t lda, int k, const void* const* x, int n, float s, float* out,
+                          int64_t ldo) {
+  __m512 c[MM][RK];
+  const void* a[RK];
+  #pragma GCC unroll 16
+  for (int r = 0; r < RK; ++r) a[r] = row(A, hm::DT_BF16, (k + r) * lda);
+  #pragma GCC unroll 16
+  for (int m = 0; m < MM; ++m)
+    #pragma GCC unroll 16
+    for (int r = 0; r < RK; ++r) c[m][r] = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 32) {
+    const int left = n - i;
+    __m512bh xv[MM];
+    #pragma GCC unroll 16
+    for (int m = 0; m < MM; ++m) xv[m] = load32bh(x[m], i, left);
+    #pragma GCC unroll 16
+    for (int r = 0; r < RK; ++r) {
+      const __m512bh av = load32bh(a[r], i, left);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MM; ++m) c[m][r] = _mm512_dpbf16_ps(c[m][r], av, xv[m]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int m = 0; m < MM; ++m)
+    #pragma GCC unroll 16
+    for (int r = 0; r < RK; ++r) out[m * ldo + k + r] = s * _mm512_reduce_add_ps(c[m][r]);
+}
+
+template <int MM>
+void dot_m(const void* A, int wdt, int64_t lda, int rows, const void* const* x, int xdt, int n, float s, float* out,
+           int64_t ldo) {
+  int k = 0;
+  if (wdt == hm::DT_BF16 && xdt == hm::DT_BF16) {
+    for (; k + 4 <= rows; k += 4) dot_tile_bf16<MM, 4>(A, lda, k, x, n, s, out, ldo);
+    for (; k < rows; ++k) dot_tile_bf16<MM, 1>(A, lda, k, x, n, s, out, ldo);
+    return;
+  }
+  for (; k + 4 <= rows; k += 4) dot_tile<MM, 4>(A, wdt, lda, k, x, xdt, n, s, out, ldo);
+  for (; k < rows; ++k) dot_tile<MM, 1>(A, wdt, lda, k, x, xdt, n, s, out, ldo);
+}
+
+void dot(const void* A, int wdt, int64_t lda, int rows, const void* const* x, int xdt, int M, int n, float s,
+         float* out, int64_t ldo) {
+  switch (M) {
+    case 1: return dot_m<1>(A, wdt, lda, rows, x, xdt, n, s, out, ldo);
+    case 2: return dot_m<2>(A, wdt, lda, rows, x, xdt, n, s, out, ldo);
+    case 3: return dot_m<3>(A, wdt, lda, rows, x, xdt, n, s, out, ldo);
+    default: return dot_m<4>(A, wdt, lda, rows, x, xdt, n, s, out, ldo);
   }
 }
 
-void axpy(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int nblk, int64_t bstep, float* C,
-          int64_t cstep) {
-  int b = 0;
-  for (; b + 4 <= nblk; b += 4) {  // four independent accumulators: not bound by the FMA latency
-    float* c = C + b * cstep;
-    __m512 c0 = _mm512_loadu_ps(c), c1 = _mm512_loadu_ps(c + cstep), c2 = _mm512_loadu_ps(c + 2 * cstep),
-           c3 = _mm512_loadu_ps(c + 3 * cstep);
-    for (int k = 0; k < rows; ++k) {
-      const __m512 ak = _mm512_set1_ps(a[k]);
-      const int64_t o = k * ldb + b * bstep;
-      c0 = _mm512_fmadd_ps(ak, load16(Bt, wdt, o), c0);
-      c1 = _mm512_fmadd_ps(ak, load16(Bt, wdt, o + bstep), c1);
-      c2 = _mm512_fmadd_ps(ak, load16(Bt, wdt, o + 2 * bstep), c2);
-      c3 = _mm512_fmadd_ps(ak, load16(Bt, wdt, o + 3 * bstep), c3);
+// MM rows x NB blocks, the rank sum split KS ways: MM * NB * KS independent FMA chains (each B load
+// serves MM rows), so one row and one block is not bound by the FMA latency either.
+template <int MM, int NB, int KS>
+inline void axpy_tile(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int64_t lda, int b,
+                      int64_t bstep, float* C, int64_t ldc, int64_t cstep) {
+  __m512 acc[KS][MM][NB];
+  #pragma GCC unroll 16
+  for (int m = 0; m < MM; ++m)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NB; ++j) {
+      acc[0][m][j] = _mm512_loadu_ps(C + m * ldc + (b + j) * cstep);
+      #pragma GCC unroll 16
+      for (int q = 1; q < KS; ++q) acc[q][m][j] = _mm512_setzero_ps();
     }
-    _mm512_storeu_ps(c, c0);
-    _mm512_storeu_ps(c + cstep, c1);
-    _mm512_storeu_ps(c + 2 * cstep, c2);
-    _mm512_storeu_ps(c + 3 * cstep, c3);
+  int k = 0;
+  for (; k + KS <= rows; k += KS)
+    #pragma GCC unroll 16
+    for (int q = 0; q < KS; ++q) {
+      const int64_t o = (k + q) * ldb + b * bstep;
+      __m512 bv[NB];
+      #pragma GCC unroll 16
+      for (int j = 0; j < NB; ++j) bv[j] = load16(Bt, wdt, o + j * bstep);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MM; ++m) {
+        const __m512 am = _mm512_set1_ps(a[m * lda + k + q]);
+        #pragma GCC unroll 16
+        for (int j = 0; j < NB; ++j) acc[q][m][j] = _mm512_fmadd_ps(am, bv[j], acc[q][m][j]);
+      }
+    }
+  for (; k < rows; ++k) {
+    const int64_t o = k * ldb + b * bstep;
+    #pragma GCC unroll 16
+    for (int j = 0; j < NB; ++j) {
+      const __m512 bv = load16(Bt, wdt, o + j * bstep);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MM; ++m) acc[0][m][j] = _mm512_fmadd_ps(_mm512_set1_ps(a[m * lda + k]), bv, acc[0][m][j]);
+    }
   }
-  for (; b < nblk; ++b) {
-    float* c = C + b * cstep;
-    __m512 acc = _mm512_loadu_ps(c);
-    for (int k = 0; k < rows; ++k) acc = _mm512_fmadd_ps(_mm512_set1_ps(a[k]), load16(Bt, wdt, k * ldb + b * bstep), acc);
-    _mm512_storeu_ps(c, acc);
+  #pragma GCC unroll 16
+  for (int m = 0; m < MM; ++m)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NB; ++j) {
+      __m512 v = acc[0][m][j];
+      #pragma GCC unroll 16
+      for (int q = 1; q < KS; ++q) v = _mm512_add_ps(v, acc[q][m][j]);
+      _mm512_storeu_ps(C + m * ldc + (b + j) * cstep, v);
+    }
+}
+
+template <int MM>
+void axpy_m(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int64_t lda, int nblk, int64_t bstep,
+            float* C, int64_t ldc, int64_t cstep) {
+  constexpr int KS1 = MM >= 4 ? 1 : MM == 1 ? 4 : 2;  // chains of a lone block: >= 4
+  int b = 0;
+  for (; b + 4 <= nblk; b += 4) axpy_tile<MM, 4, 1>(Bt, wdt, ldb, rows, a, lda, b, bstep, C, ldc, cstep);
+  for (; b < nblk; ++b) axpy_tile<MM, 1, KS1>(Bt, wdt, ldb, rows, a, lda, b, bstep, C, ldc, cstep);
+}
+
+void axpy(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int64_t lda, int M, int nblk,
+          int64_t bstep, float* C, int64_t ldc, int64_t cstep) {
+  switch (M) {
+    case 1: return axpy_m<1>(Bt, wdt, ldb, rows, a, lda, nblk, bstep, C, ldc, cstep);
+    case 2: return axpy_m<2>(Bt, wdt, ldb, rows, a, lda, nblk, bstep, C, ldc, cstep);
+    case 3: return axpy_m<3>(Bt, wdt, ldb, rows, a, lda, nblk, bstep, C, ldc, cstep);
+    default: return axpy_m<4>(Bt, wdt, ldb, rows, a, lda, nblk, bstep, C, ldc, cstep);
   }
 }
 
