@@ -81,6 +81,66 @@ def check_cases(device: str, failures: list[str]) -> None:
                 report(ok, f"{name} strided destination E={e} N={n}", failures)
 
 
+def check_layerwise(device: str, failures: list[str]) -> None:
+    """The layerwise prefill's GGUF path with the kernel (under the interpreter on the CPU): two hybrid
+    layers of different, mixed types share the staging slots; each layer's streamed experts land in
+    the bf16 buffer as the reference rounded once, and the layer output is the torch experts' on those
+    weights (rel < 1e-2: bf16 weights and activations, two expert calls summed in fp32)."""
+    from hybridmoe.config import HybridConfig
+    from hybridmoe.cpu.gguf_engine import GGUFExperts
+    from hybridmoe.gguf import triton_dequant as td
+    from hybridmoe.gguf.gpu_experts import gpu_expert_weights, select_experts
+    from hybridmoe.moe.experts import ExpertWeights
+    from hybridmoe.moe.hybrid import HybridExperts
+    from hybridmoe.moe.options import ExpertsOptions
+    from hybridmoe.moe.placement import HybridPlacement
+    from hybridmoe.moe.runtime import HybridRuntime
+    from hybridmoe.moe.torch_experts import TorchExperts
+
+    calls = []
+    real = td.dequantize_triton
+    td.dequantize_triton = lambda *a: calls.append(a[1]) or real(*a)
+    g = torch.Generator().manual_seed(0)
+    e, h, i, k, t = 7, 256, 512, 3, 11
+    masks = {0: torch.tensor([1, 0, 0, 1, 0, 1, 0], dtype=torch.bool), 2: torch.tensor([0, 0, 1, 0, 0, 0, 0],
+                                                                                       dtype=torch.bool)}
+    rt = HybridRuntime(HybridPlacement(masks, (0, 2), 0, "torch", prefill_threshold=1), torch.device(device), None)
+    layers, refs = {}, {}
+    for layer, types in ((0, ("Q4_K", "Q6_K", "Q8_0")), (2, ("IQ4_XS", "Q4_0", "Q5_K"))):
+        mats = [gq.random_blocks(ty, e * n, kk, generator=g).view(e, n, -1)
+                for ty, (n, kk) in zip(types, ((i, h), (i, h), (h, i)))]
+        x = GGUFExperts.of(*mats, types)
+        m = masks[layer]
+        layers[layer] = HybridExperts(gpu_expert_weights(x, m, torch.bfloat16), layer, ExpertsOptions(
+            hybrid=HybridConfig(method="LLAMAFILE"), runtime=rt, packed=select_experts(x, (~m).nonzero().flatten(), page_align=device == "cuda")))
+        gu, dn = x.dequantized()
+        refs[layer] = ExpertWeights(gu.bfloat16(), dn.bfloat16())
+    rt.attach(layers)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=g)
+    xd, idsd, wtsd = x.to(device), ids.to(device), wts.to(device)
+    with rt.forward_scope(t):
+        for layer, lay in layers.items():
+            out = lay.forward(xd, idsd, wtsd).cpu()
+            ec, m = lay.num_streamed, masks[layer]
+            buf = rt.layerwise.buffer
+            exact = torch.equal(buf.gate_up[:ec].cpu(), refs[layer].gate_up[~m]) and \
+                torch.equal(buf.down[:ec].cpu(), refs[layer].down[~m])
+            report(exact, f"layerwise layer {layer}: {ec} streamed experts dequantized exactly into the buffer",
+                   failures)
+            ref = TorchExperts(ExpertWeights(refs[layer].gate_up.float(), refs[layer].down.float())).forward(
+                x.float(), ids, wts)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            report(err < 1e-2, f"layerwise layer {layer}: output rel err {err:.2e} (tol 1e-2)", failures)
+    report(sorted(calls) == sorted([12, 14, 8, 23, 2, 13]), f"the kernel ran for every projection: {calls}",
+           failures)
+    td.dequantize_triton = real
+
+
+GROUPS = {"cases": check_cases, "layerwise": check_layerwise}
+
+
 # ---- in the test process (no Triton) -------------------------------------------------------------
 
 
@@ -115,9 +175,10 @@ def test_bad_arguments_are_clear_errors():
 # ---- the kernel under the interpreter, and compiled for sm_90 ------------------------------------
 
 
-def test_kernel_interpreter():
+@pytest.mark.parametrize("group", ["cases", "layerwise"])
+def test_kernel_interpreter(group):
     pytest.importorskip("triton")
-    assert_interpreted(__file__, "cases")
+    assert_interpreted(__file__, group)
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -145,9 +206,10 @@ def test_kernel_compiles_sm90(name, out):
 
 
 @pytest.mark.gpu
-def test_kernel_cuda():
+@pytest.mark.parametrize("group", ["cases", "layerwise"])
+def test_kernel_cuda(group):
     failures: list[str] = []
-    check_cases("cuda", failures)
+    GROUPS[group]("cuda", failures)
     assert not failures, failures
 
 
@@ -174,10 +236,11 @@ def test_kernel_cuda_layer_sized(name):
     print(f"{name}: {s * 1e6:.0f} us for {e}x{n}x{k}: {(b.nbytes + e * n * k * 2) / s / 1e9:.0f} GB/s read+write")
 
 
-if __name__ == "__main__":  # interpreter entry point: python tests/gguf/test_triton_dequant.py cases
+if __name__ == "__main__":  # interpreter entry point: python tests/gguf/test_triton_dequant.py [cases|layerwise]
     import os
 
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 (before triton is imported)"
     bad: list[str] = []
-    check_cases("cpu", bad)
+    for name in sys.argv[1:] or sorted(GROUPS):
+        GROUPS[name]("cpu", bad)
     sys.exit(1 if bad else 0)
