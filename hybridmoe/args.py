@@ -23,7 +23,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 KT_METHOD_HELP = (
     "format and kernel of the CPU experts: AMXINT8 (int8, per-channel scales), AMXINT4 (int4, groups of 128), "
-    "BF16, FP8 (the checkpoint's own block-FP8 experts, no conversion), LLAMAFILE (the GGUF file given as --kt-weight-path, every routed expert on the CPU). "
+    "BF16, FP8 (the checkpoint's own block-FP8 experts, no conversion), LLAMAFILE (the GGUF blocks of --kt-weight-path or a GGUF --model, computed as they are; GPU experts dequantized). "
     "hybridmoe's default is AMXINT8 for accuracy; KTransformers' kt-sglang stack defaults to AMXINT4, which "
     "halves the CPU expert memory and bandwidth at some accuracy: pass --kt-method AMXINT4 for its behaviour. "
     "None needs AMX: the fastest ISA present (AMX, AVX-512, AVX2) is chosen at run time")

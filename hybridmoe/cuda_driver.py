@@ -17,6 +17,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+CU_MEMHOSTREGISTER_READ_ONLY = 0x08  # cuda.h: the device only reads the range (needed for a PROT_READ mapping)
 
 _libcuda = None
 _warned = False
@@ -84,7 +85,7 @@ def _gaps(lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-def page_lock(owner: object, tensors: list[torch.Tensor], device: torch.device) -> bool:
+def page_lock(owner: object, tensors: list[torch.Tensor], device: torch.device, read_only: bool = False) -> bool:
     """Page-locks the memory of CPU tensors in place (cuMemHostRegister: the driver-API twin of
     cudaHostRegister, which leaves the runtime's last-error state alone), never copying them, so
     H2D copies from them are DMA at full speed. The tensors must own their pages (CPUExperts'
@@ -92,7 +93,9 @@ def page_lock(owner: object, tensors: list[torch.Tensor], device: torch.device) 
     range fails with "invalid argument"). Whole pages are registered, each once per process
     (tensors of several layers may share a page); unregistered when `owner` is collected (before
     the tensors are freed, as long as `owner` holds them). False (with one warning per process)
-    where it fails: the copies then read pageable memory, correct but several times slower."""
+    where it fails: the copies then read pageable memory, correct but several times slower.
+    read_only: registered with CU_MEMHOSTREGISTER_READ_ONLY, which a read-only mapping (a GGUF file's
+    pages) needs; the GPU then only reads the range."""
     global _warned
     page = mmap.PAGESIZE
     spans = sorted((t.data_ptr() // page * page, -(-(t.data_ptr() + t.nbytes) // page) * page)
@@ -112,7 +115,7 @@ def page_lock(owner: object, tensors: list[torch.Tensor], device: torch.device) 
     try:
         lib = libcuda()
         for lo, hi in todo:
-            rc = lib.cuMemHostRegister_v2(C.c_void_p(lo), hi - lo, 0)
+            rc = lib.cuMemHostRegister_v2(C.c_void_p(lo), hi - lo, CU_MEMHOSTREGISTER_READ_ONLY if read_only else 0)
             if rc == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:  # page-locked by someone else
                 rc = 0
             elif rc == 0:

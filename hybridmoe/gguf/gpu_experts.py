@@ -11,22 +11,28 @@ import torch
 
 from hybridmoe.cpu import gguf_quant
 from hybridmoe.cpu.gguf_engine import GGUFExperts
+from hybridmoe.cpu.quant import page_aligned_empty
 from hybridmoe.gguf.experts import expert_name
 from hybridmoe.gguf.reader import GGUFModel
 from hybridmoe.moe.experts import ExpertWeights
 
 
-def _rows(m: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """m[ids] (experts' rows): a view of the file when ids are one contiguous run, else a copy."""
+def _rows(m: torch.Tensor, ids: torch.Tensor, page_align: bool) -> torch.Tensor:
+    """m[ids] (experts' rows): a view of the file when ids are one contiguous run, else a copy (in
+    pages of its own with page_align: page-locked in place for the layerwise GPU prefill)."""
     n = len(ids)
     if n and int(ids[-1]) - int(ids[0]) == n - 1:
         return m[int(ids[0]): int(ids[0]) + n]
-    return m[ids].contiguous()
+    if not page_align:
+        return m[ids].contiguous()
+    out = page_aligned_empty((n, *m.shape[1:]), m.dtype)
+    torch.index_select(m, 0, ids, out=out)
+    return out
 
 
-def select_experts(x: GGUFExperts, ids: torch.Tensor) -> GGUFExperts:
+def select_experts(x: GGUFExperts, ids: torch.Tensor, page_align: bool = False) -> GGUFExperts:
     """The experts `ids` of a layer ([Ec] int, in order), their blocks as they are."""
-    return GGUFExperts(_rows(x.gate, ids), _rows(x.up, ids), _rows(x.down, ids), x.types, x.hidden, x.inter,
+    return GGUFExperts(*(_rows(m, ids, page_align) for m in (x.gate, x.up, x.down)), x.types, x.hidden, x.inter,
                        x.activation)
 
 

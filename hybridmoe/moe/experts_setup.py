@@ -39,11 +39,6 @@ class ExpertsSetup:
             self.hybrid_cfg = cfg = replace(cfg, cpuinfer=len(physical_cores()))
         check_kt_method(cfg.method, model.hf, model.source)
         self.placement: HybridPlacement | None = build_placement(cfg, model, device, args.moe_backend)
-        if self.placement is not None and cfg.method == "LLAMAFILE":  # GPU experts dequantized from the GGUF
-            if self.placement.prefill_threshold is not None or self.placement.dynamic_update:
-                raise ConfigError("--kt-gpu-prefill-token-threshold / --kt-enable-dynamic-expert-update with "
-                                  "--kt-method LLAMAFILE: the layerwise GPU prefill of GGUF blocks is not built yet "
-                                  "(convert the GGUF with `hybridmoe convert --input-type gguf` for it)")
         self.runtime: HybridRuntime | None = None
         if self.placement is not None:
             self.backend = "hybrid"
@@ -117,12 +112,15 @@ class ExpertsSetup:
             packed = layer_experts(self.kt_weights, layer_idx, self.model.spec.num_experts,
                                    int(self.model.hf.hidden_size), self.model.spec.moe_intermediate, act,
                                    model_path=self.args.model_path)
-            if self.placement is not None:  # GPU-resident experts dequantized now, the others stay blocks
+            p = self.placement
+            if p is not None:  # GPU-resident experts dequantized now, the others stay blocks
                 from hybridmoe.gguf.gpu_experts import gpu_expert_weights, select_experts
 
-                mask = self.placement.masks[layer_idx]
+                mask = p.masks[layer_idx]
                 weights = gpu_expert_weights(packed, mask, self.dtype)
-                packed = select_experts(packed, (~mask).nonzero().flatten())
+                if not p.dynamic_update:  # (with it the CPU layer holds every expert: the whole file tensor)
+                    page_align = p.prefill_threshold is not None and self.device.type == "cuda"  # page-locked
+                    packed = select_experts(packed, (~mask).nonzero().flatten(), page_align=page_align)
             options = replace(options, packed=packed)
         elif self.hybrid_cfg.converted_weights is not None:  # packed by `hybridmoe convert`: read and verified
             from dataclasses import replace

@@ -34,10 +34,10 @@ from collections.abc import Callable
 import torch
 
 from hybridmoe.config import ConfigError
-from hybridmoe.cpu.dequant import PackedFormat, packed_parts
+from hybridmoe.cpu.dequant import PackedFormat
 from hybridmoe.cuda_driver import page_lock
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts
-from hybridmoe.moe.layerwise import stream_runs, swap_hot_experts
+from hybridmoe.moe.layerwise import stream_runs, stream_source, swap_hot_experts
 from hybridmoe.moe.options import ExpertsOptions
 from hybridmoe.moe.runtime import HostDeferred, HybridRuntime, StreamDeferred
 
@@ -111,10 +111,11 @@ class HybridExperts(MoEExperts):
                 if self.full_cpu_layer and packed.num_experts != self.num_experts:
                     raise ConfigError(f"--kt-enable-dynamic-expert-update: the CPU layer {layer_idx} holds "
                                       f"{packed.num_experts} experts, expected all {self.num_experts}")
-                self.fmt = PackedFormat.of(packed)
-                self.packed_parts = packed_parts(packed)  # [E_cpu, ...] host tensors the prefill streams
+                # [E_cpu, ...] host tensors the prefill streams (GGUF: the file's rows, mapped read-only)
+                self.fmt, self.packed_parts = stream_source(packed)
                 self.runs = stream_runs(mask, self.full_cpu_layer)
-                self.pinned = dev.type != "cuda" or page_lock(packed, list(self.packed_parts.values()), dev)
+                self.pinned = dev.type != "cuda" or page_lock(packed, list(self.packed_parts.values()), dev,
+                                                              read_only=not isinstance(self.fmt, PackedFormat))
 
     def set_defer(self, defer: int) -> None:
         """Deferred experts per token from now on (HybridRuntime.set_num_deferred)."""

@@ -7,12 +7,13 @@ candidates per layer (min(Eg, Ec)).
 
 A forward with T >= threshold computes every routed expert on the GPU side. Per MoE layer:
   1. copy stream: the layer's CPU-resident experts' packed bytes (the CPU engine's PackedLayer:
-     int8/int4/bf16/fp8 blocks + scales, page-locked in place by `cuda_driver.page_lock`) -> staging slot
+     int8/int4/bf16/fp8 blocks + scales, or --kt-method LLAMAFILE's GGUF rows, gguf/stream.py;
+     page-locked in place by `cuda_driver.page_lock`) -> staging slot
      (moe index % 2) on the GPU; layer L+1's copy is issued when layer L starts (the first MoE
      layer's when the forward starts), after the event saying layer L-1 finished reading that slot;
   2. compute stream: wait for the copy, dequantize into one layer-sized buffer gate_up [Ec, 2I, H],
-     down [Ec, H, I] in the model dtype (`cpu.dequant.dequantize_experts`, device-agnostic torch), record that
-     the slot is free;
+     down [Ec, H, I] in the model dtype (`cpu.dequant.dequantize_experts`, device-agnostic torch; GGUF
+     blocks: `gguf.stream.dequantize_gguf_experts`, a Triton kernel), record that the slot is free;
   3. the GPU backend computes the resident experts (gpu_local ids) and the streamed ones
      (stream_local ids) in two calls, summed (HybridExperts._forward_layerwise);
   4. with dynamic update: per-expert token counts of this batch (bincount on the device) decide
@@ -22,8 +23,10 @@ A forward with T >= threshold computes every routed expert on the GPU side. Per 
      After the forward one sync reads the swaps back to update the host masks and copy plans.
 On `--device cpu` the same code runs: the copies are plain CPU copies and there are no streams.
 
-GPU memory: the buffer (Ec_max experts in the model dtype), two staging slots of Ec_max packed
-experts, and the dequantization temporaries (bounded by cpu.dequant.DEQUANT_CHUNK_ELEMS).
+GPU memory: the buffer (Ec_max experts in the model dtype), two staging slots, each as large as
+the largest layer's streamed bytes (GGUF layers may each have their own types: a slot is one byte
+buffer, viewed per layer as that layer's tensors), and the dequantization temporaries (bounded by
+cpu.dequant.DEQUANT_CHUNK_ELEMS; none for GGUF blocks).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridmoe.cpu.dequant import dequantize_experts
+from hybridmoe.cpu.dequant import PackedFormat, dequantize_experts, packed_parts
 from hybridmoe.moe.experts import ExpertWeights
 from hybridmoe.weights.fp8 import FP8_DTYPES
 
@@ -44,6 +47,44 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWAP_CHUNK = 8  # swap candidates moved per step (bounds the gathered temporaries)
+STAGE_ALIGN = 256  # bytes: where each tensor of a staging slot starts
+
+
+def stream_source(packed) -> tuple[object, dict[str, torch.Tensor]]:
+    """(format, tensors streamed [E_cpu, ...]) of a CPU engine layer's weights: a PackedLayer, or
+    GGUFExperts (--kt-method LLAMAFILE)."""
+    from hybridmoe.cpu.gguf_engine import GGUFExperts
+
+    if isinstance(packed, GGUFExperts):
+        from hybridmoe.gguf.stream import GGUFFormat, gguf_parts
+
+        return GGUFFormat.of(packed), gguf_parts(packed)
+    return PackedFormat.of(packed), packed_parts(packed)
+
+
+def dequantize_streamed(parts: dict[str, torch.Tensor], fmt, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    """Streamed experts (stream_source's tensors, on the compute device) -> dense gate_up / down."""
+    if isinstance(fmt, PackedFormat):
+        dequantize_experts(parts, fmt, gate_up, down)
+    else:
+        from hybridmoe.gguf.stream import dequantize_gguf_experts
+
+        dequantize_gguf_experts(parts, fmt, gate_up, down)
+
+
+def stage_layout(parts: dict[str, torch.Tensor], num: int) -> dict[str, tuple[int, int]]:
+    """name -> (byte offset, bytes) of `num` experts of each tensor in a staging slot."""
+    out, off = {}, 0
+    for name, t in parts.items():
+        nbytes = num * (t[0].nbytes if t.shape[0] else 0)
+        out[name] = (off, nbytes)
+        off += -(-nbytes // STAGE_ALIGN) * STAGE_ALIGN
+    return out
+
+
+def slot_bytes(parts: dict[str, torch.Tensor], num: int) -> int:
+    """Bytes of a staging slot holding `num` experts of these tensors."""
+    return sum(-(-n // STAGE_ALIGN) * STAGE_ALIGN for _, n in stage_layout(parts, num).values())
 
 
 # ---- the per-forward machinery -------------------------------------------------------------------
@@ -73,7 +114,7 @@ class LayerwisePrefill:
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.copied = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []  # slot filled
         self.consumed = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []  # slot read
-        self.staging: list[dict[str, torch.Tensor]] = []  # per slot: name -> [Ec_max, ...]
+        self.staging: list[torch.Tensor] = []  # per slot: uint8 bytes, viewed per layer (stage_views)
         self.buffer: ExpertWeights | None = None  # gate_up [Ec_max, 2I, H], down [Ec_max, H, I]
         self._issued: dict[int, int] = {}  # moe index -> staging slot, this forward
         self._swaps: list[tuple[HybridExperts, torch.Tensor]] = []  # (layer, [5, C] record), this forward
@@ -86,7 +127,7 @@ class LayerwisePrefill:
 
     def nbytes(self) -> int:
         """GPU bytes held (buffer + staging)."""
-        ts = [t for s in self.staging for t in s.values()]
+        ts = list(self.staging)
         if self.buffer is not None:
             ts += [self.buffer.gate_up, self.buffer.down]
         return sum(t.nbytes for t in ts)
@@ -101,8 +142,8 @@ class LayerwisePrefill:
         if dtype in FP8_DTYPES:  # fp8 experts (FP8 method) are streamed as fp8, computed on in bf16
             dtype = torch.bfloat16
         with torch.inference_mode(False):  # ordinary tensors, usable inside and outside inference mode
-            self.staging = [{k: torch.empty(ec, *t.shape[1:], dtype=t.dtype, device=dev)
-                             for k, t in first.packed_parts.items()} for _ in range(2)]
+            nbytes = max(slot_bytes(lay.packed_parts, lay.num_streamed) for lay in layers)
+            self.staging = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
             self.buffer = ExpertWeights(torch.empty(ec, 2 * fmt.inter, fmt.hidden, dtype=dtype, device=dev),
                                         torch.empty(ec, fmt.hidden, fmt.inter, dtype=dtype, device=dev),
                                         first.activation)
@@ -127,7 +168,7 @@ class LayerwisePrefill:
         layer = self.plan.layers.get(moe[idx])
         if layer is None or layer.cpu is None:
             return
-        stage, src = self.staging[slot], layer.packed_parts
+        stage, src = self.stage_views(slot, layer), layer.packed_parts
         if self.cuda:
             self.copy_stream.wait_event(self.consumed[slot])  # layer idx-2 has dequantized from this slot
             with torch.cuda.stream(self.copy_stream):
@@ -154,10 +195,16 @@ class LayerwisePrefill:
         ec = layer.num_streamed
         assert self.buffer is not None
         w = ExpertWeights(self.buffer.gate_up[:ec], self.buffer.down[:ec], self.buffer.activation)
-        dequantize_experts({k: v[:ec] for k, v in self.staging[slot].items()}, layer.fmt, w.gate_up, w.down)
+        dequantize_streamed(self.stage_views(slot, layer), layer.fmt, w.gate_up, w.down)
         if self.cuda:
             self.consumed[slot].record()
         return w
+
+    def stage_views(self, slot: int, layer: HybridExperts) -> dict[str, torch.Tensor]:
+        """The layer's tensors in staging slot `slot`: name -> [Ec, ...] in the layer's dtypes and shapes."""
+        flat, ec, src = self.staging[slot], layer.num_streamed, layer.packed_parts
+        return {name: flat[off:off + n].view(src[name].dtype).view(ec, *src[name].shape[1:])
+                for name, (off, n) in stage_layout(src, ec).items()}
 
     def note_swaps(self, layer: HybridExperts, record: torch.Tensor) -> None:
         self._swaps.append((layer, record))

@@ -174,7 +174,8 @@ def plan_memory(
     """Sizes from the config alone. The KV cache item is the minimum the server needs (one full
     context); the runner gives it whatever --mem-fraction-static leaves. With a layerwise prefill
     threshold the GPU also holds the prefill buffers (one layer's streamed experts in their GPU form,
-    two staging slots of their packed bytes, the dequantization temporaries); with dynamic expert
+    two staging slots of their packed bytes (GGUF blocks: of the layer whose streamed blocks are the
+    largest), the dequantization temporaries (none for GGUF blocks)); with dynamic expert
     update the host holds every expert of every layer. prefill_tokens: the largest prefill chunk (its
     activations, prefill_activation_bytes per token).
 
@@ -201,15 +202,21 @@ def plan_memory(
     if prefill_tokens:
         plan.gpu["prefill activations"] = prefill_tokens * prefill_activation_bytes(hf_config, spec, dtype_bytes)
     cpu_bytes = _CPU_BYTES_PER_PARAM.get(kt_method, 2.0)
-    if cpu_expert_bytes is not None:
-        plan.host["CPU experts (GGUF blocks)"] = sum(int((~m).sum()) * cpu_expert_bytes[layer]
-                                                     for layer, m in masks.items())
+    if cpu_expert_bytes is not None:  # with dynamic expert update the CPU layers hold every expert
+        plan.host["CPU experts (GGUF blocks)"] = sum((len(m) if dynamic_update else int((~m).sum()))
+                                                     * cpu_expert_bytes[layer] for layer, m in masks.items())
     elif dynamic_update:
         n_all = sum(len(m) for m in masks.values())
         plan.host["CPU experts (all of them: dynamic expert update)"] = int(n_all * per_expert * cpu_bytes)
     else:
         plan.host["CPU experts"] = int(n_cpu * per_expert * cpu_bytes)
-    if prefill_threshold is not None:
+    if prefill_threshold is not None and cpu_expert_bytes is not None:
+        # GGUF: a staging slot holds the largest layer's streamed blocks (3 tensors, each 256-byte
+        # aligned: moe/layerwise.stage_layout); the Triton kernel dequantizes into the buffer directly
+        ec_max = max((int((~m).sum()) for m in masks.values()), default=0)
+        slot = max((int((~m).sum()) * cpu_expert_bytes[layer] + 3 * 256 for layer, m in masks.items()), default=0)
+        plan.gpu["prefill buffers"] = ec_max * per_expert * dtype_bytes + 2 * slot if ec_max else 0
+    elif prefill_threshold is not None:
         from hybridmoe.cpu.dequant import DEQUANT_CHUNK_ELEMS
 
         ec_max = max((int((~m).sum()) for m in masks.values()), default=0)

@@ -101,12 +101,6 @@ def test_gguf_memory_plan_counts_the_block_bytes(qwen3_gguf):
     assert plan.gpu["GPU experts"] == 3 * 4 * plan.gpu_expert_bytes
 
 
-def test_layerwise_prefill_with_llamafile_is_refused(qwen3_gguf):
-    _, gguf, _ = qwen3_gguf
-    with pytest.raises(ConfigError, match="kt-gpu-prefill-token-threshold.*LLAMAFILE"):
-        LLM(str(gguf), device="cpu", progress=False, kt_num_gpu_experts=2, kt_gpu_prefill_token_threshold=16)
-
-
 def test_bad_gguf_model_paths_are_one_line_errors(tmp_path):
     (tmp_path / "a.gguf").write_bytes(b"not a gguf")
     with pytest.raises(ConfigError, match="a.gguf: not a readable GGUF file"):
