@@ -61,8 +61,8 @@ def main() -> None:
             for t in a.tokens:
                 x = torch.randn(t, w.shape[1], generator=g).bfloat16()
                 for impl in impls:
-                    fn = (lambda: F.linear(x, w)) if impl == "torch" else \
-                        (lambda impl=impl: dense_linear(x, w, pool=pool, isa=impl))
+                    fn = (lambda x=x, w=w: F.linear(x, w)) if impl == "torch" else \
+                        (lambda x=x, w=w, impl=impl: dense_linear(x, w, pool=pool, isa=impl))
                     res.setdefault((s, t, impl), []).append(_time(fn, 1 << 30, w.nbytes))
     bw_m = statistics.median(bw)
     print(f"stream read {bw_m:.1f} GB/s (median of {[round(b, 1) for b in bw]}), {threads} threads")
