@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                     write_gguf(gg, a)
                     print(f"GGUF written in {time.perf_counter() - t0:.1f} s ({gg.stat().st_size / 1e9:.2f} GB)")
                 llama = LlamaCpp(gg, threads)
-        dl = llm.engine.runner.dense_linears
+        dl = getattr(llm.engine.runner, "dense_linears", None)  # None: no native dense linears in this build
         modes = [m for m in a.dense.split(",") if dl is not None or m == "off"] or ["off"]
         res["dense_modes"] = modes
         hm, ll, bw = [], [], []

@@ -38,6 +38,7 @@ class DenseLinears:
         self.pool, self.max_tokens = pool, max_tokens
         self.isa_code = native.ISAS[dense_isa(isa)]
         self.enabled = True
+        self.spin_us = 0  # the caller sleeps at once: spinning, it would take a core from the pool's threads
         self.modules: dict[str, nn.Linear] = {}
         for name, mod in model.named_modules():
             w = getattr(mod, "weight", None)
@@ -77,8 +78,7 @@ class DenseLinears:
                 task.bias = bias32[1].data_ptr()
             task.w, task.ldw = w.data_ptr(), w.stride(0)
             task.x, task.ldx, task.T, task.out = x2.data_ptr(), x2.stride(0), rows, out.data_ptr()
-            # the caller sleeps at once: spinning, it would take a core from the pool's threads
-            if lb.hm_dense(self.pool.handle, C.byref(task), self.isa_code, 0, err, len(err)):
+            if lb.hm_dense(self.pool.handle, C.byref(task), self.isa_code, self.spin_us, err, len(err)):
                 raise RuntimeError(err.value.decode())
             return out
 

@@ -100,3 +100,14 @@ int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us, char* err,
 }
 
 }  // extern "C"
+
+extern "C" {
+
+// Waits for task `id` of the pool, spinning spin_us first (0: sleep at once), without collecting
+// errors (hm_sync does that, at once, afterwards). The CPU-only path's synchronous MoE calls use it:
+// there the waiting thread has nothing else to do, and spinning it takes a core from the pool.
+void hm_wait_task(void* p, int64_t id, int64_t spin_us) {
+  static_cast<hm::Pool*>(p)->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
+}
+
+}  // extern "C"
