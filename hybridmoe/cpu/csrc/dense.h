@@ -25,8 +25,8 @@ struct HmDenseTask {
 
 namespace hm {
 
-// Computes rows [n0, n1) of out for every token of t. prefetch: software prefetch distance ahead of
-// each weight row, bytes (0: none).
+// Computes rows [n0, n1) of out for every token of t. prefetch: at least this many bytes ahead, in
+// whole row blocks (prefetch_ahead; 0: none).
 using DenseRowsFn = void (*)(const HmDenseTask& t, int n0, int n1, int prefetch);
 
 // The tokens one pass over a row block serves (more are done in further passes over the same,
@@ -40,6 +40,16 @@ inline uint16_t dense_f32_to_bf16(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
   u += 0x7fffu + ((u >> 16) & 1u);
   return uint16_t(u >> 16);
+}
+
+// Software prefetch distance of a block of R rows, in weight elements: the same K offset whole row
+// blocks ahead, at least pf bytes (pf = 0: none). Far prefetches (16-32 KB, the next block of the
+// LM head) read at the stream-read rate on the 2-core machine; 0.5-2 KB ahead inside the block
+// read 10% slower (benchmarks/bench_cpu_dense.py).
+inline int64_t prefetch_ahead(const HmDenseTask& t, int R, int pf) {
+  if (pf <= 0) return 0;
+  const int64_t block = int64_t(R) * t.ldw;  // elements
+  return block * ((int64_t(pf) / 2 + block - 1) / block);
 }
 
 inline void dense_store(const HmDenseTask& t, int64_t tok, int n, float v) {

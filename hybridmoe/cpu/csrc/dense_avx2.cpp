@@ -41,10 +41,11 @@ void block(const HmDenseTask& t, int n, int64_t tok0, int pf) {
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < TT; ++j) acc[r][j] = _mm256_setzero_ps();
   const int K = t.K;
+  const int64_t ahead = prefetch_ahead(t, R, pf);
   int k = 0;
   for (; k + 8 <= K; k += 8) {
     if (pf && (k & 31) == 0)  // one prefetch per 64-byte line of each row
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + pf, _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + ahead), _MM_HINT_T0);
     __m256 xv[TT];
     for (int j = 0; j < TT; ++j) xv[j] = widen8(x[j] + k);
     for (int r = 0; r < R; ++r) {

@@ -23,10 +23,11 @@ void block(const HmDenseTask& t, int n, int64_t tok0, int pf) {
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < TT; ++j) acc[r][j] = _mm512_setzero_ps();
   const int K = t.K;
+  const int64_t ahead = prefetch_ahead(t, R, pf);
   int k = 0;
   for (; k + 32 <= K; k += 32) {
     if (pf)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + pf, _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + ahead), _MM_HINT_T0);
     __m512i xv[TT];
     for (int j = 0; j < TT; ++j) xv[j] = _mm512_loadu_si512(x[j] + k);
     for (int r = 0; r < R; ++r) {
