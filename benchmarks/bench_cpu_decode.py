@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--dense", default="on,off",
-                   help="native dense linears (hybridmoe/cpu/dense_linears.py) on and/or off, alternating per round; "
-                        "the first one is the reported result")
+                   help="modes alternating per round, the first one reported: on (the CPU-only path's native dense "
+                        "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py), "
+                        "dense (the dense linears only), off (neither: torch's ops)")
     p.add_argument("--gguf", default=None, help="reuse / keep the GGUF at this path")
     p.add_argument("--tiny", action="store_true", help="a tiny shape, 1 repeat of 4 steps (smoke test)")
     p.add_argument("--out", default=None)
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"GGUF written in {time.perf_counter() - t0:.1f} s ({gg.stat().st_size / 1e9:.2f} GB)")
                 llama = LlamaCpp(gg, threads)
         dl = getattr(llm.engine.runner, "dense_linears", None)  # None: no native dense linears in this build
+        ad = getattr(llm.engine.runner, "attn_decode", None)
         modes = [m for m in a.dense.split(",") if dl is not None or m == "off"] or ["off"]
         res["dense_modes"] = modes
         hm, ll, bw = [], [], []
@@ -111,9 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
             line = f"round {r}: stream read {bw[-1] / 1e9:.1f} GB/s"
             for m in modes:
                 if dl is not None:
-                    dl.enabled = m == "on"
+                    dl.enabled = m in ("on", "dense")
+                if ad is not None:
+                    ad.enabled = m == "on"
                 by_mode[m].append(decode_tps(llm, 1, a.prompt_len, a.steps, a.vocab))
-                line += f", hybridmoe (dense {m}) {by_mode[m][-1]:.2f} tok/s"
+                line += f", hybridmoe ({m}) {by_mode[m][-1]:.2f} tok/s"
             hm.append(by_mode[modes[0]][-1])
             if llama is not None:
                 ll.append(llama.decode_tps(a.prompt_len, a.steps, a.vocab, seed=r))
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   "ratio_to_bound": statistics.median(v) / bound} for m, v in by_mode.items()})
     print(f"weights per token {bpt / 1e9:.3f} GB, stream read {bw_m / 1e9:.1f} GB/s (median): bound {bound:.2f} tok/s")
     for m, v in by_mode.items():
-        print(f"dense {m}: {statistics.median(v):.2f} tok/s = {statistics.median(v) / bound:.2f} of the bound "
+        print(f"mode {m}: {statistics.median(v):.2f} tok/s = {statistics.median(v) / bound:.2f} of the bound "
               f"(rounds {min(v):.2f}-{max(v):.2f})")
     print(f"hybridmoe CPU-only decode: {hm_m:.2f} tok/s = {hm_m / bound:.2f} of the bound")
     if ll:

@@ -58,6 +58,7 @@ UNITS: list[tuple[str, list[str], bool]] = [
     ("dense_api.cpp", [], True),  # dense BF16 linears of the CPU-only model path (dense.h)
     ("dense_avx2.cpp", AVX2, True),
     ("dense_avx512.cpp", AVX512, False),
+    ("attn_decode.cpp", AVX2 + ["-ffp-contract=off"], True),  # CPU-only decode attention (attn_decode.h)
 ]
 LINK_FLAGS = ["-shared", "-pthread"]
 

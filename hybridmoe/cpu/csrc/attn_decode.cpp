@@ -1,0 +1,93 @@
+// hm_attn_decode's work (attn_decode.h), AVX2 unit: plain loops the compiler vectorizes. No fp
+// contraction (-ffp-contract=off in build.py): the norm and RoPE steps round like torch's ops.
+#include "attn_decode.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "dense.h"
+
+namespace hm {
+namespace {
+
+inline float bf(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float rb(float f) { return bf(dense_f32_to_bf16(f)); }  // round to bf16 and back
+
+// One head: RMSNorm (when w) then RoPE at position pos, as fused_ops.qk_norm_rope_ref; out: the bf16
+// results as floats.
+void norm_rope(const uint16_t* x, const uint16_t* w, float eps, const float* c, const float* s, int D, float* out) {
+  float* xs = out;
+  for (int i = 0; i < D; ++i) xs[i] = bf(x[i]);
+  if (w) {
+    float ss = 0.f;
+    for (int i = 0; i < D; ++i) ss += xs[i] * xs[i];
+    const float r = 1.0f / std::sqrt(ss / float(D) + eps);
+    for (int i = 0; i < D; ++i) xs[i] = rb(bf(w[i]) * rb(xs[i] * r));
+  }
+  const int h = D / 2;
+  float tmp[1024];
+  for (int i = 0; i < h; ++i) {
+    const float cc = rb(c[i]), sn = rb(s[i]);
+    const float x1 = xs[i], x2 = xs[i + h];
+    tmp[i] = rb(rb(x1 * cc) + rb(-x2 * sn));
+    tmp[i + h] = rb(rb(x2 * cc) + rb(x1 * sn));
+  }
+  std::memcpy(out, tmp, sizeof(float) * size_t(D));
+}
+
+void run(const HmAttnDecode& a) {
+  const int D = a.D, Hq = a.Hq, Hkv = a.Hkv, G = Hq / Hkv, h = D / 2;
+  const size_t nd = static_cast<size_t>(D);
+  std::vector<float> q(static_cast<size_t>(Hq) * nd), kv(nd), sc, acc(nd);
+  for (int b = 0; b < a.B; ++b) {
+    const uint16_t* row = a.qkv + int64_t(b) * a.ld_qkv;
+    const int64_t pos = a.positions[b];
+    const float* c = a.cos + pos * h;
+    const float* s = a.sin + pos * h;
+    for (int hh = 0; hh < Hq; ++hh) norm_rope(row + hh * D, a.q_norm, a.eps, c, s, D, &q[size_t(hh) * D]);
+    const int64_t slot = a.slots[b];
+    for (int g = 0; g < Hkv; ++g) {
+      norm_rope(row + (Hq + g) * D, a.k_norm, a.eps, c, s, D, kv.data());
+      uint16_t* kd = a.k_cache + (slot * Hkv + g) * D;
+      for (int i = 0; i < D; ++i) kd[i] = dense_f32_to_bf16(kv[i]);  // exact: the values are bf16
+      std::memcpy(a.v_cache + (slot * Hkv + g) * D, row + (Hq + Hkv + g) * D, sizeof(uint16_t) * size_t(D));
+    }
+    const int L = a.seq_lens[b];
+    const int32_t* pages = a.block_table + int64_t(b) * a.ld_bt;
+    sc.resize(size_t(L));
+    for (int hh = 0; hh < Hq; ++hh) {
+      const int g = hh / G;
+      const float* qh = &q[size_t(hh) * D];
+      float mx = -INFINITY;
+      for (int l = 0; l < L; ++l) {
+        const uint16_t* kr = a.k_cache + ((int64_t(pages[l / a.S]) * a.S + l % a.S) * Hkv + g) * D;
+        float d = 0.f;
+        for (int i = 0; i < D; ++i) d += qh[i] * bf(kr[i]);
+        sc[l] = d * a.scale;
+        mx = std::max(mx, sc[l]);
+      }
+      float sum = 0.f;
+      for (int l = 0; l < L; ++l) sum += (sc[l] = std::exp(sc[l] - mx));
+      for (int i = 0; i < D; ++i) acc[i] = 0.f;
+      for (int l = 0; l < L; ++l) {
+        const float p = sc[l] / sum;
+        const uint16_t* vr = a.v_cache + ((int64_t(pages[l / a.S]) * a.S + l % a.S) * Hkv + g) * D;
+        for (int i = 0; i < D; ++i) acc[i] += p * bf(vr[i]);
+      }
+      uint16_t* o = a.out + int64_t(b) * a.ld_out + int64_t(hh) * D;
+      for (int i = 0; i < D; ++i) o[i] = dense_f32_to_bf16(acc[i]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hm
+
+extern "C" hm::AttnDecodeFn hm_attn_decode_avx2() { return &hm::run; }
