@@ -131,7 +131,8 @@ def test_installed_forwards_match_torch_and_fall_back(isa, pool):
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])  # qwen2: qkv bias, shared experts + gate, tied head
 def test_cpu_only_bf16_model_greedy_unchanged(tmp_path, kind):
     """CPU-only bf16 (every expert on the engine): the dense linears are installed on the attention,
-    dense-MLP, shared-expert and LM-head linears, and greedy decoding gives torch's tokens."""
+    dense-MLP, shared-expert and LM-head linears, the native decode attention on every layer, and
+    greedy decoding gives the torch path's tokens."""
     from hybridmoe import LLM
 
     from tiny_models import make_tiny_model
@@ -151,7 +152,9 @@ def test_cpu_only_bf16_model_greedy_unchanged(tmp_path, kind):
     ours = llm.generate(input_ids=prompt, sampling_params=params)["output_ids"]
     assert 1 in calls  # decode steps went through the native forward
     lm.forward = native_fwd
-    dl.enabled = False
+    ad = llm.engine.runner.attn_decode  # the native decode attention (test_attn_decode.py) as well
+    assert ad is not None and ad.native_calls > 0
+    dl.enabled = ad.enabled = False
     ref = llm.generate(input_ids=prompt, sampling_params=params)["output_ids"]
     assert ours == ref
     llm.shutdown()
