@@ -107,3 +107,21 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                        len(err)):
         raise native.CpuIsaError(err.value.decode())
     return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(logits, dim=-1) for a 2-D CPU bf16 tensor with unit column stride, natively
+    (greedy decode: torch's bf16 argmax over a 152k vocabulary took ~0.5 ms, 1% of a CPU-only step);
+    the same answer (first maximum, NaN above all). None when it does not apply here."""
+    if logits.dim() != 2 or logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.stride(1) != 1 \
+            or logits.shape[1] < 1:
+        return None
+    lb = _lib()
+    if not getattr(lb, "_hm_argmax_declared", False):
+        lb.hm_argmax_bf16.restype = C.c_int
+        lb.hm_argmax_bf16.argtypes = [C.c_void_p, C.c_int64, C.c_int64, C.c_int64, C.c_void_p]
+        lb._hm_argmax_declared = True
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if lb.hm_argmax_bf16(logits.data_ptr(), logits.shape[1], logits.shape[0], logits.stride(0), out.data_ptr()):
+        return None
+    return out

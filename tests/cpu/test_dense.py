@@ -158,3 +158,28 @@ def test_cpu_only_bf16_model_greedy_unchanged(tmp_path, kind):
     ref = llm.generate(input_ids=prompt, sampling_params=params)["output_ids"]
     assert ours == ref
     llm.shutdown()
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 33, 1000, 151936])
+def test_argmax_rows_is_torch_argmax(n):
+    """Greedy sampling's native argmax: torch.argmax's index exactly, including ties (first), NaN
+    (first NaN wins), -0 == +0, all -inf, and rows with a stride (a vocabulary slice)."""
+    from hybridmoe.cpu.dense import argmax_rows
+
+    g = torch.Generator().manual_seed(n)
+    for case in range(6):
+        x = torch.randn(3, n + 5, generator=g).bfloat16()[:, :n]
+        if case == 1:
+            x[1, torch.randint(0, n, (2,), generator=g)] = float("nan")
+        elif case == 2:
+            x.zero_()
+            x[0, n // 2] = -0.0
+            x[1, -1] = -0.0
+        elif case == 3:
+            x[2] = float("-inf")
+        elif case == 4:
+            x[0, :] = x[0].max()
+        elif case == 5:
+            x[1, -1] = float("inf")
+        assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1)), case
+    assert argmax_rows(torch.zeros(2, 4)) is None  # not bf16: the caller uses torch

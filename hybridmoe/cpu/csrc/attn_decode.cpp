@@ -2,6 +2,8 @@
 // contraction (-ffp-contract=off in build.py): the norm and RoPE steps round like torch's ops.
 #include "attn_decode.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -91,3 +93,42 @@ void run(const HmAttnDecode& a) {
 }  // namespace hm
 
 extern "C" hm::AttnDecodeFn hm_attn_decode_avx2() { return &hm::run; }
+
+// Greedy sampling's argmax over bf16 rows with torch.argmax's answer: the first index of the
+// maximum, NaN counting as above everything (the first NaN wins), -0 equal to +0. Integer keys
+// (order-preserving, so the max reduction vectorizes): |x| bits for x >= 0, minus them for x < 0,
+// 32768 for NaN.
+namespace {
+inline int32_t key_of(uint16_t b) {
+  const int32_t mag = b & 0x7fff;
+  return mag > 0x7f80 ? 32768 : ((b & 0x8000) ? -mag : mag);
+}
+}  // namespace
+
+extern "C" void hm_argmax_bf16_avx2(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* p = x + r * ld;
+    int32_t best = INT32_MIN;
+    int64_t i = 0;
+    if (n >= 8) {  // 8 keys at a time: the same key_of, in AVX2
+      const __m256i m7 = _mm256_set1_epi32(0x7fff), sgn = _mm256_set1_epi32(0x8000), inf = _mm256_set1_epi32(0x7f80),
+                    nan = _mm256_set1_epi32(32768);
+      __m256i b8 = _mm256_set1_epi32(INT32_MIN);
+      for (; i + 8 <= n; i += 8) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+        const __m256i mag = _mm256_and_si256(v, m7);
+        const __m256i neg = _mm256_cmpeq_epi32(_mm256_and_si256(v, sgn), sgn);  // all ones where x < 0
+        __m256i k = _mm256_sub_epi32(_mm256_xor_si256(mag, neg), neg);            // -mag there, else mag
+        k = _mm256_blendv_epi8(k, nan, _mm256_cmpgt_epi32(mag, inf));
+        b8 = _mm256_max_epi32(b8, k);
+      }
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), b8);
+      for (int j = 0; j < 8; ++j) best = std::max(best, lanes[j]);
+    }
+    for (; i < n; ++i) best = std::max(best, key_of(p[i]));
+    int64_t at = 0;
+    while (at < n && key_of(p[at]) != best) ++at;
+    out[r] = at;
+  }
+}

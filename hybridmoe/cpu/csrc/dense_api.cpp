@@ -134,3 +134,17 @@ int hm_attn_decode(const HmAttnDecode* a, char* err, int errlen) {
 }
 
 }  // extern "C"
+
+extern "C" void hm_argmax_bf16_avx2(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out)
+    __attribute__((weak));
+
+extern "C" {
+
+// out[r] = torch.argmax(x[r, :n]) for bf16 rows (attn_decode.cpp); 0, or 1 without AVX2 / n < 1.
+int hm_argmax_bf16(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out) {
+  if (n < 1 || rows < 0 || !hm_argmax_bf16_avx2 || !hm_isa_check(hm::ISA_AVX2, nullptr, 0)) return 1;
+  hm_argmax_bf16_avx2(x, n, rows, ld, out);
+  return 0;
+}
+
+}  // extern "C"
