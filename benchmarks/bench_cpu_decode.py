@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--dense", default="on,off",
                    help="modes alternating per round, the first one reported: on (the CPU-only path's native dense "
-                        "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py), "
-                        "dense (the dense linears only), off (neither: torch's ops)")
+                        "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py, and greedy "
+                        "argmax), dense (the dense linears and argmax only), off (none: torch's ops, the path before)")
     p.add_argument("--gguf", default=None, help="reuse / keep the GGUF at this path")
     p.add_argument("--tiny", action="store_true", help="a tiny shape, 1 repeat of 4 steps (smoke test)")
     p.add_argument("--out", default=None)
@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
                 llama = LlamaCpp(gg, threads)
         dl = getattr(llm.engine.runner, "dense_linears", None)  # None: no native dense linears in this build
         ad = getattr(llm.engine.runner, "attn_decode", None)
+        try:
+            from hybridmoe.cpu.dense import NATIVE_ARGMAX as native_argmax
+        except ImportError:  # a build without it
+            native_argmax = None
         modes = [m for m in a.dense.split(",") if dl is not None or m == "off"] or ["off"]
         res["dense_modes"] = modes
         hm, ll, bw = [], [], []
@@ -116,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
                     dl.enabled = m in ("on", "dense")
                 if ad is not None:
                     ad.enabled = m == "on"
+                if native_argmax is not None:
+                    native_argmax[0] = m != "off"
                 by_mode[m].append(decode_tps(llm, 1, a.prompt_len, a.steps, a.vocab))
                 line += f", hybridmoe ({m}) {by_mode[m][-1]:.2f} tok/s"
             hm.append(by_mode[modes[0]][-1])

@@ -109,11 +109,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out
 
 
+NATIVE_ARGMAX = [True]  # benchmarks switch it off to time the torch path (bench_cpu_decode.py --dense off)
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     """torch.argmax(logits, dim=-1) for a 2-D CPU bf16 tensor with unit column stride, natively
     (greedy decode: torch's bf16 argmax over a 152k vocabulary took ~0.5 ms, 1% of a CPU-only step);
     the same answer (first maximum, NaN above all). None when it does not apply here."""
-    if logits.dim() != 2 or logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.stride(1) != 1 \
+    if not NATIVE_ARGMAX[0] or logits.dim() != 2 or logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.stride(1) != 1 \
             or logits.shape[1] < 1:
         return None
     lb = _lib()
