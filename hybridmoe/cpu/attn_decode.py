@@ -6,6 +6,9 @@ decode layer's attention time on the 2-core machine).
     ad = install_attn_decode(model)   # on every standard-attention layer; None when none qualifies
     ad.enabled = False                # back to the torch path (benchmarks, tests)
 
+The same switch covers the decoder's residual RMSNorms (RMSNorm.add_norm) for decode-sized bf16
+inputs: one native call instead of ~9 torch ops each, with the reference's roundings.
+
 Used only for decode batches with bf16 activations and a bf16 cache on the torch attention
 backend; everything else (prefill, other dtypes, MLA) runs the layer's own forward, which is also
 the reference the tests compare against.
@@ -20,6 +23,9 @@ from torch import nn
 
 from hybridmoe.cpu import native
 from hybridmoe.layers.attention.layer import Attention, ForwardContext
+from hybridmoe.layers.norm import RMSNorm
+
+MAX_NORM_ROWS = 4  # add_norm natively up to this many rows (decode); more: torch's ops
 
 
 class AttnDecode(C.Structure):
@@ -40,6 +46,9 @@ def _lib():
     if _declared is not lb:
         lb.hm_attn_decode.restype = C.c_int
         lb.hm_attn_decode.argtypes = [C.POINTER(AttnDecode), C.c_char_p, C.c_int]
+        lb.hm_add_rmsnorm_bf16.restype = C.c_int
+        lb.hm_add_rmsnorm_bf16.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64, C.c_int64, C.c_float,
+                                           C.c_void_p, C.c_void_p]
         _declared = lb
     return lb
 
@@ -55,16 +64,42 @@ class AttnDecodeLayers:
         self.enabled = True
         self.native_calls = 0  # decode steps run natively (tests check the path was taken)
         self.modules: dict[str, Attention] = {}
+        self.norms: dict[str, RMSNorm] = {}
         self._tables: dict[int, tuple] = {}  # id(rotary) -> (key, cos fp32, sin fp32)
         for name, mod in model.named_modules():
             if isinstance(mod, Attention) and mod.head_dim % 2 == 0 and mod.head_dim <= 1024:
                 self.modules[name] = mod
                 mod.forward = self._make_forward(mod)
+            elif isinstance(mod, RMSNorm):
+                self.norms[name] = mod
+                mod.add_norm = self._make_add_norm(mod)
 
     def remove(self) -> None:
         for mod in self.modules.values():
             del mod.forward
-        self.modules = {}
+        for mod in self.norms.values():
+            del mod.add_norm
+        self.modules, self.norms = {}, {}
+
+    def _make_add_norm(self, mod: RMSNorm):
+        torch_add_norm = mod.add_norm
+        lb = _lib()
+
+        def add_norm(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            w = mod.weight
+            if (not self.enabled or x.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16
+                    or w.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or residual.shape != x.shape
+                    or not 0 < x.shape[0] <= MAX_NORM_ROWS or not (x.is_contiguous() and residual.is_contiguous())
+                    or x.shape[1] != w.shape[0] or not w.is_contiguous()):
+                return torch_add_norm(x, residual)
+            out, res = torch.empty_like(x), torch.empty_like(x)
+            if lb.hm_add_rmsnorm_bf16(x.data_ptr(), residual.data_ptr(), w.data_ptr(), x.shape[0], x.shape[1], mod.eps,
+                                      out.data_ptr(), res.data_ptr()):
+                return torch_add_norm(x, residual)
+            self.native_calls += 1
+            return out, res
+
+        return add_norm
 
     def _rope_tables(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
         key = (rope.cos.data_ptr(), rope.cos.dtype, rope.cos.shape)

@@ -95,3 +95,28 @@ def test_prefill_runs_the_torch_forward_and_remove_restores_it():
         assert "forward" not in vars(attn)
         ref = attn(x, pos, ForwardContext(pre, [(kc.clone(), vc.clone())], backend))
     assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("rows,h", [(1, 2048), (1, 1), (3, 72), (4, 33), (2, 4099)])
+def test_add_norm_matches_reference(rows, h):
+    """Residual RMSNorm: the new residual is bit-identical (one bf16 add); the normed output within
+    one bf16 ulp (the mean's fp32 sum order may differ from torch's, moving a rounding)."""
+    from hybridmoe.layers.fused_ops import add_rmsnorm_ref
+    from hybridmoe.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(rows * 10000 + h)
+    norm = RMSNorm(h, 1e-6).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(h, generator=g) + 0.5)
+    ad = AttnDecodeLayers(norm)
+    assert ad.norms == {"": norm}
+    x = (torch.randn(rows, h, generator=g) * 3).bfloat16()
+    res = torch.randn(rows, h, generator=g).bfloat16()
+    out, new_res = norm.add_norm(x, res)
+    assert ad.native_calls == 1
+    ref, ref_res = add_rmsnorm_ref(x, res, norm.weight, 1e-6)
+    assert torch.equal(new_res, ref_res)
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2**-7).all()
+    big = torch.randn(5, h, generator=g).bfloat16()  # over MAX_NORM_ROWS: the torch ops, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(norm.add_norm(big, big), add_rmsnorm_ref(big, big, norm.weight, 1e-6)))
+    assert ad.native_calls == 1

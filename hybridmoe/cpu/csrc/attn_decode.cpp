@@ -132,3 +132,29 @@ extern "C" void hm_argmax_bf16_avx2(const uint16_t* x, int64_t n, int64_t rows, 
     out[r] = at;
   }
 }
+
+// RMSNorm of bf16 rows with the residual add first, rounding where fused_ops.add_rmsnorm_ref does:
+// h = bf16(x + res) (written to res_out), normed = bf16(h * rsqrt(mean(h^2) + eps)), out = bf16(w * normed).
+// res == nullptr: no add (res_out unused). fp32 sums in this loop's order (torch's may differ in the
+// last bits of the mean).
+extern "C" void hm_add_rmsnorm_avx2(const uint16_t* x, const uint16_t* res, const uint16_t* w, int64_t rows, int64_t H,
+                                    float eps, uint16_t* out, uint16_t* res_out) {
+  using hm::dense_f32_to_bf16;
+  std::vector<float> h(static_cast<size_t>(H));
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * H;
+    float ss = 0.f;
+    for (int64_t i = 0; i < H; ++i) {
+      float v = hm::bf(xr[i]);
+      if (res) {
+        const uint16_t s = dense_f32_to_bf16(v + hm::bf(res[r * H + i]));
+        res_out[r * H + i] = s;
+        v = hm::bf(s);
+      }
+      h[size_t(i)] = v;
+      ss += v * v;
+    }
+    const float rs = 1.0f / std::sqrt(ss / float(H) + eps);
+    for (int64_t i = 0; i < H; ++i) out[r * H + i] = dense_f32_to_bf16(hm::bf(w[i]) * hm::rb(h[size_t(i)] * rs));
+  }
+}

@@ -148,3 +148,18 @@ int hm_argmax_bf16(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64
 }
 
 }  // extern "C"
+
+extern "C" void hm_add_rmsnorm_avx2(const uint16_t* x, const uint16_t* res, const uint16_t* w, int64_t rows, int64_t H,
+                                    float eps, uint16_t* out, uint16_t* res_out) __attribute__((weak));
+
+extern "C" {
+
+// (norm(x + res) * w, x + res) of bf16 rows (attn_decode.cpp); 0, or 1 without AVX2.
+int hm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, int64_t rows, int64_t H, float eps,
+                        uint16_t* out, uint16_t* res_out) {
+  if (H < 1 || rows < 0 || !hm_add_rmsnorm_avx2 || !hm_isa_check(hm::ISA_AVX2, nullptr, 0)) return 1;
+  hm_add_rmsnorm_avx2(x, res, w, rows, H, eps, out, res_out);
+  return 0;
+}
+
+}  // extern "C"
