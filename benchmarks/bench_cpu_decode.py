@@ -140,8 +140,12 @@ def main(argv: list[str] | None = None) -> dict:
                                   "ratio_to_bound": statistics.median(v) / bound} for m, v in by_mode.items()})
     print(f"weights per token {bpt / 1e9:.3f} GB, stream read {bw_m / 1e9:.1f} GB/s (median): bound {bound:.2f} tok/s")
     for m, v in by_mode.items():
+        # per round against that round's bandwidth too: on a shared machine both move together
+        per = [t * bpt / b for t, b in zip(v, bw)]
+        res["by_dense_mode"][m]["ratio_per_round"] = per
         print(f"mode {m}: {statistics.median(v):.2f} tok/s = {statistics.median(v) / bound:.2f} of the bound "
-              f"(rounds {min(v):.2f}-{max(v):.2f})")
+              f"(rounds {min(v):.2f}-{max(v):.2f}; per-round ratios {' '.join(f'{r:.2f}' for r in per)}, "
+              f"median {statistics.median(per):.2f})")
     print(f"hybridmoe CPU-only decode: {hm_m:.2f} tok/s = {hm_m / bound:.2f} of the bound")
     if ll:
         res["llama_cpp_tokens_per_s"] = statistics.median(ll)
