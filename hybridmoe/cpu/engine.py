@@ -22,6 +22,7 @@ import threading
 import torch
 
 from hybridmoe.cpu import native
+from hybridmoe.cpu.lora_slots import CPULoRASlots, check_lora_idx
 from hybridmoe.cpu.quant import ACTIVATIONS, PackedLayer, PackedMatrix, method_code
 from hybridmoe.cpu.settings import CPUEngineSettings
 from hybridmoe.cpu.topology import node_of, plan_threads
@@ -159,6 +160,8 @@ def _mat(m: PackedMatrix, e: int) -> native.PackedMat:
 class CPUMoELayer:
     """One layer's routed experts on the CPU engine."""
 
+    lora: CPULoRASlots | None = None  # expert LoRA slots (attach_lora); tasks take lora_idx then
+
     def __init__(
         self,
         packed: PackedLayer,
@@ -211,8 +214,33 @@ class CPUMoELayer:
             native.lib().hm_layer_destroy(h)
             self._h = None
 
-    def make_task(self, x, topk_ids, topk_weights, out, accumulate=False, skip_mask=None):
-        """Validates and converts the arguments; returns (Task struct, tensors to keep alive, out)."""
+    # ---- expert LoRA (lora_slots.py; the interface hybridmoe/lora/cpu_bridge.py uses) ----
+    def attach_lora(self, layer_index: int, slots: int, max_rank: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Zeroed LoRA slots for this layer's experts (once; host memory: lora.nbytes())."""
+        if self.lora is not None:
+            raise ValueError(f"layer {layer_index}: LoRA slots are already attached")
+        p = self.packed
+        self.pool.sync(max_pending=0)  # no queued task may see the descriptor change
+        self.lora = CPULoRASlots(self._h, p.num_experts, p.hidden, p.inter, getattr(p, "hidden_pad", p.hidden),
+                                 getattr(p, "inter_pad", p.inter), slots, max_rank, dtype,
+                                 what=f"layer {layer_index} CPU experts ({p.method})")
+
+    def set_lora_slot(self, layer_index: int, slot: int, gate_A, gate_B, up_A, up_B, down_A, down_B,
+                      scaling: float) -> None:
+        """Loads an adapter's expert weights (A [E, r, in], B [E, out, r]) into `slot`."""
+        self._lora(layer_index).set_slot(slot, gate_A, gate_B, up_A, up_B, down_A, down_B, scaling)
+
+    def clear_lora_slot(self, layer_index: int, slot: int) -> None:
+        self._lora(layer_index).clear_slot(slot)
+
+    def _lora(self, layer_index: int) -> CPULoRASlots:
+        if self.lora is None:
+            raise ValueError(f"layer {layer_index}: no LoRA slots attached (attach_lora)")
+        return self.lora
+
+    def make_task(self, x, topk_ids, topk_weights, out, accumulate=False, skip_mask=None, lora_idx=None):
+        """Validates and converts the arguments; returns (Task struct, tensors to keep alive, out).
+        lora_idx: int32 [T] adapter slot per token (-1: none), read only with LoRA attached."""
         p = self.packed
         if x.dim() != 2 or x.shape[1] != p.hidden:
             raise ValueError(f"x must be [T, {p.hidden}], got {tuple(x.shape)}")
@@ -237,6 +265,7 @@ class CPUMoELayer:
             if skip_mask.shape != (p.num_experts,) or skip_mask.device.type != "cpu":
                 raise ValueError(f"skip_mask must be a CPU tensor [{p.num_experts}]")
             skip_mask = skip_mask.to(torch.uint8).contiguous()
+        lora_idx = check_lora_idx(lora_idx, t, self.lora is not None)
         task = native.Task(
             self._h,
             _ptr(x),
@@ -251,8 +280,9 @@ class CPUMoELayer:
             native.DT_BF16 if out.dtype == torch.bfloat16 else native.DT_F32,
             1 if accumulate else 0,
             0,
+            _ptr(lora_idx),
         )
-        return task, (x, topk_ids, topk_weights, out, skip_mask)
+        return task, (x, topk_ids, topk_weights, out, skip_mask, lora_idx)
 
     def submit(
         self,
@@ -262,10 +292,11 @@ class CPUMoELayer:
         out: torch.Tensor,
         accumulate: bool = False,
         skip_mask: torch.Tensor | None = None,
+        lora_idx: torch.Tensor | None = None,
     ) -> int:
         """Queues out[T, H] (+)= MoE(x); returns a task id at once. All tensors: contiguous CPU (pinned for
-        GPU overlap); they must stay unchanged until sync."""
-        task, keep = self.make_task(x, topk_ids, topk_weights, out, accumulate, skip_mask)
+        GPU overlap); they must stay unchanged until sync. lora_idx: int32 [T] (see make_task)."""
+        task, keep = self.make_task(x, topk_ids, topk_weights, out, accumulate, skip_mask, lora_idx)
         return self.pool.submit(task, keep)
 
     def sync(self, task_id: int | None = None, max_pending: int = 0) -> None:
@@ -279,6 +310,7 @@ class CPUMoELayer:
         out: torch.Tensor | None = None,
         accumulate: bool = False,
         skip_mask: torch.Tensor | None = None,
+        lora_idx: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Synchronous: returns out (allocated in x's dtype when not given; any device/dtype input is
         copied to CPU float32/bfloat16 first)."""
@@ -292,6 +324,7 @@ class CPUMoELayer:
         w = topk_weights.detach().to("cpu", torch.float32).contiguous()
         res = out if out is not None else torch.empty(xc.shape, dtype=xc.dtype)
         skip = skip_mask.detach().to("cpu") if skip_mask is not None else None
-        tid = self.submit(xc, ids, w, res, accumulate, skip)
+        li = lora_idx.detach().to("cpu", torch.int32).contiguous() if lora_idx is not None else None
+        tid = self.submit(xc, ids, w, res, accumulate, skip, li)
         self.sync(tid)
         return res

@@ -57,7 +57,8 @@ def check_layer_count(model: GGUFModel, num_layers: int, model_path: str | None 
     if n is None:
         idx = [int(k.split(".")[1]) for k in model.tensors if k.startswith("blk.")]
         n = max(idx) + 1 if idx else 0
-    if int(n) != num_layers:
+    n = int(n) - int(model.meta(f"{model.arch}.nextn_predict_layers") or 0)  # MTP blocks: not decoder layers
+    if n != num_layers:
         raise GGUFError(f"{model.path}: {n} layers ({model.arch}.block_count), but --model "
                         f"{_model_name(model_path)} has {num_layers}")
 

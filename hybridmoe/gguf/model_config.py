@@ -6,7 +6,8 @@ llama-architecture file with experts (Mixtral) as a dense Llama. Sizes the metad
 from the tensor shapes, which every file has.
 
 llama.cpp architecture -> ours: qwen3moe -> Qwen3MoeForCausalLM, qwen2moe -> Qwen2MoeForCausalLM,
-llama with {arch}.expert_count > 0 -> MixtralForCausalLM.
+llama with {arch}.expert_count > 0 -> MixtralForCausalLM, deepseek2 -> DeepseekV3ForCausalLM or
+DeepseekV2ForCausalLM (gguf/deepseek2.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 ARCHS = {"qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
-         "llama": ("MixtralForCausalLM", "mixtral")}
+         "llama": ("MixtralForCausalLM", "mixtral"), "deepseek2": ("DeepseekV3ForCausalLM", "deepseek_v3")}
 
 
 class GGUFConfigError(ValueError):
@@ -74,6 +75,13 @@ def hf_config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: 
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"), "torch_dtype": "bfloat16",
     }
+    if arch == "deepseek2":  # MLA, grouped routing, YaRN: its own mapping
+        from hybridmoe.gguf.deepseek2 import DeepSeek2ConfigError, deepseek2_config
+
+        try:
+            return deepseek2_config(key, shapes, cfg, moe, source)
+        except DeepSeek2ConfigError as e:
+            raise GGUFConfigError(str(e)) from None
     scaling = key("rope.scaling.type")
     if scaling in ("yarn", "linear"):
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(key("rope.scaling.factor", 1.0))}

@@ -6,7 +6,8 @@ Routed experts are one 3-D tensor per projection in the GGUF ([E, N, K]): the ex
 back with the name. llama.cpp's converter permutes the q and k rows of llama-architecture models
 (Mixtral) for its interleaved rope (`permute` in convert_hf_to_gguf.py): within each head the rows
 go from [first half, second half] (Hugging Face's rotate_half) to pairs (0, h/2), (1, h/2+1), ...;
-`unpermute_rows` undoes that. qwen2moe / qwen3moe use NEOX rope in llama.cpp: no permutation.
+`unpermute_rows` undoes that. qwen2moe / qwen3moe use NEOX rope in llama.cpp: no permutation; deepseek2 neither (its rope is
+applied to adjacent pairs of the checkpoint's own rows, see gguf/deepseek2.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ _LAYER = {  # suffix after model.layers.{L}. -> suffix after blk.{L}.
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    # DeepSeek (deepseek2): MLA, shared experts, the router's selection bias
+    "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight", "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
 }
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}

@@ -19,7 +19,7 @@ import torch
 
 from hybridmoe.lora import targets
 from hybridmoe.lora.adapter import LoRAAdapter, LoRAAdapterError, read_adapter
-from hybridmoe.lora.cpu_bridge import CPUExpertLoRA
+from hybridmoe.lora.cpu_bridge import CPUExpertLoRA, slot_dtype
 from hybridmoe.lora.experts import ExpertLoRASlots
 from hybridmoe.lora.manager import LoRAManager
 
@@ -83,7 +83,7 @@ def _gpu_side(mgr: LoRAManager, backend, rows: torch.Tensor, layer: int, hidden:
 
 def attach_experts(mgr: LoRAManager, model) -> None:
     """Expert LoRA slots for every MoE layer: the GPU-side share next to its weights, the CPU share
-    through the CPU engine (cpu_bridge; a clear error until it has the native LoRA kernels)."""
+    in host memory through the CPU engine's native LoRA kernels (cpu_bridge)."""
     from hybridmoe.moe.cpu_experts import CPUExperts
     from hybridmoe.moe.hybrid import HybridExperts
 
@@ -101,11 +101,13 @@ def attach_experts(mgr: LoRAManager, model) -> None:
             if backend.gpu is not None:
                 parts.append(_gpu_side(mgr, backend.gpu, mask.nonzero().flatten(), layer, hidden, inter))
             if backend.cpu is not None:
-                parts.append(CPUExpertLoRA(backend.cpu.layer, layer, (~mask).nonzero().flatten(), mgr.num_slots,
-                                           mgr.max_rank))
+                backend.cpu_lora = CPUExpertLoRA(backend.cpu.layer, layer, (~mask).nonzero().flatten(), mgr.num_slots,
+                                                 mgr.max_rank, mgr.batch, slot_dtype(mgr.dtype))
+                parts.append(backend.cpu_lora)
         elif isinstance(backend, CPUExperts):
-            parts.append(CPUExpertLoRA(backend.layer, layer, torch.arange(block.num_experts), mgr.num_slots,
-                                       mgr.max_rank))
+            backend.lora = CPUExpertLoRA(backend.layer, layer, torch.arange(block.num_experts), mgr.num_slots,
+                                         mgr.max_rank, mgr.batch, slot_dtype(mgr.dtype))
+            parts.append(backend.lora)
         else:
             parts.append(_gpu_side(mgr, backend, torch.arange(block.num_experts), layer, hidden, inter))
         mgr.expert_slots[layer] = parts

@@ -39,6 +39,7 @@ class CPUExperts(MoEExperts):
 
     def __init__(self, weights: ExpertWeights | None, layer_idx: int, options: ExpertsOptions) -> None:
         self.layer_idx = layer_idx
+        self.lora = None  # lora/cpu_bridge.py CPUExpertLoRA: per-token adapter slots (attached by the LoRA manager)
         cfg = options.hybrid
         packed: PackedLayer | None = options.packed
         if packed is None:
@@ -76,12 +77,13 @@ class CPUExperts(MoEExperts):
         topk_ids: torch.Tensor,  # [T, K] int
         topk_weights: torch.Tensor,  # [T, K] float32
     ) -> torch.Tensor:  # [T, H], dtype and device of x
-        out = self.layer.forward(x, topk_ids, topk_weights)
+        lora_idx = self.lora.index(x.shape[0]) if self.lora is not None else None
+        out = self.layer.forward(x, topk_ids, topk_weights, lora_idx=lora_idx)
         return out.to(device=x.device, dtype=x.dtype)
 
     # asynchronous use (the hybrid GPU+CPU layer): see CPUMoELayer.submit / sync
-    def submit(self, x, topk_ids, topk_weights, out, accumulate=False, skip_mask=None) -> int:
-        return self.layer.submit(x, topk_ids, topk_weights, out, accumulate, skip_mask)
+    def submit(self, x, topk_ids, topk_weights, out, accumulate=False, skip_mask=None, lora_idx=None) -> int:
+        return self.layer.submit(x, topk_ids, topk_weights, out, accumulate, skip_mask, lora_idx)
 
     def sync(self, task_id: int | None = None, max_pending: int = 0) -> None:
         self.layer.sync(task_id, max_pending)

@@ -80,7 +80,8 @@ class SubmitProgram:
 
 
 class PinnedIO:
-    """Pinned host buffers for up to `cap` tokens: x [cap, H], ids [cap, K], w [cap, K], out [cap, H].
+    """Pinned host buffers for up to `cap` tokens: x [cap, H], ids [cap, K], w [cap, K], out [cap, H],
+    lora [cap] (the tokens' LoRA slots, -1: none; read by a task only with LoRA attached).
 
     Their addresses never change, so a captured graph keeps using them. Layers share them (the
     stream runs one layer after the other): see HybridRuntime.pinned_io."""
@@ -92,6 +93,7 @@ class PinnedIO:
         self.ids = torch.full((cap, k), -1, dtype=torch.int32, pin_memory=pin)  # [cap, K]
         self.w = torch.zeros(cap, k, dtype=torch.float32, pin_memory=pin)  # [cap, K]
         self.out = torch.zeros(cap, hidden, dtype=torch.float32, pin_memory=pin)  # [cap, H]
+        self.lora = torch.full((cap,), -1, dtype=torch.int32, pin_memory=pin)  # [cap]
 
 
 class StreamCPUTask:
@@ -106,6 +108,7 @@ class StreamCPUTask:
         self.io = io
         src = shared_input or io
         self.x, self.ids, self.w, self.out = src.x, io.ids, src.w, io.out
+        self.lora = src.lora  # per token, like x
         self.calls: dict[int, native.HostCall] = {}
         # per T: submits queued without their wait queued yet (a forward interrupted in between
         # leaves 1: the next submit first queues the missed wait, so waits and submits stay paired)
@@ -119,7 +122,7 @@ class StreamCPUTask:
     def _call(self, t: int) -> native.HostCall:
         call = self.calls.get(t)
         if call is None:
-            task, _ = self.layer.make_task(self.x[:t], self.ids[:t], self.w[:t], self.out[:t])
+            task, _ = self.layer.make_task(self.x[:t], self.ids[:t], self.w[:t], self.out[:t], lora_idx=self.lora[:t])
             call = self.calls[t] = native.HostCall(self.layer.pool.handle, task, 0, 0, 0, 0)
         # (a failed task is reported with its message by the engine's CPU error check after the
         # step; the status flag only records it here)
@@ -136,11 +139,15 @@ class StreamCPUTask:
             launch_host_func(self.sync_fn, self._call(t))
         self.unsynced[t] = 1
 
-    def enqueue_submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
-        """Copy the inputs out (stream-ordered) and start the CPU task once they have landed."""
+    def enqueue_submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                       lora: torch.Tensor | None = None) -> None:
+        """Copy the inputs out (stream-ordered) and start the CPU task once they have landed. lora:
+        int32 [T] the tokens' LoRA slots (None: leave the buffer, all -1 unless LoRA wrote it)."""
         t = x.shape[0]
         self._begin_submit(t)
         self.x[:t].copy_(x, non_blocking=True)
+        if lora is not None:
+            self.lora[:t].copy_(lora, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         self.w[:t].copy_(w, non_blocking=True)
         self._release(x.device)
@@ -160,7 +167,7 @@ class StreamCPUTask:
         return pair
 
     def enqueue_submit_with(self, later: StreamCPUTask, x: torch.Tensor, ids: torch.Tensor,
-                            later_ids: torch.Tensor, w: torch.Tensor) -> None:
+                            later_ids: torch.Tensor, w: torch.Tensor, lora: torch.Tensor | None = None) -> None:
         """This task and a deferred one that shares its x and w (built with shared_input=this
         task's PinnedIO): x and w copied once; the deferred task is queued right behind the gated
         one, so it needs no gate."""
@@ -169,6 +176,8 @@ class StreamCPUTask:
         self._begin_submit(t)
         later._begin_submit(t)
         self.x[:t].copy_(x, non_blocking=True)
+        if lora is not None:  # the deferred task reads it too (shared input)
+            self.lora[:t].copy_(lora, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         later.ids[:t].copy_(later_ids, non_blocking=True)
         self.w[:t].copy_(w, non_blocking=True)

@@ -92,6 +92,7 @@ class HybridExperts(MoEExperts):
         self._stream_tasks: dict[int, tuple] = {}  # token capacity -> (now, deferred) StreamCPUTasks
         self._streamed: MoEExperts | None = None  # the GPU backend over the layerwise buffer
         self.cpu: CPUExperts | None = None
+        self.cpu_lora = None  # lora/cpu_bridge.py CPUExpertLoRA of the CPU share (attached by the LoRA manager)
         if len(gpu_ids):  # only these experts' weights go to the GPU (fp8: with their block scales)
             sel = weights.select(_span(gpu_ids))
             # always a copy of their own: a view of a layer assembled on the GPU would keep all of it alive
@@ -162,10 +163,12 @@ class HybridExperts(MoEExperts):
                     self.cpu.layer, io(1), shared_input=io(0), submitter=rt.submitter) if self.defer else None)
             now, later = self._split(ids, topk_weights)
             w = topk_weights.float()
+            # the tokens' adapter slots: a fixed buffer under graphs (lora/batch.py), copied like x
+            lora = self.cpu_lora.index(t) if self.cpu_lora is not None else None
             if later is None:
-                tasks[0].enqueue_submit(x, now.int(), w)
+                tasks[0].enqueue_submit(x, now.int(), w, lora)
             else:  # both tasks queued by one host function
-                tasks[0].enqueue_submit_with(tasks[1], x, now.int(), later.int(), w)
+                tasks[0].enqueue_submit_with(tasks[1], x, now.int(), later.int(), w, lora)
         out = self._gpu_part(x, ids, topk_weights)  # runs while the CPU works
         side = extra() if extra is not None else None  # the shared experts: also while the CPU works
         pending = rt.pending
@@ -244,10 +247,13 @@ class HybridExperts(MoEExperts):
             x_h = x.detach().to("cpu").contiguous()
             w_h = topk_weights.float().to("cpu").contiguous()
             out_h = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
-            task = self.cpu.submit(x_h, now.to("cpu", torch.int32).contiguous(), w_h, out_h)
+            lora_h = (self.cpu_lora.index(x.shape[0]).to("cpu", torch.int32).contiguous()
+                      if self.cpu_lora is not None else None)
+            task = self.cpu.submit(x_h, now.to("cpu", torch.int32).contiguous(), w_h, out_h, lora_idx=lora_h)
             if later is not None:
                 later_out = torch.empty_like(out_h)
-                task_later = self.cpu.submit(x_h, later.to("cpu", torch.int32).contiguous(), w_h, later_out)
+                task_later = self.cpu.submit(x_h, later.to("cpu", torch.int32).contiguous(), w_h, later_out,
+                                             lora_idx=lora_h)
                 deferred = HostDeferred(self.cpu, task_later, later_out)
         out = self._gpu_part(x, ids, topk_weights)
         side = extra() if extra is not None else None  # the shared experts, while the CPU works

@@ -29,9 +29,10 @@ def test_retired_entry_points_are_gone():
     """ABI 9: tasks start only by gated submits (no submit host functions), and the item size,
     guided claiming, prefetch and host-function spin are pool settings, not run-time setters.
     (ABI 10 adds the FP8 method: method 3 in LayerDesc, structs unchanged; ABI 11 the load-time
-    quantizer hm_quantize; ABI 12 the GGUF layer hm_gguf_layer_create.)"""
+    quantizer hm_quantize; ABI 12 the GGUF layer hm_gguf_layer_create; ABI 13 expert LoRA: HmTask.lora_idx,
+    HmLayer.lora, hm_layer_attach_lora.)"""
     lb = native.lib()
-    assert lb.hm_abi_version() == native.ABI_VERSION == 12
+    assert lb.hm_abi_version() == native.ABI_VERSION == 13
     for name in ("hm_submit_hostfn", "hm_submit2_hostfn", "hm_set_item_bytes", "hm_set_guided", "hm_set_prefetch",
                  "hm_set_hostfn_spin_us"):
         assert not hasattr(lb, name), name

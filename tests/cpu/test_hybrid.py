@@ -249,11 +249,11 @@ def test_stream_task_failure_fails_the_step(model, monkeypatch):
     orig = cuda_bridge.StreamCPUTask.enqueue_submit
     state = {"n": 0, "poison_at": 5}
 
-    def poisoned(self, x, ids, w):
+    def poisoned(self, x, ids, w, *rest):
         state["n"] += 1
         if state["n"] == state["poison_at"]:  # a decode step's CPU task gets a NaN input
             x = x * float("nan")
-        return orig(self, x, ids, w)
+        return orig(self, x, ids, w, *rest)
 
     monkeypatch.setattr(cuda_bridge.StreamCPUTask, "enqueue_submit", poisoned)
     llm = LLM(str(model), **opts)

@@ -151,6 +151,7 @@ struct Ctx {
   float *sx1, *sx2, *af, *y;
   int32_t *g1, *g2, *slot_tok, *tok_slot;
   float* slot_w;
+  const LoraTask* lora = nullptr;  // the pairs' adapter deltas (lora.h); null: none in this task
   int64_t sub_beg[MAXSUB + 1];
   Counter next[MAXSUB];
   std::atomic<int> bad{0};
@@ -225,6 +226,7 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
       ActView A{c.A1 + r0 * c.ld1, c.ld1, c.sx1 + r0, c.g1 + r0 * c.gs1, c.gs1, c.prefetch};
       int64_t ldc = int64_t(it.nb1 - it.nb0) * 16;
       c.k->gemm(d.method, d.w13, it.e, A, M, it.nb0, it.nb1, C, ldc, d.group);
+      if (c.lora) lora_gate_up(*c.lora, it.e, r0, M, it.nb0, it.nb1, C, ldc);  // before the activation
       for (int r = 0; r < M; ++r)
         for (int pr = 0; pr < (it.nb1 - it.nb0) / 2; ++pr) {
           const float* g = C + r * ldc + pr * 32;
@@ -233,6 +235,7 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
     } else {
       ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2, c.prefetch};
       c.k->gemm(d.method, d.w2, it.e, A, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp, d.group);
+      if (c.lora) lora_down(*c.lora, it.e, r0, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp);
     }
   }
 }
@@ -420,8 +423,10 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     if (c.bad.load()) return "input x holds NaN or Inf";
     light(pool, c, ph_gather, c.S <= kInlineRows1);
     sw.lap(1);
+    c.lora = lora_begin(pool, L.lora, L.isa, t.lora_idx, t.x, t.x_dtype, d.H, t.T, c.S, c.slot_tok, ws.offs.data());
     build_items(c, d.w13.N / 16, CW1);
     pool.parallel(ph_gemm<true>, &c);
+    if (c.lora) lora_mid(pool, *c.lora, c.af);  // the activations' rank products, before quantizing them
     sw.lap(2);
     light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";

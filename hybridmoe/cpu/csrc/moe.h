@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common.h"
+#include "lora.h"
 #include "threadpool.h"
 
 extern "C" {
@@ -19,6 +20,7 @@ struct HmTask {
   void* out;               // [T, H] out_dtype
   int64_t T;
   int32_t K, x_dtype, ids_dtype, out_dtype, accumulate, pad_;
+  const int32_t* lora_idx;  // [T] adapter slot of each token (-1: none); may be null (lora.h)
 };
 }
 
@@ -29,6 +31,7 @@ struct HmLayer {
   const Kernels* k;
   int isa;
   const Kernels* k_fp32act;  // BF16: the kernels that keep fp32 activations (AVX2); else nullptr
+  HmLoraDesc lora{};         // expert LoRA slot weights (hm_layer_attach_lora); w == nullptr: none
 };
 
 struct Workspace;  // scratch buffers, one per pool (tasks run one at a time)
