@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    p.add_argument("--dense", default="on,off",
+                   help="modes alternating per round, the first one reported: on (the CPU-only path's native dense "
+                        "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py, and greedy "
+                        "argmax), dense (the dense linears and argmax only), off (none: torch's ops, the path before)")
     p.add_argument("--gguf", default=None, help="reuse / keep the GGUF at this path")
     p.add_argument("--tiny", action="store_true", help="a tiny shape, 1 repeat of 4 steps (smoke test)")
     p.add_argument("--out", default=None)
@@ -98,11 +102,29 @@ def main(argv: list[str] | None = None) -> dict:
                     write_gguf(gg, a)
                     print(f"GGUF written in {time.perf_counter() - t0:.1f} s ({gg.stat().st_size / 1e9:.2f} GB)")
                 llama = LlamaCpp(gg, threads)
+        dl = getattr(llm.engine.runner, "dense_linears", None)  # None: no native dense linears in this build
+        ad = getattr(llm.engine.runner, "attn_decode", None)
+        try:
+            from hybridmoe.cpu.dense import NATIVE_ARGMAX as native_argmax
+        except ImportError:  # a build without it
+            native_argmax = None
+        modes = [m for m in a.dense.split(",") if dl is not None or m == "off"] or ["off"]
+        res["dense_modes"] = modes
         hm, ll, bw = [], [], []
+        by_mode: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(a.repeats):
             bw.append(pool.stream_read_gbps(256 << 20 if a.tiny else 1 << 30, 5) * 1e9)
-            hm.append(decode_tps(llm, 1, a.prompt_len, a.steps, a.vocab))
-            line = f"round {r}: stream read {bw[-1] / 1e9:.1f} GB/s, hybridmoe {hm[-1]:.2f} tok/s"
+            line = f"round {r}: stream read {bw[-1] / 1e9:.1f} GB/s"
+            for m in modes:
+                if dl is not None:
+                    dl.enabled = m in ("on", "dense")
+                if ad is not None:
+                    ad.enabled = m == "on"
+                if native_argmax is not None:
+                    native_argmax[0] = m != "off"
+                by_mode[m].append(decode_tps(llm, 1, a.prompt_len, a.steps, a.vocab))
+                line += f", hybridmoe ({m}) {by_mode[m][-1]:.2f} tok/s"
+            hm.append(by_mode[modes[0]][-1])
             if llama is not None:
                 ll.append(llama.decode_tps(a.prompt_len, a.steps, a.vocab, seed=r))
                 line += f", llama.cpp {ll[-1]:.2f} tok/s"
@@ -113,8 +135,17 @@ def main(argv: list[str] | None = None) -> dict:
     bw_m, hm_m = statistics.median(bw), statistics.median(hm)
     bound = bw_m / bpt
     res.update(bytes_per_token=bpt, stream_read_bps=bw_m, bound_tokens_per_s=bound, tokens_per_s=hm_m,
-               ratio_to_bound=hm_m / bound, rounds={"stream_read_bps": bw, "hybridmoe": hm, "llama_cpp": ll})
+               ratio_to_bound=hm_m / bound, rounds={"stream_read_bps": bw, "hybridmoe": hm, "llama_cpp": ll},
+               by_dense_mode={m: {"rounds": v, "tokens_per_s": statistics.median(v),
+                                  "ratio_to_bound": statistics.median(v) / bound} for m, v in by_mode.items()})
     print(f"weights per token {bpt / 1e9:.3f} GB, stream read {bw_m / 1e9:.1f} GB/s (median): bound {bound:.2f} tok/s")
+    for m, v in by_mode.items():
+        # per round against that round's bandwidth too: on a shared machine both move together
+        per = [t * bpt / b for t, b in zip(v, bw)]
+        res["by_dense_mode"][m]["ratio_per_round"] = per
+        print(f"mode {m}: {statistics.median(v):.2f} tok/s = {statistics.median(v) / bound:.2f} of the bound "
+              f"(rounds {min(v):.2f}-{max(v):.2f}; per-round ratios {' '.join(f'{r:.2f}' for r in per)}, "
+              f"median {statistics.median(per):.2f})")
     print(f"hybridmoe CPU-only decode: {hm_m:.2f} tok/s = {hm_m / bound:.2f} of the bound")
     if ll:
         res["llama_cpp_tokens_per_s"] = statistics.median(ll)

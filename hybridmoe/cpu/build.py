@@ -55,6 +55,10 @@ UNITS: list[tuple[str, list[str], bool]] = [
     ("gguf_api.cpp", [], True),  # GGUF block layers (--kt-method LLAMAFILE)
     ("gguf_avx2.cpp", AVX2, True),
     ("gguf_avx512.cpp", AVX512, False),
+    ("dense_api.cpp", [], True),  # dense BF16 linears of the CPU-only model path (dense.h)
+    ("dense_avx2.cpp", AVX2, True),
+    ("dense_avx512.cpp", AVX512, False),
+    ("attn_decode.cpp", AVX2 + ["-ffp-contract=off"], True),  # CPU-only decode attention (attn_decode.h)
     ("lora.cpp", [], True),  # expert LoRA on the CPU experts (lora.h)
     ("lora_avx2.cpp", AVX2, True),
     ("lora_avx512.cpp", AVX512, False),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmoe.cpu.dense import argmax_rows
 from hybridmoe.engine.grammar_mask import BatchBitmask
 from hybridmoe.engine.request import Req
 
@@ -60,7 +61,10 @@ class Sampler:
         if constrained is not None:
             logits = constrained
         if all(self._plain_greedy(r) for r in reqs):  # one argmax kernel: decode at batch 1 feels every launch
-            return SampleOutput(self._ids(torch.argmax(logits[:, : self.vocab_size], dim=-1)), None, None)
+            ids = argmax_rows(logits[:, : self.vocab_size]) if logits.device.type == "cpu" else None
+            if ids is None:
+                ids = torch.argmax(logits[:, : self.vocab_size], dim=-1)
+            return SampleOutput(self._ids(ids), None, None)
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         dev = logits.device

@@ -1,0 +1,165 @@
+// C ABI of the dense BF16 linears (dense.h): hm_dense runs one call on the engine's pool (as a
+// task, so it runs after the MoE tasks queued before it and never beside them: the pool's threads
+// are the only ones doing the heavy work, no oversubscription) and waits for it. Compiled for
+// baseline x86-64: the ISA is checked before a kernel is chosen.
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <string>
+
+#include "common.h"
+#include "dense.h"
+#include "pool.h"
+
+extern "C" int hm_isa_check(int isa, char* msg, int len);
+
+namespace {
+
+// Weights up to this size are read by the calling thread itself (a router: 0.5 MB, ~35 us on one
+// core): waking the pool and its end-of-phase barrier cost more than that, and much more when a
+// pool thread shares its core with another busy process (0.2 ms measured on the 2-core machine).
+constexpr int64_t kInlineBytes = 1 << 20;
+
+struct DenseCtx {
+  const HmDenseTask* t;
+  hm::DenseRowsFn fn;
+  int prefetch;
+  int64_t chunk;                 // rows per work item (a multiple of 16)
+  std::atomic<int64_t> next{0};  // the next work item
+};
+
+// Rows are handed out in chunks of ~256 KB of weights from a shared counter, not split statically:
+// a thread that shares its core with another process (a busy machine, the server's own loop) then
+// does less of the work instead of holding up the phase. Chunks are multiples of 16 rows (64 bytes
+// of fp32 output), so no two threads write one cache line.
+void ph_dense(int, void* p) {
+  DenseCtx& c = *static_cast<DenseCtx*>(p);
+  const int64_t N = c.t->N;
+  for (;;) {
+    const int64_t n0 = c.next.fetch_add(c.chunk, std::memory_order_relaxed);
+    if (n0 >= N) return;
+    c.fn(*c.t, int(n0), int(std::min(n0 + c.chunk, N)), c.prefetch);
+  }
+}
+
+std::string check(const HmDenseTask& t) {
+  if (t.T < 0 || t.N < 0 || t.K < 1) return "T and N must be >= 0 and K >= 1";
+  if (t.out_dtype != 0 && t.out_dtype != 1) return "out_dtype must be 0 (fp32) or 1 (bf16)";
+  if (t.T == 0 || t.N == 0) return "";
+  if (!t.w || !t.x || !t.out) return "null weight, input or output pointer";
+  if (t.ldw < t.K || t.ldx < t.K || t.ldo < t.N) return "a row stride is smaller than its row";
+  return "";
+}
+
+}  // namespace
+
+extern "C" {
+
+// The ISA a dense call on `isa` runs (AMX has no dense kernels of its own: AVX-512), or -1 with the
+// reason in err.
+int hm_dense_isa(int isa, char* err, int errlen) {
+  char why[512] = "";
+  if (!hm_isa_check(isa, why, sizeof(why))) {
+    if (err && errlen > 0) std::snprintf(err, size_t(errlen), "%s", why);
+    return -1;
+  }
+  if (isa >= hm::ISA_AVX512 && hm_dense_rows_avx512) return hm::ISA_AVX512;
+  if (hm_dense_rows_avx2) return hm::ISA_AVX2;
+  if (err && errlen > 0) std::snprintf(err, size_t(errlen), "the library was built without the dense kernels");
+  return -1;
+}
+
+// out = x w^T (+ bias) on all pool threads (see dense.h), or on this thread for small weights;
+// waits for it. spin_us: how long this
+// thread spins for the result before it sleeps (< 0: the pool's spin_us). Returns 0, or 1 with
+// what is wrong in err.
+int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us, char* err, int errlen) {
+  const std::string bad = t ? check(*t) : "null task";
+  if (!bad.empty()) {
+    if (err && errlen > 0) std::snprintf(err, size_t(errlen), "hm_dense: %s", bad.c_str());
+    return 1;
+  }
+  const int run = hm_dense_isa(isa, err, errlen);
+  if (run < 0) return 1;
+  if (t->T == 0 || t->N == 0) return 0;
+  hm::Pool* pool = static_cast<hm::Pool*>(p);
+  const hm::DenseRowsFn fn = run == hm::ISA_AVX512 ? hm_dense_rows_avx512() : hm_dense_rows_avx2();
+  if (int64_t(t->N) * t->K * 2 <= kInlineBytes) {  // small: on this thread, no round trip through the pool
+    fn(*t, 0, t->N, int(pool->settings.prefetch_bytes));
+    return 0;
+  }
+  DenseCtx c;
+  c.t = t;
+  c.fn = fn;
+  c.prefetch = int(pool->settings.prefetch_bytes);
+  const int64_t row_bytes = int64_t(t->K) * 2 * std::max<int64_t>(1, std::min<int64_t>(t->T, hm::kDenseTokTile));
+  c.chunk = std::max<int64_t>(16, (int64_t(256) << 10) / row_bytes / 16 * 16);
+  const int64_t id = pool->tp.submit([pool, &c] { pool->tp.parallel(ph_dense, &c); });
+  pool->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
+  return 0;
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// Waits for task `id` of the pool, spinning spin_us first (0: sleep at once), without collecting
+// errors (hm_sync does that, at once, afterwards). The CPU-only path's synchronous MoE calls use it:
+// there the waiting thread has nothing else to do, and spinning it takes a core from the pool.
+void hm_wait_task(void* p, int64_t id, int64_t spin_us) {
+  static_cast<hm::Pool*>(p)->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
+}
+
+}  // extern "C"
+
+#include "attn_decode.h"
+
+extern "C" {
+
+// One decode attention step (attn_decode.h) on this thread. Returns 0, or 1 with what is wrong in err.
+int hm_attn_decode(const HmAttnDecode* a, char* err, int errlen) {
+  const char* bad = "";
+  if (!hm_isa_check(hm::ISA_AVX2, nullptr, 0) || !hm_attn_decode_avx2) bad = "needs AVX2 (or was not built)";
+  else if (a->B < 0 || a->Hkv < 1 || a->Hq % a->Hkv || a->D < 2 || a->D % 2 || a->D > 1024 || a->S < 1)
+    bad = "bad sizes";
+  else if (a->B > 0 && (!a->qkv || !a->cos || !a->sin || !a->positions || !a->k_cache || !a->v_cache || !a->slots ||
+                        !a->block_table || !a->seq_lens || !a->out))
+    bad = "null pointer";
+  if (*bad) {
+    if (err && errlen > 0) std::snprintf(err, size_t(errlen), "hm_attn_decode: %s", bad);
+    return 1;
+  }
+  hm_attn_decode_avx2()(*a);
+  return 0;
+}
+
+}  // extern "C"
+
+extern "C" void hm_argmax_bf16_avx2(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out)
+    __attribute__((weak));
+
+extern "C" {
+
+// out[r] = torch.argmax(x[r, :n]) for bf16 rows (attn_decode.cpp); 0, or 1 without AVX2 / n < 1.
+int hm_argmax_bf16(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out) {
+  if (n < 1 || rows < 0 || !hm_argmax_bf16_avx2 || !hm_isa_check(hm::ISA_AVX2, nullptr, 0)) return 1;
+  hm_argmax_bf16_avx2(x, n, rows, ld, out);
+  return 0;
+}
+
+}  // extern "C"
+
+extern "C" void hm_add_rmsnorm_avx2(const uint16_t* x, const uint16_t* res, const uint16_t* w, int64_t rows, int64_t H,
+                                    float eps, uint16_t* out, uint16_t* res_out) __attribute__((weak));
+
+extern "C" {
+
+// (norm(x + res) * w, x + res) of bf16 rows (attn_decode.cpp); 0, or 1 without AVX2.
+int hm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, int64_t rows, int64_t H, float eps,
+                        uint16_t* out, uint16_t* res_out) {
+  if (H < 1 || rows < 0 || !hm_add_rmsnorm_avx2 || !hm_isa_check(hm::ISA_AVX2, nullptr, 0)) return 1;
+  hm_add_rmsnorm_avx2(x, res, w, rows, H, eps, out, res_out);
+  return 0;
+}
+
+}  // extern "C"
