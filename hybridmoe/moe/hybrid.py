@@ -114,8 +114,12 @@ class HybridExperts(MoEExperts):
                 # [E_cpu, ...] host tensors the prefill streams (GGUF: the file's rows, mapped read-only)
                 self.fmt, self.packed_parts = stream_source(packed)
                 self.runs = stream_runs(mask, self.full_cpu_layer)
-                self.pinned = dev.type != "cuda" or page_lock(packed, list(self.packed_parts.values()), dev,
-                                                              read_only=not isinstance(self.fmt, PackedFormat))
+                # GGUF rows are the file's read-only mapped pages: registering them (CU_MEMHOSTREGISTER_READ_ONLY)
+                # succeeded on the H200 but the H2D copies from them then failed with "invalid argument", so
+                # they are copied from pageable memory (correct, slower) until that is understood
+                gguf = not isinstance(self.fmt, PackedFormat)
+                self.pinned = dev.type != "cuda" or (not gguf and page_lock(packed, list(self.packed_parts.values()),
+                                                                            dev))
 
     def set_defer(self, defer: int) -> None:
         """Deferred experts per token from now on (HybridRuntime.set_num_deferred)."""

@@ -37,7 +37,8 @@ def check_cuda_against_cpu(gguf, same_dir, gpu: int, prompt: list[int], greedy: 
     ref = LLM(str(gguf), device="cpu", progress=False, kt_num_gpu_experts=gpu)
     llm = LLM(str(gguf), **GPU_OPTS, kt_num_gpu_experts=gpu)
     try:
-        assert llm.engine.runner.moe.placement.gpu_experts(0) == gpu
+        first_moe = next(iter(llm.engine.runner.model.moe_blocks())).layer_idx  # DeepSeek: dense layers first
+        assert llm.engine.runner.moe.placement.gpu_experts(first_moe) == gpu
         a, b = llm.prompt_logits(prompt).float().cpu(), ref.prompt_logits(prompt).float()
         rel, bound = _rel(a, b), max(0.05, 2 * bf16)
         print(f"{label} on CUDA, {gpu} GPU experts: prompt logits rel {rel:.4f} against the CPU device "

