@@ -30,6 +30,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+)\.lora_([AB])(?:\.default)?\.weight$")
 _EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.([A-Za-z0-9_]+)$")
 
+GPU_LINE = "LoRA slots"  # memory-plan keys: lora/plan.py estimates them, setup.note_memory sets the real bytes
+HOST_LINE = "LoRA expert slots (CPU share)"
 
 class LoRAAdapterError(ValueError):
     """A malformed or unsupported adapter; the message names the file and key."""

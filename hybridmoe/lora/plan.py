@@ -15,10 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hybridmoe.lora.adapter import _EXPERT, _KEY, CONFIG_FILE, WEIGHTS_FILE
-
-GPU_LINE = "LoRA slots"  # the keys note_memory overwrites with the real bytes
-HOST_LINE = "LoRA expert slots (CPU share)"
+from hybridmoe.lora.adapter import _EXPERT, _KEY, CONFIG_FILE, GPU_LINE, HOST_LINE, WEIGHTS_FILE
 
 
 def _adapter_dirs(args) -> list[str]:

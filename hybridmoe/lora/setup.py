@@ -153,7 +153,7 @@ def note_memory(plan, mgr: LoRAManager | None) -> None:
     """The slot buffers as lines of the startup memory plan (moe/memory_plan.py), logged."""
     if plan is None or mgr is None:
         return
-    from hybridmoe.lora.plan import GPU_LINE, HOST_LINE
+    from hybridmoe.lora.adapter import GPU_LINE, HOST_LINE
 
     dev, host = mgr.nbytes()  # the real bytes replace the startup estimate (lora/plan.py)
     plan.gpu[GPU_LINE] = dev
