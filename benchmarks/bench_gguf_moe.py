@@ -6,6 +6,9 @@ ratio to the stream-read probe measured in the same run (interleaved), large T i
 Each type is one layer set of `--layers` copies (so decode reads from DRAM, not cache), random valid
 GGUF blocks (speed does not depend on the values). Bytes touched per task = the distinct experts
 routed x their three matrices' GGUF bytes. Prints one line per (type, T) and the probe.
+Timing: as benchmarks/bench_cpu_moe.py, tasks (fresh random routing each) are built before the clock
+starts, as the engine's CUDA path does, and the time is submit -> done (the native library's own
+latency); `--timing forward` times layer.forward instead (adds the Python argument checks).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 import torch
 
 from hybridmoe.cpu import gguf_quant as gq
+from hybridmoe.cpu import native
 from hybridmoe.cpu.engine import CPUThreadPool
 from hybridmoe.cpu.gguf_engine import GGUFExperts, GGUFMoELayer
 
@@ -28,20 +32,38 @@ def make_layer(typ: str, e: int, h: int, i: int, seed: int) -> GGUFExperts:
     return GGUFExperts.of(*mats, (typ,) * 3)
 
 
-def measure(layers, t, k, e, h, seconds, min_iters, max_iters):
+def routing(t: int, k: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.rand(t, e).topk(k, dim=-1).indices.contiguous(), torch.rand(t, k)
+
+
+def measure(layers, t, k, e, h, seconds, min_iters, max_iters, timing="task"):
     x = torch.randn(t, h, dtype=torch.bfloat16)
     out = torch.empty_like(x)
+    for j in range(min(2, len(layers))):  # warm-up (page faults, workspace growth)
+        layers[j].forward(x, *routing(t, k, e), out=out)
+    n_pre = min(max_iters, 64) if timing == "task" else 0  # reused round-robin
+    pending = []  # prebuilt tasks: routing drawn and arguments checked before the clock starts
+    for j in range(n_pre):
+        ids, w = routing(t, k, e)
+        task, keep = layers[j % len(layers)].make_task(x, ids, w, out)
+        pending.append((task, keep, int(ids.unique().numel())))
+    pool = layers[0].pool
     times, touched = [], []
     deadline = time.perf_counter() + seconds
     it = 0
     while it < min_iters or (time.perf_counter() < deadline and it < max_iters):
-        ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
-        w = torch.rand(t, k)
-        layer = layers[it % len(layers)]
-        t0 = time.perf_counter()
-        layer.forward(x, ids, w, out=out)
-        times.append(time.perf_counter() - t0)
-        touched.append(int(ids.unique().numel()))
+        if timing == "task":
+            task, keep, n = pending[it % len(pending)]
+            t0 = time.perf_counter()
+            pool.sync(pool.submit(task, keep))
+            times.append(time.perf_counter() - t0)
+        else:
+            ids, w = routing(t, k, e)
+            n = int(ids.unique().numel())
+            t0 = time.perf_counter()
+            layers[it % len(layers)].forward(x, ids, w, out=out)
+            times.append(time.perf_counter() - t0)
+        touched.append(n)
         it += 1
     return statistics.median(times), statistics.median(touched)
 
@@ -61,6 +83,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--min-iters", type=int, default=3)
     ap.add_argument("--max-iters", type=int, default=200)
     ap.add_argument("--stream-bytes", type=int, default=1 << 30)
+    ap.add_argument("--timing", choices=("task", "forward"), default="task",
+                    help="task: submit -> done of prebuilt tasks (bench_cpu_moe.py's way); forward: layer.forward")
+    ap.add_argument("--profile", action="store_true", help="print the native phase times (us per task)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     pool = CPUThreadPool(threads=a.threads)
@@ -72,11 +97,14 @@ def main(argv=None) -> dict:
     probes = [pool.stream_read_gbps(a.stream_bytes, 5)]
     for t in a.T:
         for typ, layers in sets.items():  # interleaved with a probe per T: the host's bandwidth swings
-            sec, touched = measure(layers, t, a.k, a.E, a.H, a.seconds, a.min_iters, a.max_iters)
+            native.profile(reset=True)
+            sec, touched = measure(layers, t, a.k, a.E, a.H, a.seconds, a.min_iters, a.max_iters, a.timing)
+            prof = native.profile(reset=True)
             per_expert = sum(m.numel() for m in layers[0].packed.tensors().values()) / a.E
             gbs = touched * per_expert / sec / 1e9
             tflops = 2 * 3 * a.H * a.I * t * a.k / sec / 1e12
-            rows.append({"type": typ, "T": t, "ms": sec * 1e3, "GB/s": gbs, "TFLOP/s": tflops})
+            phases = {p: v / max(1.0, prof["tasks"]) * 1e6 for p, v in prof.items() if p != "tasks"}
+            rows.append({"type": typ, "T": t, "ms": sec * 1e3, "GB/s": gbs, "TFLOP/s": tflops, "phases_us": phases})
         probes.append(pool.stream_read_gbps(a.stream_bytes, 5))
     best = max(probes)
     print(f"kernel {kernel}, threads {pool.threads}, stream-read probe best {best:.1f} GB/s (all {probes})")
@@ -84,7 +112,9 @@ def main(argv=None) -> dict:
         r["ratio_to_stream"] = r["GB/s"] / best
         print(f"{r['type']:7s} T={r['T']:5d}  {r['ms']:9.3f} ms  {r['GB/s']:7.1f} GB/s  ratio {r['ratio_to_stream']:.2f}"
               f"  {r['TFLOP/s']:.3f} TFLOP/s")
-    res = {"kernel": kernel, "threads": pool.threads, "stream_read_gbps": best, "probes": probes, "rows": rows,
+        if a.profile:
+            print("         phases (us/task): " + ", ".join(f"{p} {v:.1f}" for p, v in r["phases_us"].items()))
+    res = {"kernel": kernel, "threads": pool.threads, "timing": a.timing, "stream_read_gbps": best, "probes": probes, "rows": rows,
            "shape": {"E": a.E, "k": a.k, "H": a.H, "I": a.I}}
     if a.json:
         with open(a.json, "w") as f:
