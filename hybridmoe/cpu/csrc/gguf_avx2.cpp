@@ -4,6 +4,7 @@
 // MR activation rows share each weight register. Every symbol has internal linkage.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>

@@ -4,6 +4,7 @@
 // register. Every symbol has internal linkage (see moe_avx512.cpp on template instances).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>

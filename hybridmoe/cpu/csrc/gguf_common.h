@@ -13,6 +13,11 @@
 //   bs f32 [Kp / 16]    sum of the 16 q of each group (exact integers)
 //   d  f32 [Kp / 256]   amax / 127
 //   bi i16 [Kp / 16]    the same group sums as int16 (the direct kernels' madd with int16 mins)
+//   (zero pad to a multiple of 64 bytes)
+//   qp int8 [Kp]        q with the 32-value sub-blocks of each 256 in the order 0 2 1 3 4 6 5 7: the
+//                       AVX-512 Q4_K / Q5_K kernels' order (the low nibbles of 64 bytes of qs are
+//                       sub-blocks 2j, 2j + 2, the high nibbles 2j + 1, 2j + 3)
+//   b32 i16 [Kp / 32]   sum of the 32 q of each sub-block (natural order; Q4_K / Q5_K mins)
 // Dot of a weight row with an activation row, per super-block b:
 //   d_b * ( sum_{v/4} sl[v/4] * (sum of 4 u_v q_v)  +  sum_g bias[g] * bs[g] )
 // where the weight value w_v = S_g * u_v + bias_g (S_g, bias_g per group of 16; sl = S per 4 values).
@@ -55,9 +60,10 @@ struct alignas(64) UBlk {
   float bias[16];   // bias of group g (times the activation group sum)
 };
 
-inline int64_t gguf_act_row_bytes(int Kp) {
+inline int64_t gguf_act_qp_offset(int Kp) {
   return round_up(int64_t(Kp) + int64_t(Kp) / 16 * 4 + Kp / 256 * 4 + int64_t(Kp) / 16 * 2, 64);
 }
+inline int64_t gguf_act_row_bytes(int Kp) { return round_up(gguf_act_qp_offset(Kp) + Kp + Kp / 32 * 2, 64); }
 
 // Rows per expert up to which a GEMM item takes the direct kernels. Measured on one 256-row Q4_K /
 // Q8_0 matrix, K = 2048, hot in L2 (AVX-512): direct 0.5x the tile path's time at 32 rows, 0.8-0.9x

@@ -15,51 +15,94 @@ inline __m256i nibbles_16(__m128i x) {
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), _mm256_set1_epi8(15));
 }
 
-template <bool Q5>
-struct DecQ45K {  // Q4_K (144 B) / Q5_K (176 B): d, dmin, 12 scale bytes, [Q5: qh 32], qs 128
-  static constexpr int kBytes = Q5 ? 176 : 144;
-  static constexpr bool kIntMins = false;
-  float d, dm;
-  uint8_t s8[8];
-  __m256i qh, mins;
-  const uint8_t* qs;
-  void load(const uint8_t* p) {
-    d = h2f(p);
-    dm = -h2f(p + 2);
-    uint64_t sc, mn;
-    k_scales8(p + 4, sc, mn);
-    std::memcpy(s8, &sc, 8);
-    const __m128i M = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
-    mins = _mm256_set_m128i(_mm_unpackhi_epi16(M, M), _mm_unpacklo_epi16(M, M));  // min of group g = m[g / 2]
-    qs = p + (Q5 ? 48 : 16);
-    if (Q5) qh = ld256(p + 16);
-  }
-  __m256i sc(int c) const { return _mm256_set1_epi16(short(s8[c])); }
-  __m256i w(int c) const {  // sub-block c: the low (c even) or high nibbles of qs[32 * (c / 2) ..]
-    const __m256i x = ld256(qs + 32 * (c >> 1));
-    __m256i v = _mm256_and_si256(c & 1 ? _mm256_srli_epi16(x, 4) : x, _mm256_set1_epi8(15));
-    if (Q5) {  // bit c of qh[l] -> bit 4 (16-bit shifts: the bit read stays inside its byte)
-      const __m256i hb = c <= 4 ? _mm256_slli_epi16(qh, 4 - c) : _mm256_srli_epi16(qh, c - 4);
-      v = _mm256_or_si256(v, _mm256_and_si256(hb, _mm256_set1_epi8(16)));
-    }
-    return v;
-  }
+// vpshufb controls: every int16 lane <- scale byte c (of the 8 in each 128-bit lane)
+struct alignas(32) Ctl8x8 {
+  int8_t v[8][32];
 };
+constexpr Ctl8x8 kscale_ctl() {
+  Ctl8x8 r{};
+  for (int c = 0; c < 8; ++c)
+    for (int b = 0; b < 32; ++b) r.v[c][b] = int8_t(b & 1 ? -128 : c);
+  return r;
+}
+constexpr Ctl8x8 kKScaleCtl = kscale_ctl();
+
+// Q4_K (144 B: d, dmin, 12 scale bytes, qs 128) / Q5_K (176 B: the same with qh 32 before qs), one
+// weight row x R activation rows. Register c = sub-block c (the low or high nibbles of 32 bytes of
+// qs); its scale reaches the int16 lanes by one vpshufb of the broadcast scale bytes (decoded for
+// all 8 sub-blocks at once, k_scales_vec). Per sub-block and token maddubs, madd, add; per
+// super-block one conversion and fma; mins through the per-32 activation sums.
+template <bool Q5, int R>
+void kdot45(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+  constexpr int kBytes = Q5 ? 176 : 144;
+  __m256 acc[R];
+  __m128 accm[R];
+  for (int t = 0; t < R; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = _mm_setzero_ps();
+  }
+  const __m256i m15 = _mm256_set1_epi8(15);
+  for (int b = 0; b < B; ++b) {
+    const uint8_t* p = row + int64_t(b) * kBytes;
+    prefetch_sb<kBytes>(p, pf);
+    const __m128i h = ld128(p);
+    const __m128i X = k_scales_vec(h);
+    const __m256i Sb = _mm256_broadcastsi128_si256(X);
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(X, 8));
+    const __m128 dd = _mm_cvtph_ps(h);  // lanes 0, 1: d, dmin
+    const uint8_t* qs = p + (Q5 ? 48 : 16);
+    __m256i qh;
+    if (Q5) qh = ld256(p + 16);
+    __m256i ai[R];
+    for (int t = 0; t < R; ++t) ai[t] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i x = ld256(qs + 32 * (c >> 1));
+      __m256i w = _mm256_and_si256(c & 1 ? _mm256_srli_epi16(x, 4) : x, m15);
+      if (Q5) {  // bit c of qh[l] -> bit 4 (16-bit shifts: the bit read stays inside its byte)
+        const __m256i hb = c <= 4 ? _mm256_slli_epi16(qh, 4 - c) : _mm256_srli_epi16(qh, c - 4);
+        w = _mm256_or_si256(w, _mm256_and_si256(hb, _mm256_set1_epi8(16)));
+      }
+      const __m256i s = _mm256_shuffle_epi8(Sb, ld256(kKScaleCtl.v[c]));
+      for (int t = 0; t < R; ++t)
+        ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, ld256(a.q[t] + b * 256 + 32 * c)), s));
+    }
+    for (int t = 0; t < R; ++t) {
+      const __m128 f = _mm_mul_ps(dd, _mm_set1_ps(a.d[t][b]));  // d * d_act, dmin * d_act
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[t]), _mm256_broadcastss_ps(f), acc[t]);
+      const __m128i ms = _mm_madd_epi16(mins, ld128(a.b32[t] + 8 * b));
+      accm[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(ms), _mm_permute_ps(f, 0x55), accm[t]);
+    }
+  }
+  for (int t = 0; t < R; ++t) out[t * ldc] = hsum8(acc[t]) - hsum128(accm[t]);
+}
+
+struct alignas(32) Ctl8x4 {
+  int8_t v[4][32];
+};
+constexpr Ctl8x4 q6_scale_ctl() {  // int16 words 2c (low 128-bit lane), 2c + 1 (high lane) of 8
+  Ctl8x4 r{};
+  for (int c = 0; c < 4; ++c)
+    for (int b = 0; b < 32; ++b) r.v[c][b] = int8_t(2 * (2 * c + b / 16) + (b & 1));
+  return r;
+}
+constexpr Ctl8x4 kQ6ScaleCtl = q6_scale_ctl();
 
 struct DecQ6K {  // 210 B: ql 128, qh 64, int8 scales 16, d; u in [0, 63], w = d * sc * (u - 32)
   static constexpr int kBytes = 210;
   static constexpr bool kIntMins = true;
-  float d, dm = 0.0f;
-  __m256i mins;
+  float d;
+  __m256i mins, s03, s47;  // s03 / s47: int16 scales 0-7 / 8-15 in both 128-bit lanes
   const uint8_t* p;
-  const int8_t* s8;
   void load(const uint8_t* blk) {
     p = blk;
     d = h2f(p + 208);
-    s8 = reinterpret_cast<const int8_t*>(p + 192);
-    mins = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(ld128(s8)), 5));
+    const __m256i s16 = _mm256_cvtepi8_epi16(ld128(p + 192));
+    mins = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(s16, 5));
+    s03 = _mm256_permute2x128_si256(s16, s16, 0x00);
+    s47 = _mm256_permute2x128_si256(s16, s16, 0x11);
   }
-  __m256i sc(int c) const { return _mm256_set_m128i(_mm_set1_epi16(s8[2 * c + 1]), _mm_set1_epi16(s8[2 * c])); }
+  // sub-block c (32 values = groups 2c, 2c + 1): lanes 0-7 <- scale 2c, 8-15 <- scale 2c + 1
+  __m256i sc(int c) const { return _mm256_shuffle_epi8(c < 4 ? s03 : s47, ld256(kQ6ScaleCtl.v[c & 3])); }
   // values 128h + 32k + l: nibble k / 2 of ql[64h + 32(k % 2) + l], bit pair k of qh[32h + l]
   __m256i w(int c) const {
     const int h = c >> 2, k = c & 3;
@@ -97,123 +140,68 @@ struct DecF {  // Q4_0 (8 x 18 B), Q8_0 (8 x 34 B), IQ4_XS (136 B) per super-blo
   }
 };
 
-// NR weight rows (stride rs bytes) x R activation rows: out[t * ldc + i] = dot(row i, act t).
-template <class D, int NR, int R>
-void kdot(const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
-  __m256 acc[NR][R], accm[NR][R];
-  for (int i = 0; i < NR; ++i)
-    for (int t = 0; t < R; ++t) acc[i][t] = accm[i][t] = _mm256_setzero_ps();
-  D dec[NR];
+// Q6_K (DecQ6K), one weight row x R activation rows: out[t * ldc] = dot(row, act t).
+template <class D, int R>
+void kdot(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+  static_assert(D::kIntMins, "Q4_K / Q5_K take kdot45");
+  __m256 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+  D dec;
   for (int b = 0; b < B; ++b) {
-    for (int i = 0; i < NR; ++i) {
-      const uint8_t* p = row + i * rs + int64_t(b) * D::kBytes;
-      prefetch_sb<D::kBytes>(p, pf);
-      dec[i].load(p);
-    }
-    __m256i ai[NR][R];
-    for (int i = 0; i < NR; ++i)
-      for (int t = 0; t < R; ++t) ai[i][t] = _mm256_setzero_si256();
+    const uint8_t* p = row + int64_t(b) * D::kBytes;
+    prefetch_sb<D::kBytes>(p, pf);
+    dec.load(p);
+    __m256i ai[R];
+    for (int t = 0; t < R; ++t)  // the -32 offsets, in units of d: int16 group sums x -32 * scale
+      ai[t] = _mm256_madd_epi16(ld256(a.bi[t] + b * 16), dec.mins);
     for (int c = 0; c < 8; ++c) {
-      __m256i av[R];
-      for (int t = 0; t < R; ++t) av[t] = ld256(a.q[t] + b * 256 + 32 * c);
-      for (int i = 0; i < NR; ++i) {
-        const __m256i w = dec[i].w(c), s = dec[i].sc(c);
-        for (int t = 0; t < R; ++t)
-          ai[i][t] = _mm256_add_epi32(ai[i][t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, av[t]), s));
-      }
+      const __m256i w = dec.w(c), sc = dec.sc(c);
+      for (int t = 0; t < R; ++t)
+        ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, ld256(a.q[t] + b * 256 + 32 * c)), sc));
     }
-    for (int t = 0; t < R; ++t) {
-      const __m256i bv = ld256(a.bi[t] + b * 16);
-      const float da = a.d[t][b];
-      for (int i = 0; i < NR; ++i) {
-        const __m256i m = _mm256_madd_epi16(bv, dec[i].mins);
-        if (D::kIntMins)
-          ai[i][t] = _mm256_add_epi32(ai[i][t], m);
-        else
-          accm[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dec[i].dm * da), accm[i][t]);
-        acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[i][t]), _mm256_set1_ps(dec[i].d * da), acc[i][t]);
-      }
-    }
+    for (int t = 0; t < R; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[t]), _mm256_set1_ps(dec.d * a.d[t][b]), acc[t]);
   }
-  for (int t = 0; t < R; ++t)
-    for (int i = 0; i < NR; ++i) out[t * ldc + i] = hsum8(_mm256_add_ps(acc[i][t], accm[i][t]));
+  for (int t = 0; t < R; ++t) out[t * ldc] = hsum8(acc[t]);
 }
 
-template <class D, int NR, int R>
-void fdot(const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+// Q4_0 / Q8_0 / IQ4_XS (DecF), one weight row x R activation rows (signed values, the sign trick).
+template <class D, int R>
+void fdot(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[NR][R];
-  for (int i = 0; i < NR; ++i)
-    for (int t = 0; t < R; ++t) acc[i][t] = _mm256_setzero_ps();
-  D dec[NR];
+  __m256 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+  D dec;
   for (int b = 0; b < B; ++b) {
-    for (int i = 0; i < NR; ++i) {
-      const uint8_t* p = row + i * rs + int64_t(b) * D::kBytes;
-      prefetch_sb<D::kBytes>(p, pf);
-      dec[i].load(p);
-    }
-    __m256 blk[NR][R];
-    for (int i = 0; i < NR; ++i)
-      for (int t = 0; t < R; ++t) blk[i][t] = _mm256_setzero_ps();
+    const uint8_t* p = row + int64_t(b) * D::kBytes;
+    prefetch_sb<D::kBytes>(p, pf);
+    dec.load(p);
+    __m256 blk[R];
+    for (int t = 0; t < R; ++t) blk[t] = _mm256_setzero_ps();
     for (int c = 0; c < 8; ++c) {
-      __m256i av[R];
-      for (int t = 0; t < R; ++t) av[t] = ld256(a.q[t] + b * 256 + 32 * c);
-      for (int i = 0; i < NR; ++i) {
-        const __m256i w = dec[i].w(c), aw = _mm256_sign_epi8(w, w);
-        const __m256 s = _mm256_set1_ps(dec[i].s[c]);
-        for (int t = 0; t < R; ++t) {
-          const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(av[t], w)), ones);
-          blk[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, blk[i][t]);
-        }
+      const __m256i w = dec.w(c), aw = _mm256_sign_epi8(w, w);
+      const __m256 s = _mm256_set1_ps(dec.s[c]);
+      for (int t = 0; t < R; ++t) {
+        const __m256i av = ld256(a.q[t] + b * 256 + 32 * c);
+        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(av, w)), ones);
+        blk[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, blk[t]);
       }
     }
-    for (int t = 0; t < R; ++t) {
-      const __m256 da = _mm256_set1_ps(a.d[t][b]);
-      for (int i = 0; i < NR; ++i) acc[i][t] = _mm256_fmadd_ps(blk[i][t], da, acc[i][t]);
-    }
+    for (int t = 0; t < R; ++t) acc[t] = _mm256_fmadd_ps(blk[t], _mm256_set1_ps(a.d[t][b]), acc[t]);
   }
-  for (int t = 0; t < R; ++t)
-    for (int i = 0; i < NR; ++i) out[t * ldc + i] = hsum8(acc[i][t]);
+  for (int t = 0; t < R; ++t) out[t * ldc] = hsum8(acc[t]);
 }
 
-template <int NR, int R>
-void direct_nr(int type, const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc,
-               int64_t pf) {
-  switch (type) {
-    case GG_Q4_K: return kdot<DecQ45K<false>, NR, R>(row, rs, B, a, out, ldc, pf);
-    case GG_Q5_K: return kdot<DecQ45K<true>, NR, R>(row, rs, B, a, out, ldc, pf);
-    case GG_Q6_K: return kdot<DecQ6K, NR, R>(row, rs, B, a, out, ldc, pf);
-    case GG_Q4_0: return fdot<DecF<GG_Q4_0>, NR, R>(row, rs, B, a, out, ldc, pf);
-    case GG_Q8_0: return fdot<DecF<GG_Q8_0>, NR, R>(row, rs, B, a, out, ldc, pf);
-    case GG_IQ4_XS: return fdot<DecF<GG_IQ4_XS>, NR, R>(row, rs, B, a, out, ldc, pf);
-  }
-}
-
-// nrows weight rows against R activation rows, one row after the other: the rows of a GGUF matrix
-// are contiguous, so that reads one linear stream. Several rows side by side (NR > 1: 4 streams
-// 1-5 KB apart) read 2.5-4x slower from DRAM on the 2-core Zen 4 (one thread, Q4_K / Q8_0,
-// K = 2048) though equal from L2: the hardware prefetchers follow one stream, not four.
 template <int R>
-void direct_m(int type, const uint8_t* row, int64_t rs, int nrows, int B, const ActView& A, int K, int m0, float* out,
-              int64_t ldc, int pf) {
-  constexpr int NR = 1;
-  const ActRows<R> a(A, K, m0);
-  // NR rows are read side by side: prefetch the same place in a later group of NR rows, at least
-  // pf bytes of the stream ahead
-  const int64_t grp = NR * rs, lead = pf ? (pf + grp - 1) / grp * grp : 0;
-  int r = 0;
-  for (; r + NR <= nrows; r += NR) direct_nr<NR, R>(type, row + r * rs, rs, B, a, out + r, ldc, lead);
-  for (; r < nrows; ++r) direct_nr<1, R>(type, row + r * rs, rs, B, a, out + r, ldc, lead);
-}
-
-// nrows weight rows (B super-blocks of `type`, stride rs bytes) against activation rows
-// m0 .. m0 + mr - 1 (mr <= 4): out[t * ldc + r] = the dots. pf: prefetch distance (0: none).
-void direct_rows(int type, const uint8_t* row, int64_t rs, int nrows, int B, const ActView& A, int K, int m0, int mr,
-                 float* out, int64_t ldc, int pf) {
-  switch (mr) {
-    case 4: return direct_m<4>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
-    case 3: return direct_m<3>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
-    case 2: return direct_m<2>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
-    default: return direct_m<1>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
+void direct_row(int type, const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+  switch (type) {
+    case GG_Q4_K: return kdot45<false, R>(row, B, a, out, ldc, pf);
+    case GG_Q5_K: return kdot45<true, R>(row, B, a, out, ldc, pf);
+    case GG_Q6_K: return kdot<DecQ6K, R>(row, B, a, out, ldc, pf);
+    case GG_Q4_0: return fdot<DecF<GG_Q4_0>, R>(row, B, a, out, ldc, pf);
+    case GG_Q8_0: return fdot<DecF<GG_Q8_0>, R>(row, B, a, out, ldc, pf);
+    case GG_IQ4_XS: return fdot<DecF<GG_IQ4_XS>, R>(row, B, a, out, ldc, pf);
   }
 }
+
+#include "gguf_direct.h"

@@ -13,11 +13,40 @@
 
 // int16 lane index vectors for permutexvar_epi16 (x + 2c: sub-blocks 2c, 2c+1 of Q4_K/Q5_K;
 // x6 + 4c: groups 4c..4c+3 of Q6_K) and f32 lane index vectors (pair + 2c; g2: group -> block).
-alignas(64) constexpr int16_t kIdxPair16[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-alignas(64) constexpr int16_t kIdxQuad16[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
-alignas(64) constexpr int32_t kIdxPair32[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+// One table per register c (constants, so no index arithmetic in the loops).
+struct alignas(64) Idx16x4 {
+  int16_t v[4][32];
+};
+struct alignas(64) Idx32x4 {
+  int32_t v[4][16];
+};
+struct alignas(64) Ctl8x4 {
+  int8_t v[4][64];
+};
+constexpr Idx16x4 quad16() {  // Q6_K: int16 lane l of register c <- scale of group 4c + l / 8
+  Idx16x4 r{};
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) r.v[c][l] = int16_t(4 * c + l / 8);
+  return r;
+}
+constexpr Idx32x4 pair32() {  // per-32 float scales: f32 lane l of register c <- block 2c + l / 8
+  Idx32x4 r{};
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 16; ++l) r.v[c][l] = 2 * c + l / 8;
+  return r;
+}
+// Q4_K / Q5_K: vpshufb controls that widen scale byte j (of the 8 in every 128-bit lane) to the
+// int16 lanes of register c: lanes 0-15 <- sub-block kSubLo[c], 16-31 <- kSubHi[c] (qp order)
+constexpr int kSubLo[4] = {0, 1, 4, 5}, kSubHi[4] = {2, 3, 6, 7};
+constexpr Ctl8x4 kscale_ctl() {
+  Ctl8x4 r{};
+  for (int c = 0; c < 4; ++c)
+    for (int b = 0; b < 64; ++b) r.v[c][b] = int8_t(b & 1 ? -128 : b < 32 ? kSubLo[c] : kSubHi[c]);
+  return r;
+}
+constexpr Idx16x4 kIdxQuad16 = quad16();
+constexpr Idx32x4 kIdxPair32 = pair32();
+constexpr Ctl8x4 kKScaleCtl = kscale_ctl();
 alignas(64) constexpr int32_t kIdxHalf32[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
 
 inline __m512i ld512(const void* p) { return _mm512_loadu_si512(p); }
@@ -36,43 +65,62 @@ inline __m512i nibbles_2x16(__m256i x) {
   return _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(15));
 }
 
-template <bool Q5>
-struct DecQ45K {  // Q4_K (144 B) / Q5_K (176 B): d, dmin, 12 scale bytes, [Q5: qh 32], qs 128
-  static constexpr int kBytes = Q5 ? 176 : 144;
-  static constexpr bool kIntMins = false;
-  float d, dm;
-  __m512i S, qh2;
-  __m256i mins;
-  const uint8_t* qs;
-  void load(const uint8_t* p) {
-    d = h2f(p);
-    dm = -h2f(p + 2);
-    uint64_t sc, mn;
-    k_scales8(p + 4, sc, mn);
-    S = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
-    const __m128i M = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
-    mins = _mm256_set_m128i(_mm_unpackhi_epi16(M, M), _mm_unpacklo_epi16(M, M));  // min of group g = m[g / 2]
-    qs = p + (Q5 ? 48 : 16);
-    if (Q5) qh2 = join256(ld256(p + 16), ld256(p + 16));
+// Q4_K (144 B: d, dmin, 12 scale bytes, qs 128) / Q5_K (176 B: the same with qh 32 before qs), one
+// weight row x R activation rows. 64 bytes of qs hold sub-blocks 2j, 2j + 2 (low nibbles) and
+// 2j + 1, 2j + 3 (high): with the activation in that order (ActRows::qp) each register of values
+// is one and (+ one shift), no lane shuffle; the sub-block scales reach the int16 lanes by one
+// vpshufb of the broadcast scale bytes per register. Per super-block and token: 4 maddubs + 4
+// dpwssd into two int32 chains, one conversion, one fma; mins through the per-32 activation sums.
+template <bool Q5, int R>
+void kdot45(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+  constexpr int kBytes = Q5 ? 176 : 144;
+  __m512 acc[R];
+  __m128 accm[R];
+  for (int t = 0; t < R; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    accm[t] = _mm_setzero_ps();
   }
-  __m512i sc(int c) const {
-    return _mm512_permutexvar_epi16(_mm512_add_epi16(ld512(kIdxPair16), _mm512_set1_epi16(short(2 * c))), S);
-  }
-  __m512i w(int c) const {  // 32 bytes hold sub-block 2c (low nibbles) and 2c + 1 (high)
-    const __m256i x = ld256(qs + 32 * c);
-    __m512i v = _mm512_and_si512(join256(x, _mm256_srli_epi16(x, 4)), _mm512_set1_epi8(15));
-    if (Q5) {  // bit j of qh[l] is bit 4 of value 32j + l
-      const __m512i sel = join256(_mm256_set1_epi8(char(1 << (2 * c))), _mm256_set1_epi8(char(1 << (2 * c + 1))));
-      v = _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(qh2, sel), v, _mm512_set1_epi8(16));
+  const __m512i m15 = _mm512_set1_epi8(15);
+  for (int b = 0; b < B; ++b) {
+    const uint8_t* p = row + int64_t(b) * kBytes;
+    prefetch_sb<kBytes>(p, pf);
+    const __m128i h = ld128(p);
+    const __m128i X = k_scales_vec(h);
+    const __m512i Sb = _mm512_broadcast_i32x4(X);
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(X, 8));
+    const __m128 dd = _mm_cvtph_ps(h);  // lanes 0, 1: d, dmin
+    const uint8_t* qs = p + (Q5 ? 48 : 16);
+    const __m512i x0 = ld512(qs), x1 = ld512(qs + 64);
+    __m512i v[4] = {_mm512_and_si512(x0, m15), _mm512_and_si512(_mm512_srli_epi16(x0, 4), m15),
+                    _mm512_and_si512(x1, m15), _mm512_and_si512(_mm512_srli_epi16(x1, 4), m15)};
+    if (Q5) {  // bit j of qh[l]: bit 4 of value l of sub-block j
+      const __m512i qh2 = _mm512_broadcast_i64x4(ld256(p + 16));
+      for (int c = 0; c < 4; ++c) {
+        const __m512i sel = join256(_mm256_set1_epi8(char(1 << kSubLo[c])), _mm256_set1_epi8(char(1 << kSubHi[c])));
+        v[c] = _mm512_mask_add_epi8(v[c], _mm512_test_epi8_mask(qh2, sel), v[c], _mm512_set1_epi8(16));
+      }
     }
-    return v;
+    __m512i sc[4];
+    for (int c = 0; c < 4; ++c) sc[c] = _mm512_shuffle_epi8(Sb, ld512(kKScaleCtl.v[c]));
+    for (int t = 0; t < R; ++t) {
+      const int8_t* qa = a.qp[t] + b * 256;
+      __m512i i0 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[0], ld512(qa)), sc[0]);
+      __m512i i1 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[1], ld512(qa + 64)), sc[1]);
+      i0 = _mm512_dpwssd_epi32(i0, _mm512_maddubs_epi16(v[2], ld512(qa + 128)), sc[2]);
+      i1 = _mm512_dpwssd_epi32(i1, _mm512_maddubs_epi16(v[3], ld512(qa + 192)), sc[3]);
+      const __m128 f = _mm_mul_ps(dd, _mm_set1_ps(a.d[t][b]));  // d * d_act, dmin * d_act
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_broadcastss_ps(f), acc[t]);
+      const __m128i ms = _mm_madd_epi16(mins, ld128(a.b32[t] + 8 * b));
+      accm[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(ms), _mm_permute_ps(f, 0x55), accm[t]);
+    }
   }
-};
+  for (int t = 0; t < R; ++t) out[t * ldc] = _mm512_reduce_add_ps(acc[t]) - hsum128(accm[t]);
+}
 
 struct DecQ6K {  // 210 B: ql 128, qh 64, int8 scales 16, d; u in [0, 63], w = d * sc * (u - 32)
   static constexpr int kBytes = 210;
   static constexpr bool kIntMins = true;
-  float d, dm = 0.0f;
+  float d;
   __m512i S;
   __m256i mins;
   const uint8_t* p;
@@ -83,9 +131,7 @@ struct DecQ6K {  // 210 B: ql 128, qh 64, int8 scales 16, d; u in [0, 63], w = d
     S = _mm512_castsi256_si512(s16);
     mins = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(s16, 5));  // -32 * scale per group
   }
-  __m512i sc(int c) const {
-    return _mm512_permutexvar_epi16(_mm512_add_epi16(ld512(kIdxQuad16), _mm512_set1_epi16(short(4 * c))), S);
-  }
+  __m512i sc(int c) const { return _mm512_permutexvar_epi16(ld512(kIdxQuad16.v[c]), S); }
   // values 128h + r: ql[64h + r % 64] nibble r / 64, qh[32h + r % 32] bit pair r / 32
   __m512i w(int c) const {
     const int h = c >> 1;
@@ -134,9 +180,7 @@ struct DecF {  // Q4_0 (8 x 18 B), Q8_0 (8 x 34 B), IQ4_XS (136 B) per super-blo
     D = _mm512_castps256_ps512(s);
     corr = _mm512_mul_ps(_mm512_permutexvar_ps(ld512(kIdxHalf32), D), _mm512_set1_ps(-kOff));
   }
-  __m512 ds(int c) const {
-    return _mm512_permutexvar_ps(_mm512_add_epi32(ld512(kIdxPair32), _mm512_set1_epi32(2 * c)), D);
-  }
+  __m512 ds(int c) const { return _mm512_permutexvar_ps(ld512(kIdxPair32.v[c]), D); }
   __m512i w(int c) const {  // blocks 2c, 2c + 1
     if (TYPE == GG_Q8_0)
       return _mm512_xor_si512(join256(ld256(p + 68 * c + 2), ld256(p + 68 * c + 36)), _mm512_set1_epi8(char(0x80)));
@@ -148,131 +192,66 @@ struct DecF {  // Q4_0 (8 x 18 B), Q8_0 (8 x 34 B), IQ4_XS (136 B) per super-blo
   }
 };
 
-// NR weight rows (stride rs bytes) x R activation rows: out[t * ldc + i] = dot(row i, act t).
-template <class D, int NR, int R>
-void kdot(const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
-  __m512 acc[NR][R];
-  __m256 accm[NR][R];
-  for (int i = 0; i < NR; ++i)
-    for (int t = 0; t < R; ++t) {
-      acc[i][t] = _mm512_setzero_ps();
-      accm[i][t] = _mm256_setzero_ps();
-    }
-  D dec[NR];
+// Q6_K (DecQ6K), one weight row x R activation rows: out[t * ldc] = dot(row, act t).
+template <class D, int R>
+void kdot(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+  static_assert(D::kIntMins, "Q4_K / Q5_K take kdot45");
+  __m512 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps();
+  D dec;
   for (int b = 0; b < B; ++b) {
-    for (int i = 0; i < NR; ++i) {
-      const uint8_t* p = row + i * rs + int64_t(b) * D::kBytes;
-      prefetch_sb<D::kBytes>(p, pf);
-      dec[i].load(p);
-    }
-    __m512i ai[NR][R];
-    for (int i = 0; i < NR; ++i)
-      for (int t = 0; t < R; ++t) ai[i][t] = _mm512_setzero_si512();
+    const uint8_t* p = row + int64_t(b) * D::kBytes;
+    prefetch_sb<D::kBytes>(p, pf);
+    dec.load(p);
+    __m512i ai[R];
+    for (int t = 0; t < R; ++t)  // the -32 offsets, in units of d: int16 group sums x -32 * scale
+      ai[t] = _mm512_zextsi256_si512(_mm256_madd_epi16(ld256(a.bi[t] + b * 16), dec.mins));
     for (int c = 0; c < 4; ++c) {
-      __m512i av[R];
-      for (int t = 0; t < R; ++t) av[t] = ld512(a.q[t] + b * 256 + 64 * c);
-      for (int i = 0; i < NR; ++i) {
-        const __m512i w = dec[i].w(c), s = dec[i].sc(c);
-        for (int t = 0; t < R; ++t) ai[i][t] = _mm512_dpwssd_epi32(ai[i][t], _mm512_maddubs_epi16(w, av[t]), s);
-      }
+      const __m512i w = dec.w(c), sc = dec.sc(c);
+      for (int t = 0; t < R; ++t)
+        ai[t] = _mm512_dpwssd_epi32(ai[t], _mm512_maddubs_epi16(w, ld512(a.q[t] + b * 256 + 64 * c)), sc);
     }
-    for (int t = 0; t < R; ++t) {
-      const __m256i bv = ld256(a.bi[t] + b * 16);
-      const float da = a.d[t][b];
-      for (int i = 0; i < NR; ++i) {
-        const __m256i m = _mm256_madd_epi16(bv, dec[i].mins);
-        if (D::kIntMins)
-          ai[i][t] = _mm512_add_epi32(ai[i][t], _mm512_zextsi256_si512(m));
-        else
-          accm[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dec[i].dm * da), accm[i][t]);
-        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[i][t]), _mm512_set1_ps(dec[i].d * da), acc[i][t]);
-      }
-    }
+    for (int t = 0; t < R; ++t)
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t]), _mm512_set1_ps(dec.d * a.d[t][b]), acc[t]);
   }
-  for (int t = 0; t < R; ++t)
-    for (int i = 0; i < NR; ++i) out[t * ldc + i] = _mm512_reduce_add_ps(acc[i][t]) + hsum256(accm[i][t]);
+  for (int t = 0; t < R; ++t) out[t * ldc] = _mm512_reduce_add_ps(acc[t]);
 }
 
-template <class D, int NR, int R>
-void fdot(const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
-  __m512 acc[NR][R];
-  for (int i = 0; i < NR; ++i)
-    for (int t = 0; t < R; ++t) acc[i][t] = _mm512_setzero_ps();
-  D dec[NR];
+// Q4_0 / Q8_0 / IQ4_XS (DecF), one weight row x R activation rows.
+template <class D, int R>
+void fdot(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+  __m512 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps();
+  D dec;
   for (int b = 0; b < B; ++b) {
-    for (int i = 0; i < NR; ++i) {
-      const uint8_t* p = row + i * rs + int64_t(b) * D::kBytes;
-      prefetch_sb<D::kBytes>(p, pf);
-      dec[i].load(p);
-    }
-    __m512 blk[NR][R];
-    for (int t = 0; t < R; ++t) {
-      const __m512 bs = _mm512_loadu_ps(a.bs[t] + b * 16);
-      for (int i = 0; i < NR; ++i) blk[i][t] = _mm512_mul_ps(dec[i].corr, bs);
-    }
+    const uint8_t* p = row + int64_t(b) * D::kBytes;
+    prefetch_sb<D::kBytes>(p, pf);
+    dec.load(p);
+    __m512 blk[R];
+    for (int t = 0; t < R; ++t) blk[t] = _mm512_mul_ps(dec.corr, _mm512_loadu_ps(a.bs[t] + b * 16));
     for (int c = 0; c < 4; ++c) {
-      __m512i av[R];
-      for (int t = 0; t < R; ++t) av[t] = ld512(a.q[t] + b * 256 + 64 * c);
-      for (int i = 0; i < NR; ++i) {
-        const __m512i w = dec[i].w(c);
-        const __m512 s = dec[i].ds(c);
-        for (int t = 0; t < R; ++t) {
-          const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, av[t]);
-          blk[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, blk[i][t]);
-        }
+      const __m512i w = dec.w(c);
+      const __m512 s = dec.ds(c);
+      for (int t = 0; t < R; ++t) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, ld512(a.q[t] + b * 256 + 64 * c));
+        blk[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, blk[t]);
       }
     }
-    for (int t = 0; t < R; ++t) {
-      const __m512 da = _mm512_set1_ps(a.d[t][b]);
-      for (int i = 0; i < NR; ++i) acc[i][t] = _mm512_fmadd_ps(blk[i][t], da, acc[i][t]);
-    }
+    for (int t = 0; t < R; ++t) acc[t] = _mm512_fmadd_ps(blk[t], _mm512_set1_ps(a.d[t][b]), acc[t]);
   }
-  for (int t = 0; t < R; ++t)
-    for (int i = 0; i < NR; ++i) out[t * ldc + i] = _mm512_reduce_add_ps(acc[i][t]);
+  for (int t = 0; t < R; ++t) out[t * ldc] = _mm512_reduce_add_ps(acc[t]);
 }
 
-template <int NR, int R>
-void direct_nr(int type, const uint8_t* row, int64_t rs, int B, const ActRows<R>& a, float* out, int64_t ldc,
-               int64_t pf) {
-  switch (type) {
-    case GG_Q4_K: return kdot<DecQ45K<false>, NR, R>(row, rs, B, a, out, ldc, pf);
-    case GG_Q5_K: return kdot<DecQ45K<true>, NR, R>(row, rs, B, a, out, ldc, pf);
-    case GG_Q6_K: return kdot<DecQ6K, NR, R>(row, rs, B, a, out, ldc, pf);
-    case GG_Q4_0: return fdot<DecF<GG_Q4_0>, NR, R>(row, rs, B, a, out, ldc, pf);
-    case GG_Q8_0: return fdot<DecF<GG_Q8_0>, NR, R>(row, rs, B, a, out, ldc, pf);
-    case GG_IQ4_XS: return fdot<DecF<GG_IQ4_XS>, NR, R>(row, rs, B, a, out, ldc, pf);
-  }
-}
-
-// nrows weight rows against R activation rows, one row after the other: the rows of a GGUF matrix
-// are contiguous, so that reads one linear stream. Several rows side by side (NR > 1: 4 streams
-// 1-5 KB apart) read 2.5-4x slower from DRAM on the 2-core Zen 4 (one thread, Q4_K / Q8_0,
-// K = 2048) though equal from L2: the hardware prefetchers follow one stream, not four.
 template <int R>
-void direct_m(int type, const uint8_t* row, int64_t rs, int nrows, int B, const ActView& A, int K, int m0, float* out,
-              int64_t ldc, int pf) {
-  constexpr int NR = 1;
-  const ActRows<R> a(A, K, m0);
-  // NR rows are read side by side: prefetch the same place in a later group of NR rows, at least
-  // pf bytes of the stream ahead
-  const int64_t grp = NR * rs, lead = pf ? (pf + grp - 1) / grp * grp : 0;
-  int r = 0;
-  for (; r + NR <= nrows; r += NR) direct_nr<NR, R>(type, row + r * rs, rs, B, a, out + r, ldc, lead);
-  for (; r < nrows; ++r) direct_nr<1, R>(type, row + r * rs, rs, B, a, out + r, ldc, lead);
-}
-
-// nrows weight rows (B super-blocks of `type`, stride rs bytes) against activation rows
-// m0 .. m0 + mr - 1 (mr <= 8): out[t * ldc + r] = the dots. pf: prefetch distance (0: none).
-void direct_rows(int type, const uint8_t* row, int64_t rs, int nrows, int B, const ActView& A, int K, int m0, int mr,
-                 float* out, int64_t ldc, int pf) {
-  switch (mr) {
-    case 8: return direct_m<8>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
-    case 7: return direct_m<7>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
-    case 6: return direct_m<6>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
-    case 5: return direct_m<5>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
-    case 4: return direct_m<4>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
-    case 3: return direct_m<3>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
-    case 2: return direct_m<2>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
-    default: return direct_m<1>(type, row, rs, nrows, B, A, K, m0, out, ldc, pf);
+void direct_row(int type, const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+  switch (type) {
+    case GG_Q4_K: return kdot45<false, R>(row, B, a, out, ldc, pf);
+    case GG_Q5_K: return kdot45<true, R>(row, B, a, out, ldc, pf);
+    case GG_Q6_K: return kdot<DecQ6K, R>(row, B, a, out, ldc, pf);
+    case GG_Q4_0: return fdot<DecF<GG_Q4_0>, R>(row, B, a, out, ldc, pf);
+    case GG_Q8_0: return fdot<DecF<GG_Q8_0>, R>(row, B, a, out, ldc, pf);
+    case GG_IQ4_XS: return fdot<DecF<GG_IQ4_XS>, R>(row, B, a, out, ldc, pf);
   }
 }
+
+#include "gguf_direct.h"

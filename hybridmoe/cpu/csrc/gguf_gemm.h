@@ -30,19 +30,44 @@ bool quant_row(int, const void* src, int src_dtype, int K, int Kdp, int, uint8_t
   return quant_act_row(src, src_dtype, K, dst);
 }
 
+// N-block nb of W's pair (w13: gate blocks even, up blocks odd) for expert e: its matrix, first row,
+// number of rows (0..16) and first byte.
+struct NBlock {
+  const HmGgufMat* m;
+  int r0, nrows;
+  const uint8_t* base;
+  NBlock(const GgufPair& pr, int e, int nb) {
+    m = pr.b ? ((nb & 1) ? pr.b : pr.a) : pr.a;
+    r0 = pr.b ? (nb >> 1) * 16 : nb * 16;
+    const int left = m->N - r0;
+    nrows = left < 0 ? 0 : left > 16 ? 16 : left;
+    base = m->data + int64_t(e) * m->expert_stride + int64_t(r0) * m->row_bytes;
+  }
+  // the first `bytes` of the block (at most all of it) towards L1
+  void prefetch_head(int64_t bytes) const {
+    const int64_t n = std::min<int64_t>(bytes, int64_t(nrows) * m->row_bytes);
+    for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(base + o), _MM_HINT_T0);
+  }
+};
+
 void gemm(int, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc, int) {
   const GgufPair& pr = *reinterpret_cast<const GgufPair*>(W.data);
+  const bool direct = M <= kGgufDirectRows;
+  // The direct kernels prefetch A.prefetch bytes ahead inside a block's rows; a block's first
+  // bytes (and the next block's, a separate stream for w13) are requested here, before its rows.
+  if (direct && A.prefetch) NBlock(pr, e, nb0).prefetch_head(A.prefetch);
   for (int nb = nb0; nb < nb1; ++nb) {
-    const HmGgufMat* m = pr.b ? ((nb & 1) ? pr.b : pr.a) : pr.a;
-    const int r0 = pr.b ? (nb >> 1) * 16 : nb * 16;
-    const int left = m->N - r0, nrows = left < 0 ? 0 : left > 16 ? 16 : left;
+    const NBlock blk(pr, e, nb);
+    const HmGgufMat* m = blk.m;
+    const int nrows = blk.nrows;
     const int B = m->K / 256;
     float* Cb = C + int64_t(nb - nb0) * 16;
     for (int mm = 0; mm < M; ++mm)
       for (int r = nrows; r < 16; ++r) Cb[mm * ldc + r] = 0.0f;
     if (nrows == 0) continue;
-    const uint8_t* base = m->data + int64_t(e) * m->expert_stride + int64_t(r0) * m->row_bytes;
-    if (M <= kGgufDirectRows) {  // the rows stay in L1/L2 for the later row groups: prefetch once
+    const uint8_t* base = blk.base;
+    if (direct && A.prefetch && pr.b && nb + 1 < nb1) NBlock(pr, e, nb + 1).prefetch_head(A.prefetch);
+    if (direct) {  // the rows stay in L1/L2 for the later row groups: prefetch once
       for (int m0 = 0; m0 < M; m0 += MR)
         direct_rows(m->type, base, m->row_bytes, nrows, B, A, m->K, m0, M - m0 < MR ? M - m0 : MR,
                     Cb + int64_t(m0) * ldc, ldc, m0 == 0 ? A.prefetch : 0);

@@ -124,6 +124,8 @@ inline bool quant_act_row(const void* src, int dt, int K, uint8_t* dst) {
   float* bs = reinterpret_cast<float*>(dst + K);
   float* dd = bs + K / 16;
   int16_t* bi = reinterpret_cast<int16_t*>(dd + K / 256);
+  int8_t* qp = reinterpret_cast<int8_t*>(dst + gguf_act_qp_offset(K));
+  int16_t* b32 = reinterpret_cast<int16_t*>(qp + K);
   alignas(64) float x[256];
   for (int b = 0; b < K / 256; ++b) {
     if (dt == DT_F32) {
@@ -152,6 +154,11 @@ inline bool quant_act_row(const void* src, int dt, int K, uint8_t* dst) {
       bs[b * 16 + g] = float(s);
       bi[b * 16 + g] = int16_t(s);
     }
+    for (int j = 0; j < 8; ++j) {
+      b32[b * 8 + j] = int16_t(bi[b * 16 + 2 * j] + bi[b * 16 + 2 * j + 1]);
+      const int to = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1);  // 0 2 1 3 4 6 5 7: sub-block j goes to slot to
+      std::memcpy(qp + b * 256 + 32 * to, q + b * 256 + 32 * j, 32);
+    }
     dd[b] = amax / 127.0f;
   }
   return true;
@@ -164,6 +171,8 @@ struct ActRows {
   const float* bs[R];
   const float* d[R];
   const int16_t* bi[R];
+  const int8_t* qp[R];
+  const int16_t* b32[R];
   ActRows(const ActView& A, int K, int m0) {
     for (int t = 0; t < R; ++t) {
       const uint8_t* row = A.data + (m0 + t) * A.ld;
@@ -171,6 +180,8 @@ struct ActRows {
       bs[t] = reinterpret_cast<const float*>(row + K);
       d[t] = bs[t] + K / 16;
       bi[t] = reinterpret_cast<const int16_t*>(d[t] + K / 256);
+      qp[t] = reinterpret_cast<const int8_t*>(row + gguf_act_qp_offset(K));
+      b32[t] = reinterpret_cast<const int16_t*>(qp[t] + K);
     }
   }
 };
@@ -194,6 +205,22 @@ template <int BYTES>
 inline void prefetch_sb(const uint8_t* p, int64_t pf) {
   if (!pf) return;
   for (int o = 0; o < BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + pf + o), _MM_HINT_T0);
+}
+
+// Q4_K / Q5_K scale bytes, all 8 sub-blocks at once: bytes 0-7 = the 6-bit scales, 8-15 = the
+// 6-bit mins (k_scale_min of j = 0..7), from the 16-byte head h (d, dmin, the 12 scale bytes).
+inline __m128i k_scales_vec(__m128i h) {
+  const __m128i A = _mm_shuffle_epi8(h, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m128i B = _mm_shuffle_epi8(h, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+  const __m128i lo = _mm_and_si128(A, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+  const __m128i a4 = _mm_and_si128(_mm_srli_epi16(A, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+  const __m128i b2 = _mm_and_si128(_mm_srli_epi16(B, 2), _mm_setr_epi8(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48));
+  return _mm_or_si128(_mm_or_si128(lo, a4), b2);
+}
+
+inline float hsum128(__m128 s) {
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // IQ4_XS code values + 128 (u8: the AVX-512 dpbusd form of the signed table)
