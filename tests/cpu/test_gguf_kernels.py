@@ -49,12 +49,12 @@ def routing(t, e, k, seed=1, dup=False):
 
 
 def check(types, isa, pool, t, e, k, h, i, *, dup=False, skip=None, accumulate=False, dtype=torch.float32,
-          random_bytes=False, seed=1, act_check=True):
+          random_bytes=False, seed=1, act_check=True, route=None):
     ex, (gu, dn) = experts(types, e, h, i, random_bytes)
     layer = GGUFMoELayer(ex, isa=isa, pool=pool)
     assert layer.kernel_name == ("gguf-avx2" if isa == "avx2" else "gguf-avx512")
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 7)).to(dtype)
-    ids, w = routing(t, e, k, seed, dup)
+    ids, w = route if route is not None else routing(t, e, k, seed, dup)
     base = torch.randn(t, h).to(dtype) if accumulate else None
     out = base.clone() if accumulate else torch.full((t, h), float("nan")).to(dtype)
     layer.forward(x, ids, w, out=out, accumulate=accumulate, skip_mask=skip)
@@ -91,6 +91,29 @@ def test_random_blocks_decode_rows(types, isa, pool, t, e, k):
     # remainder); 64 rows is the last direct size, 65 the first tile one (kGgufDirectRows). Random
     # blocks: every code and scale pattern (Q8_0 -128, Q6_K scale -128, all 6-bit K-quant scales).
     check(types, isa, pool, t, e, k, 768, 512, random_bytes=True, act_check=False)
+
+
+@pytest.mark.parametrize("types", TRIPLES, ids=TRIPLE_IDS)
+def test_every_row_count_per_expert(types, isa, pool):
+    # Expert j gets exactly j + 1 rows (1..10, shuffled over the tokens; k=2 with a second, skipped
+    # expert in every slot pair): every activation-row register block of the direct kernels (1..MR
+    # rows, then MR + remainders) against the same weights. Random blocks, K = 768 and 512 (3 and
+    # 2 super-blocks), I = 512 -> 32 N-blocks of w13 (gate/up pairs) and 48 of w2.
+    e = 11
+    rows = torch.cat([torch.full((j + 1,), j) for j in range(e - 1)])
+    g = torch.Generator().manual_seed(5)
+    first = rows[torch.randperm(rows.numel(), generator=g)]
+    ids = torch.stack([first, torch.full_like(first, e - 1)], dim=1)
+    w = torch.rand(ids.shape, generator=g)
+    skip = torch.zeros(e, dtype=torch.bool)
+    skip[e - 1] = True
+    check(types, isa, pool, rows.numel(), e, 2, 768, 512, random_bytes=True, act_check=False, skip=skip, route=(ids, w))
+
+
+@pytest.mark.parametrize("types", TRIPLES[:2], ids=TRIPLE_IDS[:2])
+def test_very_long_prompt(types, isa, pool):
+    # T=5000 over 3 experts (k=2): thousands of rows per expert, the tile path's many items
+    check(types, isa, pool, 5000, 3, 2, 256, 256, act_check=False)
 
 
 @pytest.mark.parametrize("types", TRIPLES[:2], ids=TRIPLE_IDS[:2])
