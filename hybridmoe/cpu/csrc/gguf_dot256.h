@@ -119,19 +119,13 @@ struct DecQ6K {  // 210 B: ql 128, qh 64, int8 scales 16, d; u in [0, 63], w = d
 template <int TYPE>
 struct DecF {  // Q4_0 (8 x 18 B), Q8_0 (8 x 34 B), IQ4_XS (136 B) per super-block
   static constexpr int kBytes = TYPE == GG_Q4_0 ? 144 : TYPE == GG_Q8_0 ? 272 : 136;
-  float s[8];  // block scales
+  __m256 S;  // block scales, built in registers (scalar stores then loads stall on store forwarding)
   const uint8_t* p;
   void load(const uint8_t* blk) {
     p = blk;
-    if (TYPE == GG_IQ4_XS) {
-      const float d = h2f(p);
-      const int sh = p[2] | (p[3] << 8);
-      for (int j = 0; j < 8; ++j)
-        s[j] = d * float((((p[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32);
-    } else {
-      for (int j = 0; j < 8; ++j) s[j] = h2f(p + j * (TYPE == GG_Q4_0 ? 18 : 34));
-    }
+    S = block_scales8<TYPE>(p);
   }
+  __m256 ds(int c) const { return _mm256_permutevar8x32_ps(S, _mm256_set1_epi32(c)); }
   __m256i w(int c) const {  // block c, signed
     if (TYPE == GG_Q8_0) return ld256(p + 34 * c + 2);
     if (TYPE == GG_Q4_0) return _mm256_sub_epi8(nibbles_16(ld128(p + 18 * c + 2)), _mm256_set1_epi8(8));
@@ -180,7 +174,7 @@ void fdot(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ld
     for (int t = 0; t < R; ++t) blk[t] = _mm256_setzero_ps();
     for (int c = 0; c < 8; ++c) {
       const __m256i w = dec.w(c), aw = _mm256_sign_epi8(w, w);
-      const __m256 s = _mm256_set1_ps(dec.s[c]);
+      const __m256 s = dec.ds(c);
       for (int t = 0; t < R; ++t) {
         const __m256i av = ld256(a.q[t] + b * 256 + 32 * c);
         const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(av, w)), ones);

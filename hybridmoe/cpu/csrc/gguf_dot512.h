@@ -144,18 +144,6 @@ struct DecQ6K {  // 210 B: ql 128, qh 64, int8 scales 16, d; u in [0, 63], w = d
   }
 };
 
-inline short ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return short(v);
-}
-// 8 fp16 scales, one per 32-value block of `stride` bytes (built in registers: scalar stores then a
-// vector load of them would stall on store forwarding)
-inline __m256 scales8_f16(const uint8_t* p, int s) {
-  return _mm256_cvtph_ps(_mm_setr_epi16(ld16(p), ld16(p + s), ld16(p + 2 * s), ld16(p + 3 * s), ld16(p + 4 * s),
-                                        ld16(p + 5 * s), ld16(p + 6 * s), ld16(p + 7 * s)));
-}
-
 template <int TYPE>
 struct DecF {  // Q4_0 (8 x 18 B), Q8_0 (8 x 34 B), IQ4_XS (136 B) per super-block
   static constexpr int kBytes = TYPE == GG_Q4_0 ? 144 : TYPE == GG_Q8_0 ? 272 : 136;
@@ -164,20 +152,7 @@ struct DecF {  // Q4_0 (8 x 18 B), Q8_0 (8 x 34 B), IQ4_XS (136 B) per super-blo
   const uint8_t* p;
   void load(const uint8_t* blk) {
     p = blk;
-    __m256 s;
-    if (TYPE == GG_IQ4_XS) {
-      // ls_j = low nibble j of the 4 bytes at p + 4 | bits 2j, 2j + 1 of the u16 at p + 2, << 4
-      uint32_t lo;
-      std::memcpy(&lo, p + 4, 4);
-      const __m256i j4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-      const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(lo)), j4), _mm256_set1_epi32(15));
-      const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(p[2] | (p[3] << 8)), _mm256_srli_epi32(j4, 1));
-      const __m256i ls = _mm256_or_si256(nib, _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
-      s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))), _mm256_set1_ps(h2f(p)));
-    } else {
-      s = scales8_f16(p, TYPE == GG_Q4_0 ? 18 : 34);
-    }
-    D = _mm512_castps256_ps512(s);
+    D = _mm512_castps256_ps512(block_scales8<TYPE>(p));
     corr = _mm512_mul_ps(_mm512_permutexvar_ps(ld512(kIdxHalf32), D), _mm512_set1_ps(-kOff));
   }
   __m512 ds(int c) const { return _mm512_permutexvar_ps(ld512(kIdxPair32.v[c]), D); }

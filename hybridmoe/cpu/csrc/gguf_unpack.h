@@ -223,5 +223,32 @@ inline float hsum128(__m128 s) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+inline short ld16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return short(v);
+}
+// 8 fp16 scales, one per 32-value block of `stride` bytes (built in registers: scalar stores then a
+// vector load of them would stall on store forwarding)
+inline __m256 scales8_f16(const uint8_t* p, int s) {
+  return _mm256_cvtph_ps(_mm_setr_epi16(ld16(p), ld16(p + s), ld16(p + 2 * s), ld16(p + 3 * s), ld16(p + 4 * s),
+                                        ld16(p + 5 * s), ld16(p + 6 * s), ld16(p + 7 * s)));
+}
+
+// The 8 float scales of a per-32 super-block (Q4_0, Q8_0: fp16 d of each block; IQ4_XS: d times
+// the 6-bit ls_j - 32, ls_j = low nibble j of the 4 bytes at p + 4 | bits 2j, 2j + 1 of the u16 at
+// p + 2, << 4), in registers.
+template <int TYPE>
+inline __m256 block_scales8(const uint8_t* p) {
+  if (TYPE != GG_IQ4_XS) return scales8_f16(p, TYPE == GG_Q4_0 ? 18 : 34);
+  uint32_t lo;
+  std::memcpy(&lo, p + 4, 4);
+  const __m256i j4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(lo)), j4), _mm256_set1_epi32(15));
+  const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(p[2] | (p[3] << 8)), _mm256_srli_epi32(j4, 1));
+  const __m256i ls = _mm256_or_si256(nib, _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))), _mm256_set1_ps(h2f(p)));
+}
+
 // IQ4_XS code values + 128 (u8: the AVX-512 dpbusd form of the signed table)
 constexpr uint8_t kIq4ValuesU[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
