@@ -51,8 +51,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the reference builds them with the default eps
-# Cost of an absorbed-form FLOP in expanded-form FLOPs (`_extend_form`; benchmarks/bench_mla_extend.py).
-ABSORBED_FLOP_COST = 2.5
+# Cost of an absorbed-form FLOP in expanded-form FLOPs (`_extend_form`). Measured on the H200 (bf16, H 128,
+# benchmarks/bench_mla_extend.py, 16 cases of prefix 0-16K x 1-4096 new tokens): 1.02-1.53 wherever either
+# form runs long enough to be compute-bound (more at a few queries, where the absorbed form is
+# latency-bound but fast anyway); with 1.3 the model picks the faster form in 14 of the 16 cases (the two
+# misses: prompts of 64 and 256 tokens with no prefix, 0.63 vs 0.74 ms and 0.40 vs 0.46 ms, both
+# dominated by launches).
+ABSORBED_FLOP_COST = 1.3
 # Without the Triton kernel (CPU, other backends) the absorbed form runs mla_decode_ref, which gathers
 # [T, P * S, Lkv + R] fp32 rows: taken only while that stays this small.
 REF_GATHER_LIMIT_BYTES = 64 << 20
