@@ -325,6 +325,18 @@ class CPUMoELayer:
         res = out if out is not None else torch.empty(xc.shape, dtype=xc.dtype)
         skip = skip_mask.detach().to("cpu") if skip_mask is not None else None
         li = lora_idx.detach().to("cpu", torch.int32).contiguous() if lora_idx is not None else None
-        tid = self.submit(xc, ids, w, res, accumulate, skip, li)
-        self.sync(tid)
+        task, _keep = self.make_task(xc, ids, w, res, accumulate, skip, li)
+        self.run(task)
         return res
+
+    def run(self, task: native.Task) -> None:
+        """Runs a task from make_task and waits for it: on this thread in the pool leader's place when
+        the pool is idle (no hand-off, no wake-up: the synchronous CPU-only path), else queued behind
+        the pool's tasks. Raises CPUMoEError on failure (this task's, or an earlier unsynced one's)."""
+        if not self.pool.handle:
+            raise CPUMoEError("the CPU thread pool is closed")
+        err = self.__dict__.get("_err")
+        if err is None:  # made on first use (subclasses do not call our __init__)
+            err = self._err = C.create_string_buffer(1024)
+        if native.lib().hm_run_task(self.pool.handle, C.byref(task), -1, err, len(err)):
+            raise CPUMoEError(err.value.decode())
