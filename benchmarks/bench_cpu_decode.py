@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="modes alternating per round, the first one reported: on (the CPU-only path's native dense "
                         "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py, each layer's "
                         "attention half in one call, cpu/layer_decode.py, and greedy argmax), unfused (on without the "
-                        "one-call layers), dense (the dense linears and argmax only), off (none: torch's ops)")
+                        "one-call layers), queued (on, but every pool call handed to the pool's leader thread and "
+                        "waited for, not run on the caller), dense (the dense linears and argmax only), off (none: "
+                        "torch's ops)")
     p.add_argument("--split", action="store_true",
                    help="after the rounds, one instrumented run per mode: where a decode step's time goes "
                         "(decode_split.py; JSON key 'split')")
@@ -124,11 +126,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         def set_mode(m: str) -> None:
             if dl is not None:
-                dl.enabled = m in ("on", "unfused", "dense")
+                dl.enabled = m in ("on", "unfused", "queued", "dense")
             if ad is not None:
-                ad.enabled = m in ("on", "unfused")
+                ad.enabled = m in ("on", "unfused", "queued")
             if ld is not None:
-                ld.enabled = m == "on"
+                ld.enabled = m in ("on", "queued")
+            pool.run_inline = m != "queued"
             if native_argmax is not None:
                 native_argmax[0] = m != "off"
         hm, ll, bw = [], [], []

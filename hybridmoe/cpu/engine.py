@@ -109,6 +109,17 @@ class CPUThreadPool:
     def pending(self) -> int:
         return native.lib().hm_pending(self._h)
 
+    @property
+    def run_inline(self) -> bool:
+        """Whether synchronous calls (CPUMoELayer.forward/run, the dense linears) run on the calling
+        thread in the pool leader's place when the pool is idle (default), instead of being queued
+        to the leader and waited for; benchmarks switch it off to compare."""
+        return bool(native.lib().hm_pool_inline(self._h, -1))
+
+    @run_inline.setter
+    def run_inline(self, on: bool) -> None:
+        native.lib().hm_pool_inline(self._h, int(bool(on)))
+
     def stream_read_gbps(self, nbytes: int = 1 << 30, iters: int = 5) -> float:
         """Stream-read bandwidth measured with this pool's threads (GB/s)."""
         return native.lib().hm_stream_read(self._h, int(nbytes), int(iters))

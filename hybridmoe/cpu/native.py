@@ -191,6 +191,7 @@ def _declare(lib) -> None:
         "hm_submit": (i64, [vp, C.POINTER(Task)]),
         "hm_sync": (i32, [vp, i64, i64, cp, i32]),
         "hm_run_task": (i32, [vp, C.POINTER(Task), i64, cp, i32]),
+        "hm_pool_inline": (i32, [vp, i32]),
         "hm_pending": (i64, [vp]),
         "hm_completed": (i64, [vp]),
         "hm_profile": (None, [C.POINTER(C.c_double), i32]),

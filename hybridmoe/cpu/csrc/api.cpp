@@ -193,6 +193,15 @@ int hm_run_task(void* p, const HmTask* task, int64_t spin_us, char* err, int err
   return hm_sync(p, id, 0, err, errlen);
 }
 
+// Whether synchronous calls may run on their caller (ThreadPool::run_inline); on by default.
+// on < 0: only reads it. Returns the setting before.
+int hm_pool_inline(void* p, int on) {
+  hm::ThreadPool& tp = static_cast<Pool*>(p)->tp;
+  const int was = tp.inline_on() ? 1 : 0;
+  if (on >= 0) tp.set_inline(on != 0);
+  return was;
+}
+
 int64_t hm_pending(void* p) {
   Pool* pool = static_cast<Pool*>(p);
   return pool->tp.submitted() - pool->tp.completed();

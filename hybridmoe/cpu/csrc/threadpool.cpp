@@ -153,6 +153,7 @@ void ThreadPool::leader_loop() {
 }
 
 bool ThreadPool::run_inline(void (*fn)(void*), void* ctx) {
+  if (!inline_on_.load(std::memory_order_relaxed)) return false;
   std::unique_lock<std::mutex> lead(lead_mu_, std::try_to_lock);
   if (!lead.owns_lock() || completed_.load() != submitted_.load()) return false;  // queued work runs first
   fn(ctx);

@@ -41,6 +41,9 @@ class ThreadPool {
   // other inline call runs; returns false, fn not run, otherwise (the caller queues it instead).
   // fn must not throw.
   bool run_inline(void (*fn)(void*), void* ctx);
+  // Off: run_inline always returns false (benchmarks compare the queued path in one process).
+  void set_inline(bool on) { inline_on_.store(on); }
+  bool inline_on() const { return inline_on_.load(); }
 
   // Task queue (any thread). Tasks run in submission order; ids start at 1.
   int64_t submit(std::function<void()> task);
@@ -76,6 +79,7 @@ class ThreadPool {
   std::atomic<int64_t> submitted_{0}, completed_{0};
   std::atomic<int> task_waiters_{0}, done_waiters_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> inline_on_{true};
   std::mutex lead_mu_;  // held while parallel() may be called: a queued task on the leader, or run_inline
 };
 
