@@ -17,7 +17,7 @@ from hybridmoe import envs
 from hybridmoe.cpu import build as _build
 from hybridmoe.cpu.settings import CPUEngineSettings
 
-ABI_VERSION = 13  # csrc/api.cpp hm_abi_version
+ABI_VERSION = 14  # csrc/api.cpp hm_abi_version
 ISAS = {"avx2": 0, "avx512": 1, "amx": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DT_F32, DT_BF16 = 0, 1
@@ -190,6 +190,8 @@ def _declare(lib) -> None:
         "hm_layer_bind_numa": (i32, [vp, C.POINTER(C.c_int), i32]),
         "hm_submit": (i64, [vp, C.POINTER(Task)]),
         "hm_sync": (i32, [vp, i64, i64, cp, i32]),
+        "hm_run_task": (i32, [vp, C.POINTER(Task), i64, cp, i32]),
+        "hm_pool_inline": (i32, [vp, i32]),
         "hm_pending": (i64, [vp]),
         "hm_completed": (i64, [vp]),
         "hm_profile": (None, [C.POINTER(C.c_double), i32]),
