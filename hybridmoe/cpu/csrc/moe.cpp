@@ -356,7 +356,8 @@ std::string route(Ctx& c) {
 
 }  // namespace
 
-// Phase timing (seconds, summed over tasks): route, quant1, gemm1, quant2, gemm2, reduce.
+// Phase timing (seconds, summed over tasks): route, quant1, gemm1, quant2, gemm2, reduce, task count,
+// and the LoRA rank-product phases (lora_begin, lora_mid: not in gemm1).
 double g_profile[8] = {0};
 namespace {
 struct Stopwatch {
@@ -424,10 +425,12 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     light(pool, c, ph_gather, c.S <= kInlineRows1);
     sw.lap(1);
     c.lora = lora_begin(pool, L.lora, L.isa, t.lora_idx, t.x, t.x_dtype, d.H, t.T, c.S, c.slot_tok, ws.offs.data());
+    sw.lap(7);
     build_items(c, d.w13.N / 16, CW1);
     pool.parallel(ph_gemm<true>, &c);
-    if (c.lora) lora_mid(pool, *c.lora, c.af);  // the activations' rank products, before quantizing them
     sw.lap(2);
+    if (c.lora) lora_mid(pool, *c.lora, c.af);  // the activations' rank products, before quantizing them
+    sw.lap(7);
     light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";
     sw.lap(3);
