@@ -255,7 +255,7 @@ def resolve_isa(isa: str | None = None) -> str:
 
 
 PROFILE_PHASES = ("route", "quant1", "gemm1", "quant2", "gemm2", "reduce", "lora")  # lora: the expert LoRA
-# rank products of x and of the activation (csrc/lora.cpp lora_begin, lora_mid; their B terms are in gemm1/gemm2)
+# set-up of a task (csrc/lora.cpp lora_begin); its rank products and B terms run inside gemm1 and gemm2
 
 
 def profile(reset: bool = True) -> dict[str, float]:
