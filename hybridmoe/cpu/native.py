@@ -256,14 +256,15 @@ def resolve_isa(isa: str | None = None) -> str:
     return isa
 
 
-PROFILE_PHASES = ("route", "quant1", "gemm1", "quant2", "gemm2", "reduce")
+PROFILE_PHASES = ("route", "quant1", "gemm1", "quant2", "gemm2", "reduce", "lora")  # lora: the expert LoRA
+# set-up of a task (csrc/lora.cpp lora_begin); its rank products and B terms run inside gemm1 and gemm2
 
 
 def profile(reset: bool = True) -> dict[str, float]:
     """Seconds spent in each task phase since the last reset (all pools), and the task count."""
     buf = (C.c_double * 8)()
     lib().hm_profile(buf, int(reset))
-    res = dict(zip(PROFILE_PHASES, buf[:6]))
+    res = dict(zip(PROFILE_PHASES, buf[:6] + [buf[7]]))
     res["tasks"] = buf[6]
     return res
 

@@ -207,7 +207,8 @@ int64_t hm_pending(void* p) {
   return pool->tp.submitted() - pool->tp.completed();
 }
 
-// Copies the phase-time sums (route, quant1, gemm1, quant2, gemm2, reduce, tasks, -) and resets
+// Copies the phase-time sums (route, quant1, gemm1, quant2, gemm2, reduce, tasks,
+// lora: the expert LoRA rank-product phases) and resets
 // them when reset != 0. Read between tasks (not synchronized with a running task).
 void hm_profile(double* out8, int reset) {
   for (int i = 0; i < 8; ++i) {
