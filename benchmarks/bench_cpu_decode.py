@@ -27,7 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import add_shape_args, decode_tps, parse_shape_args, write_config  # noqa: E402
+from bench_decode import add_shape_args, decode_tps, parse_shape_args, start_decode, write_config  # noqa: E402
 
 TINY = ["--layers", "2", "--experts", "8", "--topk", "2", "--hidden", "128", "--inter", "64", "--heads", "4",
         "--kv-heads", "2", "--head-dim", "32", "--vocab", "512"]
@@ -59,8 +59,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--dense", default="on,off",
                    help="modes alternating per round, the first one reported: on (the CPU-only path's native dense "
-                        "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py, and greedy "
-                        "argmax), dense (the dense linears and argmax only), off (none: torch's ops, the path before)")
+                        "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py, each layer's "
+                        "attention half in one call, cpu/layer_decode.py, and greedy argmax), unfused (on without the "
+                        "one-call layers), queued (on, but every pool call handed to the pool's leader thread and "
+                        "waited for, not run on the caller), dense (the dense linears and argmax only), off (none: "
+                        "torch's ops)")
+    p.add_argument("--split", action="store_true",
+                   help="after the rounds, one instrumented run per mode: where a decode step's time goes "
+                        "(decode_split.py; JSON key 'split')")
     p.add_argument("--gguf", default=None, help="reuse / keep the GGUF at this path")
     p.add_argument("--tiny", action="store_true", help="a tiny shape, 1 repeat of 4 steps (smoke test)")
     p.add_argument("--out", default=None)
@@ -104,24 +110,37 @@ def main(argv: list[str] | None = None) -> dict:
                 llama = LlamaCpp(gg, threads)
         dl = getattr(llm.engine.runner, "dense_linears", None)  # None: no native dense linears in this build
         ad = getattr(llm.engine.runner, "attn_decode", None)
+        ld = getattr(llm.engine.runner, "layer_decode", None)
         try:
             from hybridmoe.cpu.dense import NATIVE_ARGMAX as native_argmax
         except ImportError:  # a build without it
             native_argmax = None
         modes = [m for m in a.dense.split(",") if dl is not None or m == "off"] or ["off"]
         res["dense_modes"] = modes
+        res["thread_layout"] = {"pool_threads": pool.threads, "pool_cpus": pool.cpus,
+                                "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+        print(f"threads: pool {pool.threads} on cpus {pool.cpus}, torch {torch.get_num_threads()}, "
+              f"os.cpu_count {os.cpu_count()}", flush=True)
+
+        def set_mode(m: str) -> None:
+            if dl is not None:
+                dl.enabled = m in ("on", "unfused", "queued", "dense")
+            if ad is not None:
+                ad.enabled = m in ("on", "unfused", "queued")
+            if ld is not None:
+                ld.enabled = m in ("on", "queued")
+            pool.run_inline = m != "queued"
+            if native_argmax is not None:
+                native_argmax[0] = m != "off"
         hm, ll, bw = [], [], []
         by_mode: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(a.repeats):
             bw.append(pool.stream_read_gbps(256 << 20 if a.tiny else 1 << 30, 5) * 1e9)
             line = f"round {r}: stream read {bw[-1] / 1e9:.1f} GB/s"
             for m in modes:
-                if dl is not None:
-                    dl.enabled = m in ("on", "dense")
-                if ad is not None:
-                    ad.enabled = m == "on"
-                if native_argmax is not None:
-                    native_argmax[0] = m != "off"
+                set_mode(m)
                 by_mode[m].append(decode_tps(llm, 1, a.prompt_len, a.steps, a.vocab))
                 line += f", hybridmoe ({m}) {by_mode[m][-1]:.2f} tok/s"
             hm.append(by_mode[modes[0]][-1])
@@ -129,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
                 ll.append(llama.decode_tps(a.prompt_len, a.steps, a.vocab, seed=r))
                 line += f", llama.cpp {ll[-1]:.2f} tok/s"
             print(line, flush=True)
+        if a.split:
+            res["split"] = run_split(llm, a, modes, set_mode, statistics.median(bw))
         llm.shutdown()
         if llama is not None:
             llama.close()
@@ -154,6 +175,27 @@ def main(argv: list[str] | None = None) -> dict:
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
     return res
+
+
+def run_split(llm, a, modes: list[str], set_mode, bw: float) -> dict:
+    """One instrumented decode run per mode (decode_split.py): per-step time by category."""
+    from decode_split import DecodeSplit, print_split
+
+    split, out = DecodeSplit(llm), {}
+    try:
+        for m in modes:
+            set_mode(m)
+            reqs = start_decode(llm, 1, a.prompt_len, a.steps, a.vocab)
+            split.start()
+            n = 0
+            while not all(r.finished for r in reqs):
+                llm.engine.step()
+                n += 1
+            out[m] = split.stop(n, bw)
+            print_split(out[m], f"(mode {m})")
+    finally:
+        split.remove()
+    return out
 
 
 if __name__ == "__main__":

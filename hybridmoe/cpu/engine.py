@@ -109,6 +109,17 @@ class CPUThreadPool:
     def pending(self) -> int:
         return native.lib().hm_pending(self._h)
 
+    @property
+    def run_inline(self) -> bool:
+        """Whether synchronous calls (CPUMoELayer.forward/run, the dense linears) run on the calling
+        thread in the pool leader's place when the pool is idle (default), instead of being queued
+        to the leader and waited for; benchmarks switch it off to compare."""
+        return bool(native.lib().hm_pool_inline(self._h, -1))
+
+    @run_inline.setter
+    def run_inline(self, on: bool) -> None:
+        native.lib().hm_pool_inline(self._h, int(bool(on)))
+
     def stream_read_gbps(self, nbytes: int = 1 << 30, iters: int = 5) -> float:
         """Stream-read bandwidth measured with this pool's threads (GB/s)."""
         return native.lib().hm_stream_read(self._h, int(nbytes), int(iters))
@@ -325,6 +336,18 @@ class CPUMoELayer:
         res = out if out is not None else torch.empty(xc.shape, dtype=xc.dtype)
         skip = skip_mask.detach().to("cpu") if skip_mask is not None else None
         li = lora_idx.detach().to("cpu", torch.int32).contiguous() if lora_idx is not None else None
-        tid = self.submit(xc, ids, w, res, accumulate, skip, li)
-        self.sync(tid)
+        task, _keep = self.make_task(xc, ids, w, res, accumulate, skip, li)
+        self.run(task)
         return res
+
+    def run(self, task: native.Task) -> None:
+        """Runs a task from make_task and waits for it: on this thread in the pool leader's place when
+        the pool is idle (no hand-off, no wake-up: the synchronous CPU-only path), else queued behind
+        the pool's tasks. Raises CPUMoEError on failure (this task's, or an earlier unsynced one's)."""
+        if not self.pool.handle:
+            raise CPUMoEError("the CPU thread pool is closed")
+        err = self.__dict__.get("_err")
+        if err is None:  # made on first use (subclasses do not call our __init__)
+            err = self._err = C.create_string_buffer(1024)
+        if native.lib().hm_run_task(self.pool.handle, C.byref(task), -1, err, len(err)):
+            raise CPUMoEError(err.value.decode())

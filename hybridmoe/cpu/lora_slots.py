@@ -59,9 +59,14 @@ class CPULoRASlots:
         self.rank = torch.zeros(slots, dtype=torch.int32)  # [S] 0: empty
         cuts, o = [], 0
         for n, width in (("ag", hp), ("au", hp), ("bg", ip), ("bu", ip), ("ad", ip), ("bd", hp)):
-            cuts.append((n, self.w[:, :, o:o + r * width].view(slots, e, r, width)))  # [S, E, R, width] views
+            part = self.w[:, :, o:o + r * width]
+            if n.startswith("b"):  # Bs in 16-column blocks [S, E, width/16, R, 16], seen as [S, E, R, width/16, 16]
+                part = part.view(slots, e, width // 16, r, 16).permute(0, 1, 3, 2, 4)
+            else:
+                part = part.view(slots, e, r, width)  # [S, E, R, width]
+            cuts.append((n, part))
             o += r * width
-        self.parts = dict(cuts)
+        self.parts = dict(cuts)  # A: [S, E, R, width]; B: [S, E, R, width/16, 16] (views of w)
         self.desc = LoraDesc(self.w.data_ptr(), self.scale.data_ptr(), self.rank.data_ptr(), block, slots, r, e, hp,
                              ip, native.DT_F32 if dtype == torch.float32 else native.DT_BF16)
         _attach(handle, self.desc)
@@ -91,13 +96,19 @@ class CPULoRASlots:
             raise ValueError(f"{self.what}: LoRA rank {r} not in [1, max rank {self.R}]")
         self.clear_slot(s)  # rank 0 while copying: a stray reader sees the base expert
         p = self.parts
+
+        def blocked(dst: torch.Tensor, b: torch.Tensor) -> None:  # B [E, out, r] into dst [E, R, out_pad/16, 16]
+            bt = torch.zeros(e, self.R, dst.shape[2] * 16, dtype=dst.dtype)
+            bt[:, :r, :b.shape[1]] = b.transpose(1, 2)
+            dst.copy_(bt.view(dst.shape))
+
         with torch.no_grad():
             p["ag"][s, :, :r, :h].copy_(gate_A)
             p["au"][s, :, :r, :h].copy_(up_A)
-            p["bg"][s, :, :r, :i].copy_(gate_B.transpose(1, 2))
-            p["bu"][s, :, :r, :i].copy_(up_B.transpose(1, 2))
+            blocked(p["bg"][s], gate_B)
+            blocked(p["bu"][s], up_B)
             p["ad"][s, :, :r, :i].copy_(down_A)
-            p["bd"][s, :, :r, :h].copy_(down_B.transpose(1, 2))
+            blocked(p["bd"][s], down_B)
         self.scale[s] = float(scaling)
         self.rank[s] = r
 

@@ -17,7 +17,7 @@ from hybridmoe import envs
 from hybridmoe.cpu import build as _build
 from hybridmoe.cpu.settings import CPUEngineSettings
 
-ABI_VERSION = 13  # csrc/api.cpp hm_abi_version
+ABI_VERSION = 14  # csrc/api.cpp hm_abi_version
 ISAS = {"avx2": 0, "avx512": 1, "amx": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DT_F32, DT_BF16 = 0, 1
@@ -190,6 +190,8 @@ def _declare(lib) -> None:
         "hm_layer_bind_numa": (i32, [vp, C.POINTER(C.c_int), i32]),
         "hm_submit": (i64, [vp, C.POINTER(Task)]),
         "hm_sync": (i32, [vp, i64, i64, cp, i32]),
+        "hm_run_task": (i32, [vp, C.POINTER(Task), i64, cp, i32]),
+        "hm_pool_inline": (i32, [vp, i32]),
         "hm_pending": (i64, [vp]),
         "hm_completed": (i64, [vp]),
         "hm_profile": (None, [C.POINTER(C.c_double), i32]),
@@ -254,14 +256,15 @@ def resolve_isa(isa: str | None = None) -> str:
     return isa
 
 
-PROFILE_PHASES = ("route", "quant1", "gemm1", "quant2", "gemm2", "reduce")
+PROFILE_PHASES = ("route", "quant1", "gemm1", "quant2", "gemm2", "reduce", "lora")  # lora: the expert LoRA
+# set-up of a task (csrc/lora.cpp lora_begin); its rank products and B terms run inside gemm1 and gemm2
 
 
 def profile(reset: bool = True) -> dict[str, float]:
     """Seconds spent in each task phase since the last reset (all pools), and the task count."""
     buf = (C.c_double * 8)()
     lib().hm_profile(buf, int(reset))
-    res = dict(zip(PROFILE_PHASES, buf[:6]))
+    res = dict(zip(PROFILE_PHASES, buf[:6] + [buf[7]]))
     res["tasks"] = buf[6]
     return res
 

@@ -88,13 +88,16 @@ class ModelRunner:
         )
         self.moe.finish()
         # CPU-only bf16 decode: the dense linears on the expert engine's pool, attention in one native call
-        self.dense_linears = self.attn_decode = None
+        self.dense_linears = self.attn_decode = self.layer_decode = None
         if self.device.type == "cpu" and self.moe.backend == "cpu" and self.dtype == torch.bfloat16:
             from hybridmoe.cpu.attn_decode import install_attn_decode
             from hybridmoe.cpu.dense_linears import install_dense_linears
+            from hybridmoe.cpu.layer_decode import install_layer_decode
 
             self.dense_linears = install_dense_linears(self.model, self.moe.options.pool)
             self.attn_decode = install_attn_decode(self.model)
+            # and each layer's attention half (+ router GEMV) in one native call
+            self.layer_decode = install_layer_decode(self.model, self.dense_linears, self.attn_decode)
         from hybridmoe.lora.setup import build_manager, note_memory
 
         # LoRA slot buffers (None when LoRA is off): wrapped linears and experts, before graphs are captured

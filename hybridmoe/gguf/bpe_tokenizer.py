@@ -2,7 +2,8 @@
 and most MoE GGUFs) built from a GGUF's metadata with the `tokenizers` library, for transformers
 releases whose GGUF support lacks the conversion or the architecture (5.17 refuses deepseek2).
 
-The pre-tokenizer split follows `tokenizer.ggml.pre` where it is known here (qwen2: the Qwen2 split);
+The pre-tokenizer split follows `tokenizer.ggml.pre` where it is known here (qwen2: the Qwen2 split;
+deepseek-v3, what llama.cpp's converter writes for DeepSeek-V3/R1/V3.1: their three isolated splits);
 other values get the GPT-2 byte-level split, which may tokenize some text differently from the model's
 own tokenizer (`--tokenizer-path` with the Hugging Face tokenizer avoids that). Control and
 user-defined tokens become added tokens; `add_bos_token` prepends BOS.
@@ -14,6 +15,16 @@ from pathlib import Path
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
+# DeepSeek-V3's tokenizer.json pre-tokenizer: three isolated regex splits in turn (digit runs of at most
+# three; CJK ideographs and kana; then letters, punctuation and whitespace), each cutting the pieces the
+# previous one left, then the byte-level mapping without its own regex.
+DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
+PRE_SPLITS = {"deepseek-v3": DEEPSEEK_V3_SPLITS}
 
 
 def _fields(path: Path) -> dict:
@@ -43,11 +54,15 @@ def build(path: Path):
     merges = [tuple(x.split(" ", 1)) for x in m.get("tokenizer.ggml.merges") or []]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    if m.get("tokenizer.ggml.pre") in QWEN2_PRE:
+    pre = m.get("tokenizer.ggml.pre")
+    splits: tuple[str, ...] | None = PRE_SPLITS.get(pre)
+    if pre in QWEN2_PRE:
         from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+        splits = (PRETOKENIZE_REGEX,)
+    if splits is not None:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     else:

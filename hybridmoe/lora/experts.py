@@ -1,6 +1,6 @@
-"""Routed-expert LoRA for the GPU-side experts backends (moe/torch_experts.py; Triton experts
-with LoRA attached compute through the same gathered path): for a pair (token t, expert e) with
-slot s = idx[t],
+"""Routed-expert LoRA for the GPU-side experts backends (moe/torch_experts.py gathers the pairs'
+slot weights; the fused Triton experts take PairDeltas, whose kernels read them per pair:
+triton_expert_ops.py): for a pair (token t, expert e) with slot s = idx[t],
     g += s_l B_g[s,e] A_g[s,e] x,  u += s_l B_u[s,e] A_u[s,e] x   (before the activation)
     y += s_l B_d[s,e] A_d[s,e] h                                  (after down)
 The slot buffers hold the backend's own experts only (`rows`: their global ids; a hybrid layer's
@@ -24,10 +24,11 @@ class ExpertLoRASlots:
         e = len(self.rows)
         self.batch = batch
         z = torch.zeros
-        self.gate_A = z(slots, e, rank, hidden, dtype=dtype, device=device)  # [S, E, R, H]
-        self.gate_B = z(slots, e, inter, rank, dtype=dtype, device=device)  # [S, E, I, R]
-        self.up_A = z(slots, e, rank, hidden, dtype=dtype, device=device)
-        self.up_B = z(slots, e, inter, rank, dtype=dtype, device=device)
+        # gate and up in one buffer each (the fused path's kernels take both halves in one launch)
+        self.gate_up_A = z(slots, e, 2 * rank, hidden, dtype=dtype, device=device)  # [S, E, 2R, H]
+        self.gate_up_B = z(slots, e, 2 * inter, rank, dtype=dtype, device=device)  # [S, E, 2I, R]
+        self.gate_A, self.up_A = self.gate_up_A[:, :, :rank], self.gate_up_A[:, :, rank:]  # [S, E, R, H] views
+        self.gate_B, self.up_B = self.gate_up_B[:, :, :inter], self.gate_up_B[:, :, inter:]  # [S, E, I, R] views
         self.down_A = z(slots, e, rank, inter, dtype=dtype, device=device)  # [S, E, R, I]
         self.down_B = z(slots, e, hidden, rank, dtype=dtype, device=device)  # [S, E, H, R]
         self.scale = z(slots, dtype=torch.float32, device=device)  # [S]
@@ -36,7 +37,7 @@ class ExpertLoRASlots:
         return self.gate_A, self.gate_B, self.up_A, self.up_B, self.down_A, self.down_B
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.buffers()) + self.scale.nbytes
+        return sum(t.nbytes for t in (self.gate_up_A, self.gate_up_B, self.down_A, self.down_B)) + self.scale.nbytes
 
     def set_slot(self, slot: int, lora: ExpertLoRA) -> None:
         self.clear_slot(slot)
@@ -79,34 +80,29 @@ class ExpertLoRASlots:
     def pair_deltas(self, x: torch.Tensor, topk_ids: torch.Tensor) -> PairDeltas:
         """The fused Triton path's hook (moe/triton_moe_kernels.fused_moe): deltas for every pair
         p = t * K + j in routing order. x [T, H], topk_ids [T, K] (local ids; pairs of the other side
-        come with weight 0, so their deltas never reach the output)."""
+        come with weight 0: skipped, their deltas never reach the output)."""
         return PairDeltas(self, x, topk_ids)
 
 
-_MAX_GATHER = 1 << 25  # gathered adapter elements per chunk of pairs (memory, not speed)
-
-
 class PairDeltas:
-    """Gate/up deltas [P, 2I] before the activation and down deltas [P, H] from the activations, in
-    chunks of pairs so a long prefill never gathers more than _MAX_GATHER adapter elements at once."""
+    """Gate/up deltas [P, 2I] (fp32) before the activation and the down deltas added to the pairs'
+    outputs, by the Triton kernels of triton_expert_ops.py (four launches, graph-capturable)."""
 
     def __init__(self, slots: ExpertLoRASlots, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        t, k = topk_ids.shape
-        self.slots, self.x = slots, x
-        self.tok = torch.arange(t, device=x.device).repeat_interleave(k)  # [P]
-        self.e = topk_ids.reshape(-1).long()  # [P]
-        self.slot, self.scale = slots.pair_slots(t, self.tok)  # [P], [P]
-        r, h, i = slots.gate_A.shape[2], slots.gate_A.shape[3], slots.down_A.shape[3]
-        self.step = max(1, _MAX_GATHER // (r * (2 * h + 3 * i)))
+        self.slots, self.x, self.top_k = slots, x, topk_ids.shape[1]
+        self.ids = topk_ids.reshape(-1).contiguous()  # [P]
+        self.idx = slots.batch.index(topk_ids.shape[0])  # [T] int32
 
-    def _chunks(self):
-        for s in range(0, self.e.numel(), self.step):
-            yield slice(s, s + self.step)
+    def gate_up(self, weights: torch.Tensor) -> torch.Tensor:  # weights [P] -> [P, 2I] float32
+        from hybridmoe.lora.triton_expert_ops import gate_up_deltas
 
-    def gate_up(self) -> torch.Tensor:  # [P, 2I]
-        parts = [self.slots.gate_up(self.x[self.tok[c]], self.e[c], self.slot[c], self.scale[c]) for c in self._chunks()]
-        return torch.cat(parts) if len(parts) != 1 else parts[0]
+        sl = self.slots
+        return gate_up_deltas(self.x, sl.gate_up_A, sl.gate_up_B, sl.scale, self.idx, self.ids, weights, self.top_k)
 
-    def down(self, act: torch.Tensor) -> torch.Tensor:  # act [P, I] -> [P, H]
-        parts = [self.slots.down(act[c], self.e[c], self.slot[c], self.scale[c]) for c in self._chunks()]
-        return torch.cat(parts) if len(parts) != 1 else parts[0]
+    def add_down(self, out_pairs: torch.Tensor, act: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """out_pairs [P, H] += w * (the down deltas of the activations act [P, I]), in place."""
+        from hybridmoe.lora.triton_expert_ops import add_down_deltas
+
+        sl = self.slots
+        return add_down_deltas(out_pairs, act, sl.down_A, sl.down_B, sl.scale, self.idx, self.ids, weights,
+                               self.top_k)

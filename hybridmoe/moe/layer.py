@@ -79,9 +79,12 @@ class SparseMoEBlock(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        return self.forward_logits(x, getattr(self, self.gate_name)(x))
+
+    def forward_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
+        """The block after its router GEMV (a caller that computed the logits itself: cpu/layer_decode.py)."""
         assert self.experts is not None, "expert weights were not loaded"
         gate = getattr(self, self.gate_name)
-        logits = gate(x)  # [T, E]
         bias = gate.e_score_correction_bias if self.score_bias else None
         weights, ids = route(logits, self.routing, bias)  # [T, K]
         if self.has_shared:  # a backend waiting on the CPU runs the shared experts in that window

@@ -418,7 +418,7 @@ def fused_moe(
     else:
         nbi, gs, ds = 0, gate_up, down  # unused pointers (FP8=False)
 
-    delta = lora.gate_up().contiguous() if lora is not None else inter_dummy(x)  # [P, 2I]
+    delta = lora.gate_up(weights) if lora is not None else inter_dummy(x)  # [P, 2I] float32
     inter = torch.empty((num_pairs, inter_size), dtype=act_dtype, device=x.device)  # [P, I]
     grid1 = (num_m_blocks * triton.cdiv(inter_size, cfg.gu_block_n),)
     _gate_up_kernel[grid1](
@@ -443,8 +443,8 @@ def fused_moe(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=dn_bk, GROUP_M=cfg.group_m,
         IEEE=ieee, FP8=fp8, SBN=sbn, SBK=sbk, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
     )
-    if lora is not None:  # y_e += s B_d A_d h, weighted like the expert's output
-        out_pairs = (out_pairs.float() + weights.float()[:, None] * lora.down(inter).float()).to(act_dtype)
+    if lora is not None:  # y_e += s B_d A_d h, weighted like the expert's output (in place)
+        lora.add_down(out_pairs, inter, weights)
     if top_k == 1:
         return out_pairs
     return sum_pairs(out_pairs, num_tokens, top_k)

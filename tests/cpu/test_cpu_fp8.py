@@ -103,6 +103,34 @@ def test_every_e4m3_code_widens_exactly(isa, pool, codes, t):
                                                                                     max_error(out, ref))
 
 
+@pytest.mark.parametrize("block,h,i", [((128, 128), 264, 136), ((16, 32), 100, 72)], ids=["b128", "b16x32_odd"])
+def test_every_row_count_of_one_expert(isa, pool, block, h, i):
+    """Each row count 1..9, 16 and 17 on one expert (the few-row kernels' register blocks: the
+    one-row kernel, 2-8 rows, an 8-row block plus a remainder, AMX from 4 rows where present), made
+    of duplicate ids (a token picking the expert twice), next to a skipped expert, a -1 id and a
+    lone row on another expert; odd H and I, fp32 and bf16 x."""
+    w = fp8_experts(3, i, h, block, seed=11)
+    layer = CPUMoELayer(pack(w), isa=isa, pool=pool)
+    dq = w.dequantized(torch.float32)
+    skip = torch.tensor([False, False, True])
+    g = torch.Generator().manual_seed(12)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17):
+        t = (rows + 1) // 2
+        ids = torch.full((t, 3), 2)  # slot 2: the skipped expert
+        ids[:, 0] = 1
+        ids[: rows - t, 1] = 1  # duplicates: rows - t tokens pick expert 1 twice
+        ids[rows - t:, 1] = -1
+        ids[-1, 2] = 0  # one row of expert 0
+        wt = torch.rand(t, 3, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(t, h, generator=g).to(dtype)
+            out = layer.forward(x, ids, wt, skip_mask=skip)
+            ref = moe_reference(x, ids, wt, dq.gate_up, dq.down, skip=skip, act_quant="bf16")
+            tol = 1.0 if dtype == torch.float32 else 4.0
+            assert rel_error(out, ref) <= ORACLE_REL * tol and max_error(out, ref) <= ORACLE_MAX * tol, \
+                (rows, dtype, rel_error(out, ref), max_error(out, ref))
+
+
 def test_all_skipped_duplicates_accumulate(isa, pool):
     w = fp8_experts(8, 40, 136, (16, 32))
     layer = CPUMoELayer(pack(w), isa=isa, pool=pool)

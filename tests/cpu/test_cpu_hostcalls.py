@@ -32,7 +32,7 @@ def test_retired_entry_points_are_gone():
     quantizer hm_quantize; ABI 12 the GGUF layer hm_gguf_layer_create; ABI 13 expert LoRA: HmTask.lora_idx,
     HmLayer.lora, hm_layer_attach_lora.)"""
     lb = native.lib()
-    assert lb.hm_abi_version() == native.ABI_VERSION == 13
+    assert lb.hm_abi_version() == native.ABI_VERSION == 14
     for name in ("hm_submit_hostfn", "hm_submit2_hostfn", "hm_set_item_bytes", "hm_set_guided", "hm_set_prefetch",
                  "hm_set_hostfn_spin_us"):
         assert not hasattr(lb, name), name

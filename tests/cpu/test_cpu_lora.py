@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridmoe.cpu import gguf_quant as gq
-from hybridmoe.cpu.engine import CPUMoEError, CPUMoELayer
+from hybridmoe.cpu.engine import CPUMoEError, CPUMoELayer, CPUThreadPool
 from hybridmoe.cpu.gguf_engine import GGUFExperts, GGUFMoELayer
 from hybridmoe.cpu.lora_slots import moe_lora_reference
 from hybridmoe.cpu.quant import pack_layer
@@ -201,3 +201,26 @@ def test_errors(pool):
     with pytest.raises(CPUMoEError, match="LoRA slot 2 of token 1 out of range"):
         layer.forward(x, ids, w, lora_idx=torch.tensor([1, 2], dtype=torch.int32))
     layer.forward(x, ids, w, lora_idx=torch.tensor([1, -1], dtype=torch.int32))  # later tasks run normally
+
+
+@pytest.mark.parametrize("threads,subpools", [(1, 1), (3, 1), (4, 2)], ids=["1t", "3t", "4t2sub"])
+def test_units_in_the_gemm_queues(threads, subpools, isa):
+    # the rank products run as units at the head of the GEMM items' queues (round robin over the
+    # sub-pools) and the items of an expert wait for its units: decode-sized tasks (T = 1, 4 with 4
+    # slots) on 1 thread, 3 threads, and 2 sub-pools; rank 16 (4 units a part) and 6 (a partial unit)
+    e, k, h, i = 12, 8, 256, 96
+    p, dq = packed("AMXINT8", 128, True, e, h, i)
+    pool = CPUThreadPool(threads=threads, threadpool_count=subpools)
+    try:
+        layer = CPUMoELayer(p, isa=isa, pool=pool)
+        loras = {0: adapter(e, h, i, 16, 21), 1: adapter(e, h, i, 6, 22), 2: adapter(e, h, i, 16, 23),
+                 3: adapter(e, h, i, 1, 24)}
+        ids_skip = torch.zeros(e, dtype=torch.bool)
+        ids_skip[:3] = True  # some pairs on "the GPU"
+        run(layer, loras, 1, e, k, h, idx=[0], dq=dq, method="AMXINT8", slots=4, max_rank=16, dtype=torch.bfloat16)
+        run(layer, loras, 4, e, k, h, idx=[0, 1, 2, 3], dq=dq, method="AMXINT8", slots=4, max_rank=16,
+            dtype=torch.bfloat16, skip=ids_skip)
+        run(layer, loras, 4, e, k, h, idx=[1, -1, 1, 3], dq=dq, method="AMXINT8", slots=4, max_rank=16, seed=5)
+    finally:
+        del layer
+        pool.close()

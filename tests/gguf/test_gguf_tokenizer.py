@@ -91,3 +91,48 @@ def test_other_vocabularies_go_through_auto_tokenizer(qwen3_gguf, tmp_path, monk
     save_tokenizer(gguf, tmp_path / "auto")
     tok = AutoTokenizer.from_pretrained(tmp_path / "auto")
     assert tok("Hello world").input_ids == AutoTokenizer.from_pretrained("hybridmoe/demo_model")("Hello world").input_ids
+
+
+# DeepSeek-V3's pre_tokenizer as its published tokenizer.json states it (the reference: tokenizers builds it
+# from this JSON; ours is built from `tokenizer.ggml.pre` = "deepseek-v3", what llama.cpp's converter writes).
+DSV3_PRE_TOKENIZER = r'''{"type": "Sequence", "pretokenizers": [
+ {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": false},
+ {"type": "Split", "pattern": {"Regex": "[一-龥぀-ゟ゠-ヿ]+"}, "behavior": "Isolated", "invert": false},
+ {"type": "Split", "pattern": {"Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", "invert": false},
+ {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]}'''
+DSV3_TEXTS = ("Price 1234567 yuan", "价格是1234元，好的。", "カタカナとひらがなと漢字", ".NET and C# x=1+2;", "a\r\n\r\nb",
+              "  multiple   spaces  \n\n", "émigré naïve café", "😀 emoji!!! ???", "\t tab\ttab", "ab12cd345ef6789")
+
+
+def _dsv3_reference(vocab_tokenizer):
+    """The demo vocabulary and merges under DeepSeek-V3's published pre-tokenizer."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(vocab_tokenizer.backend_tokenizer.to_str())
+    spec["pre_tokenizer"] = json.loads(DSV3_PRE_TOKENIZER)
+    spec["normalizer"] = None
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def test_own_mapping_splits_as_deepseek_v3_does(tmp_path, monkeypatch):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    gguf = _tokenizer_only_gguf(tmp_path / "ds.gguf", "deepseek2", pre="deepseek-v3")
+    _hide_internal_conversion(monkeypatch)
+    save_tokenizer(gguf, tmp_path / "out")
+    ours = AutoTokenizer.from_pretrained(tmp_path / "out")
+    ref = _dsv3_reference(AutoTokenizer.from_pretrained("hybridmoe/demo_model"))
+    mine = ours.backend_tokenizer.pre_tokenizer
+
+    def same(text: str) -> None:
+        assert mine.pre_tokenize_str(text) == ref.pre_tokenizer.pre_tokenize_str(text), text
+        assert ours(text, add_special_tokens=False).input_ids == ref.encode(text, add_special_tokens=False).ids, text
+
+    for text in DSV3_TEXTS:
+        same(text)
+    assert [p for p, _ in mine.pre_tokenize_str("1234567")] == ["123", "456", "7"]  # not the GPT-2 split
+    alphabet = st.sampled_from(list("aZé 12\n\r\t.,!?#-_中文かナ😀") + ["  ", "\r\n"])
+    settings(max_examples=150, deadline=None)(given(st.lists(alphabet, max_size=24).map("".join))(same))()

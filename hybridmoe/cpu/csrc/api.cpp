@@ -76,7 +76,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 13; }  // 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
+int hm_abi_version() { return 14; }  // 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];
@@ -162,12 +162,53 @@ int hm_sync(void* p, int64_t id, int64_t max_pending, char* err, int errlen) {
   return 1;
 }
 
+// Runs the task and waits for it: on the calling thread in the leader's place when the pool is idle
+// (ThreadPool::run_inline: no hand-off, no wake-up; the synchronous CPU-only path), else queued
+// behind the pool's tasks (the caller spins spin_us, < 0: the pool's, then sleeps). Returns 0, or 1
+// with the error of this task or of earlier failed ones (as hm_sync) in err.
+int hm_run_task(void* p, const HmTask* task, int64_t spin_us, char* err, int errlen) {
+  Pool* pool = static_cast<Pool*>(p);
+  struct Run {
+    Pool* pool;
+    const HmTask* t;
+    std::string err;
+  } run{pool, task, ""};
+  auto fn = [](void* r) {
+    Run& x = *static_cast<Run*>(r);
+    try {
+      x.err = hm::run_moe_task(x.pool->tp, *x.pool->ws, *x.t, int(x.pool->settings.prefetch_bytes));
+    } catch (const std::exception& e) {
+      x.err = std::string("CPU MoE task failed: ") + e.what();
+    } catch (...) {
+      x.err = "CPU MoE task failed (unknown exception)";
+    }
+  };
+  if (pool->tp.run_inline(fn, &run)) {
+    if (run.err.empty()) return 0;
+    put(err, errlen, run.err);
+    return 1;
+  }
+  const int64_t id = hm::submit_task(pool, *task, nullptr);
+  pool->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
+  return hm_sync(p, id, 0, err, errlen);
+}
+
+// Whether synchronous calls may run on their caller (ThreadPool::run_inline); on by default.
+// on < 0: only reads it. Returns the setting before.
+int hm_pool_inline(void* p, int on) {
+  hm::ThreadPool& tp = static_cast<Pool*>(p)->tp;
+  const int was = tp.inline_on() ? 1 : 0;
+  if (on >= 0) tp.set_inline(on != 0);
+  return was;
+}
+
 int64_t hm_pending(void* p) {
   Pool* pool = static_cast<Pool*>(p);
   return pool->tp.submitted() - pool->tp.completed();
 }
 
-// Copies the phase-time sums (route, quant1, gemm1, quant2, gemm2, reduce, tasks, -) and resets
+// Copies the phase-time sums (route, quant1, gemm1, quant2, gemm2, reduce, tasks,
+// lora: the expert LoRA rank-product phases) and resets
 // them when reset != 0. Read between tasks (not synchronized with a running task).
 void hm_profile(double* out8, int reset) {
   for (int i = 0; i < 8; ++i) {

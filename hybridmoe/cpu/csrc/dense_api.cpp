@@ -18,7 +18,11 @@ namespace {
 // Weights up to this size are read by the calling thread itself (a router: 0.5 MB, ~35 us on one
 // core): waking the pool and its end-of-phase barrier cost more than that, and much more when a
 // pool thread shares its core with another busy process (0.2 ms measured on the 2-core machine).
+// With the pool idle the caller leads a phase itself (ThreadPool::run_inline) and no hand-off is
+// paid: then only matrices up to kAloneBytes are read by the caller alone (a phase of spinning threads
+// costs a few us).
 constexpr int64_t kInlineBytes = 1 << 20;
+constexpr int64_t kAloneBytes = 64 << 10;
 
 struct DenseCtx {
   const HmDenseTask* t;
@@ -84,7 +88,8 @@ int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us, char* err,
   if (t->T == 0 || t->N == 0) return 0;
   hm::Pool* pool = static_cast<hm::Pool*>(p);
   const hm::DenseRowsFn fn = run == hm::ISA_AVX512 ? hm_dense_rows_avx512() : hm_dense_rows_avx2();
-  if (int64_t(t->N) * t->K * 2 <= kInlineBytes) {  // small: on this thread, no round trip through the pool
+  const int64_t bytes = int64_t(t->N) * t->K * 2;
+  if (bytes <= kAloneBytes || pool->tp.size() == 1) {  // tiny: on this thread alone, no phase
     fn(*t, 0, t->N, int(pool->settings.prefetch_bytes));
     return 0;
   }
@@ -93,7 +98,21 @@ int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us, char* err,
   c.fn = fn;
   c.prefetch = int(pool->settings.prefetch_bytes);
   const int64_t row_bytes = int64_t(t->K) * 2 * std::max<int64_t>(1, std::min<int64_t>(t->T, hm::kDenseTokTile));
-  c.chunk = std::max<int64_t>(16, (int64_t(256) << 10) / row_bytes / 16 * 16);
+  // ~4 chunks a thread (a late thread leaves its share to the others), at most 256 KB, >= 16 rows
+  const int64_t cap = std::max<int64_t>(16, (int64_t(256) << 10) / row_bytes / 16 * 16);
+  c.chunk = std::min(cap, std::max<int64_t>(16, t->N / (4 * int64_t(pool->tp.size())) / 16 * 16));
+  struct Lead {
+    hm::Pool* pool;
+    DenseCtx* c;
+  } lead{pool, &c};
+  // the pool idle: this thread leads the phase itself (no hand-off to the leader, no wake-up after)
+  if (pool->tp.run_inline([](void* l) { static_cast<Lead*>(l)->pool->tp.parallel(ph_dense, static_cast<Lead*>(l)->c); },
+                          &lead))
+    return 0;
+  if (bytes <= kInlineBytes) {  // small, the pool busy: on this thread, no round trip through the pool
+    fn(*t, 0, t->N, int(pool->settings.prefetch_bytes));
+    return 0;
+  }
   const int64_t id = pool->tp.submit([pool, &c] { pool->tp.parallel(ph_dense, &c); });
   pool->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
   return 0;

@@ -4,7 +4,12 @@
 // layer's checked ISA.
 #include "lora.h"
 
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -23,14 +28,22 @@ struct LoraTask {
   const int32_t* slot_tok = nullptr;
   const float* af = nullptr;       // the activations, set by lora_mid
   std::vector<int32_t> sl, re;     // [S] adapter slot of each row (-1: none), expert of each row
-  std::vector<float> a1, a2;       // [S][2R] sc A_g x | sc A_u x, [S][R] sc A_d h
+  mutable std::vector<float> a1, a2;  // [S][2R] sc A_g x | sc A_u x, [S][R] sc A_d h (written by the units)
   std::vector<int64_t> active;     // the rows with an adapter
   struct Group {
     int64_t s;  // first row
     int n;      // rows s .. s + n - 1: one expert, one slot, n <= LORA_ROWS
   };
   std::vector<Group> groups;       // the active rows in runs that share the weight loads
-  int nth = 1;
+  struct Unit {
+    int32_t g;       // group
+    int16_t part;    // stage 1: 0 gate, 1 up; stage 2: 0
+    int16_t k0;      // first rank (LORA_UNIT_RANKS of them at most)
+  };
+  std::vector<Unit> units[2];      // the rank-product units of stage 1 (x) and stage 2 (h)
+  // per expert, the units of each stage not yet done: a GEMM item of that expert waits for 0
+  std::unique_ptr<std::atomic<int32_t>[]> pending[2];
+  int pending_cap = 0;
 
   int64_t esz() const { return d->wdtype == DT_F32 ? 4 : 2; }
   const uint8_t* blk(int slot, int e) const {
@@ -54,43 +67,6 @@ const LoraKernels* lora_kernels(int isa) {
   return hm_lora_kernels_avx2 ? hm_lora_kernels_avx2() : nullptr;
 }
 
-inline void range_of(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
-  b = n * tid / nth;
-  e = n * (tid + 1) / nth;
-}
-
-// units: (group, gate | up)
-void ph_a1(int tid, void* p) {
-  LoraTask& t = *static_cast<LoraTask*>(p);
-  const HmLoraDesc& d = *t.d;
-  int64_t b, e;
-  range_of(int64_t(t.groups.size()) * 2, tid, t.nth, b, e);
-  const int64_t xes = t.xdt == DT_F32 ? 4 : 2;
-  for (int64_t u = b; u < e; ++u) {
-    const LoraTask::Group g = t.groups[size_t(u / 2)];
-    const int part = int(u % 2), slot = t.sl[size_t(g.s)];
-    const void* xs[LORA_ROWS];
-    for (int m = 0; m < g.n; ++m) xs[m] = static_cast<const uint8_t*>(t.x) + int64_t(t.slot_tok[g.s + m]) * t.H * xes;
-    t.k->dot(t.part(slot, t.re[size_t(g.s)], part ? t.off_au() : 0), d.wdtype, d.Hp, d.rank[slot], xs, t.xdt, g.n,
-             t.H, d.scale[slot], t.a1.data() + g.s * 2 * d.R + part * d.R, 2 * d.R);
-  }
-}
-
-void ph_a2(int tid, void* p) {
-  LoraTask& t = *static_cast<LoraTask*>(p);
-  const HmLoraDesc& d = *t.d;
-  int64_t b, e;
-  range_of(int64_t(t.groups.size()), tid, t.nth, b, e);
-  for (int64_t u = b; u < e; ++u) {
-    const LoraTask::Group g = t.groups[size_t(u)];
-    const int slot = t.sl[size_t(g.s)];
-    const void* hs[LORA_ROWS];
-    for (int m = 0; m < g.n; ++m) hs[m] = t.af + (g.s + m) * d.Ip;
-    t.k->dot(t.part(slot, t.re[size_t(g.s)], t.off_ad()), d.wdtype, d.Ip, d.rank[slot], hs, DT_F32, g.n, d.Ip,
-             d.scale[slot], t.a2.data() + g.s * d.R, d.R);
-  }
-}
-
 // Rows m0.. of an item (one expert) with an adapter, in runs of one slot of at most LORA_ROWS rows:
 // fn(m, n, slot) per run.
 template <class F>
@@ -108,22 +84,17 @@ inline void for_runs(const LoraTask& t, int64_t r0, int M, F fn) {
   }
 }
 
-// A phase on all threads, or inline on the leader when it is smaller than a phase's wake-up
-// and barrier cost (a few us: ~64K multiply-adds).
-void run(ThreadPool& pool, LoraTask& t, ThreadPool::PhaseFn fn, int64_t macs) {
-  if (macs <= (int64_t(1) << 16) || pool.size() == 1) {
-    t.nth = 1;
-    fn(0, &t);
-  } else {
-    t.nth = pool.size();
-    pool.parallel(fn, &t);
-  }
+// A GEMM item of expert e adds its B terms once every rank-product unit of e in this stage is done
+// (they sit ahead of every GEMM item in the queues, and a unit waits for nothing: no deadlock).
+inline void wait_units(const LoraTask& t, int stage, int e) {
+  const std::atomic<int32_t>& p = t.pending[stage][e];
+  while (p.load(std::memory_order_acquire) > 0) _mm_pause();
 }
 
 }  // namespace
 
-const LoraTask* lora_begin(ThreadPool& pool, const HmLoraDesc& d, int isa, const int32_t* lora_idx, const void* x,
-                           int x_dtype, int H, int64_t T, int64_t S, const int32_t* slot_tok, const int64_t* offs) {
+const LoraTask* lora_begin(const HmLoraDesc& d, int isa, const int32_t* lora_idx, const void* x, int x_dtype, int H,
+                           int64_t T, int64_t S, const int32_t* slot_tok, const int64_t* offs) {
   if (!d.w || !lora_idx || S <= 0) return nullptr;
   LoraTask& t = g_task;
   t.active.clear();
@@ -132,7 +103,6 @@ const LoraTask* lora_begin(ThreadPool& pool, const HmLoraDesc& d, int isa, const
   t.re.resize(size_t(S));
   for (int e = 0; e < d.E; ++e)
     for (int64_t s = offs[e]; s < offs[e + 1]; ++s) t.re[size_t(s)] = e;
-  int64_t rsum = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t tok = slot_tok[s];
     int32_t slot = lora_idx[tok];
@@ -143,7 +113,6 @@ const LoraTask* lora_begin(ThreadPool& pool, const HmLoraDesc& d, int isa, const
     t.sl[size_t(s)] = slot;
     if (slot >= 0) {
       t.active.push_back(s);
-      rsum += d.rank[slot];
       LoraTask::Group* g = t.groups.empty() ? nullptr : &t.groups.back();
       if (g && g->s + g->n == s && g->n < LORA_ROWS && t.sl[size_t(g->s)] == slot && t.re[size_t(g->s)] == t.re[size_t(s)])
         ++g->n;
@@ -164,36 +133,84 @@ const LoraTask* lora_begin(ThreadPool& pool, const HmLoraDesc& d, int isa, const
   t.a1.resize(size_t(S) * 2 * size_t(d.R));
   t.a2.resize(size_t(S) * size_t(d.R));
   (void)T;
-  run(pool, t, ph_a1, rsum * 2 * H);
+  if (t.pending_cap < d.E) {
+    for (auto& p : t.pending) p.reset(new std::atomic<int32_t>[size_t(d.E)]);
+    t.pending_cap = d.E;
+  }
+  for (int st = 0; st < 2; ++st) {
+    t.units[st].clear();
+    for (int e = 0; e < d.E; ++e) t.pending[st][e].store(0, std::memory_order_relaxed);
+  }
+  for (size_t gi = 0; gi < t.groups.size(); ++gi) {
+    const LoraTask::Group g = t.groups[gi];
+    const int r = d.rank[t.sl[size_t(g.s)]], e = t.re[size_t(g.s)];
+    for (int k0 = 0; k0 < r; k0 += LORA_UNIT_RANKS) {
+      t.units[0].push_back({int32_t(gi), 0, int16_t(k0)});
+      t.units[0].push_back({int32_t(gi), 1, int16_t(k0)});
+      t.units[1].push_back({int32_t(gi), 0, int16_t(k0)});
+      t.pending[0][e].fetch_add(2, std::memory_order_relaxed);
+      t.pending[1][e].fetch_add(1, std::memory_order_relaxed);
+    }
+  }
   return &t;
+}
+
+int64_t lora_units(const LoraTask& t, int stage) { return int64_t(t.units[stage].size()); }
+
+void lora_unit(const LoraTask& t, int stage, int64_t u) {
+  const HmLoraDesc& d = *t.d;
+  const LoraTask::Unit un = t.units[stage][size_t(u)];
+  const LoraTask::Group g = t.groups[size_t(un.g)];
+  const int slot = t.sl[size_t(g.s)], e = t.re[size_t(g.s)];
+  const int rows = std::min(LORA_UNIT_RANKS, d.rank[slot] - un.k0);
+  const void* vs[LORA_ROWS];
+  if (stage == 0) {  // sc A_{g|u} x of the group's rows, ranks k0 ..
+    const int64_t xes = t.xdt == DT_F32 ? 4 : 2;
+    for (int m = 0; m < g.n; ++m) vs[m] = static_cast<const uint8_t*>(t.x) + int64_t(t.slot_tok[g.s + m]) * t.H * xes;
+    t.k->dot(t.part(slot, e, (un.part ? t.off_au() : 0) + int64_t(un.k0) * d.Hp), d.wdtype, d.Hp, rows, vs, t.xdt,
+             g.n, t.H, d.scale[slot], t.a1.data() + g.s * 2 * d.R + un.part * d.R + un.k0, 2 * d.R);
+  } else {  // sc A_d h
+    for (int m = 0; m < g.n; ++m) vs[m] = t.af + (g.s + m) * d.Ip;
+    t.k->dot(t.part(slot, e, t.off_ad() + int64_t(un.k0) * d.Ip), d.wdtype, d.Ip, rows, vs, DT_F32, g.n, d.Ip,
+             d.scale[slot], t.a2.data() + g.s * d.R + un.k0, d.R);
+  }
+  t.pending[stage][e].fetch_sub(1, std::memory_order_release);
 }
 
 void lora_gate_up(const LoraTask& t, int e, int64_t r0, int M, int nb0, int nb1, float* C, int64_t ldc) {
   const HmLoraDesc& d = *t.d;
-  const int64_t j0 = int64_t(nb0 / 2) * 16;  // nb0 is even: its gate block
+  const int64_t bs = int64_t(d.R) * 16;  // elements of one 16-column block of a B (lora.h)
+  const int64_t p0 = nb0 / 2;            // nb0 is even: the gate block of the first (gate, up) pair
   const int npair = (nb1 - nb0) / 2;
+  bool waited = false;
   for_runs(t, r0, M, [&](int m, int n, int slot) {
+    if (!waited) {
+      wait_units(t, 0, e);
+      waited = true;
+    }
     const float* a = t.a1.data() + (r0 + m) * 2 * d.R;
     float* c = C + m * ldc;
-    t.k->axpy(t.part(slot, e, t.off_bg() + j0), d.wdtype, d.Ip, d.rank[slot], a, 2 * d.R, n, npair, 16, c, ldc, 32);
-    t.k->axpy(t.part(slot, e, t.off_bu() + j0), d.wdtype, d.Ip, d.rank[slot], a + d.R, 2 * d.R, n, npair, 16, c + 16,
-              ldc, 32);
+    t.k->axpy(t.part(slot, e, t.off_bg() + p0 * bs), d.wdtype, 16, d.rank[slot], a, 2 * d.R, n, npair, bs, c, ldc, 32);
+    t.k->axpy(t.part(slot, e, t.off_bu() + p0 * bs), d.wdtype, 16, d.rank[slot], a + d.R, 2 * d.R, n, npair, bs,
+              c + 16, ldc, 32);
   });
 }
 
-void lora_mid(ThreadPool& pool, const LoraTask& tc, const float* af) {
-  LoraTask& t = const_cast<LoraTask&>(tc);  // the state this thread owns (g_task)
-  t.af = af;
-  int64_t rsum = 0;
-  for (int64_t s : t.active) rsum += t.d->rank[t.sl[size_t(s)]];
-  run(pool, t, ph_a2, rsum * t.d->Ip);
+void lora_mid(const LoraTask& tc, const float* af) {
+  const_cast<LoraTask&>(tc).af = af;  // the state this thread owns (g_task); read by the stage-2 units
 }
 
 void lora_down(const LoraTask& t, int e, int64_t r0, int M, int nb0, int nb1, float* y, int64_t ldy) {
   const HmLoraDesc& d = *t.d;
+  const int64_t bs = int64_t(d.R) * 16;
+  bool waited = false;
   for_runs(t, r0, M, [&](int m, int n, int slot) {
-    t.k->axpy(t.part(slot, e, t.off_bd() + int64_t(nb0) * 16), d.wdtype, d.Hp, d.rank[slot],
-              t.a2.data() + (r0 + m) * d.R, d.R, n, nb1 - nb0, 16, y + m * ldy, ldy, 16);
+    if (!waited) {
+      wait_units(t, 1, e);
+      waited = true;
+    }
+    t.k->axpy(t.part(slot, e, t.off_bd() + int64_t(nb0) * bs), d.wdtype, 16, d.rank[slot],
+              t.a2.data() + (r0 + m) * d.R, d.R, n, nb1 - nb0, bs, y + m * ldy, ldy, 16);
   });
 }
 

@@ -220,6 +220,10 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
     const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
     if (i >= n) break;
     const Item& it = c.ws->items[size_t(beg + i)];
+    if (it.e < 0) {  // a LoRA rank-product unit
+      lora_unit(*c.lora, STAGE1 ? 0 : 1, it.nb0);
+      continue;
+    }
     int64_t r0 = c.ws->offs[size_t(it.e)] + it.m0;
     int M = it.m1 - it.m0;
     if (STAGE1) {
@@ -291,13 +295,17 @@ void light(ThreadPool& pool, Ctx& c, ThreadPool::PhaseFn fn, bool inline_) {
   }
 }
 
-// Items for one GEMM stage: per active expert, row chunks x N-block chunks (`cw` N-blocks per item
-// for few rows), grouped by sub-pool.
-void build_items(Ctx& c, int NB, int cw) {
+// Items for one GEMM stage: the stage's LoRA rank-product units first (e = -1, nb0 = the unit;
+// round robin over the sub-pools: GEMM items of their expert wait for them, lora.h), then per
+// active expert, row chunks x N-block chunks (`cw` N-blocks per item for few rows), grouped by
+// sub-pool.
+void build_items(Ctx& c, int NB, int cw, int stage) {
   Workspace& ws = *c.ws;
   int nsub = std::min(c.pool->num_sub(), MAXSUB);
   ws.per_sub.resize(size_t(nsub));
   for (auto& v : ws.per_sub) v.clear();
+  const int64_t nu = c.lora ? lora_units(*c.lora, stage) : 0;
+  for (int64_t u = 0; u < nu; ++u) ws.per_sub[size_t(u % nsub)].push_back(Item{-1, int(u), 0, 0, 0});
   for (int e = 0; e < c.d->E; ++e) {
     int64_t M = ws.count[size_t(e)];
     const int w = M >= BIG_ROWS ? CW_BIG : cw;
@@ -356,7 +364,8 @@ std::string route(Ctx& c) {
 
 }  // namespace
 
-// Phase timing (seconds, summed over tasks): route, quant1, gemm1, quant2, gemm2, reduce.
+// Phase timing (seconds, summed over tasks): route, quant1, gemm1, quant2, gemm2, reduce, task count,
+// and LoRA set-up (lora_begin: the rows' slots and the units; the units run inside gemm1 and gemm2).
 double g_profile[8] = {0};
 namespace {
 struct Stopwatch {
@@ -423,15 +432,16 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     if (c.bad.load()) return "input x holds NaN or Inf";
     light(pool, c, ph_gather, c.S <= kInlineRows1);
     sw.lap(1);
-    c.lora = lora_begin(pool, L.lora, L.isa, t.lora_idx, t.x, t.x_dtype, d.H, t.T, c.S, c.slot_tok, ws.offs.data());
-    build_items(c, d.w13.N / 16, CW1);
+    c.lora = lora_begin(L.lora, L.isa, t.lora_idx, t.x, t.x_dtype, d.H, t.T, c.S, c.slot_tok, ws.offs.data());
+    sw.lap(7);
+    build_items(c, d.w13.N / 16, CW1, 0);
     pool.parallel(ph_gemm<true>, &c);
-    if (c.lora) lora_mid(pool, *c.lora, c.af);  // the activations' rank products, before quantizing them
+    if (c.lora) lora_mid(*c.lora, c.af);  // the down units read the activations before they are quantized
     sw.lap(2);
     light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";
     sw.lap(3);
-    build_items(c, d.w2.N / 16, CW2);
+    build_items(c, d.w2.N / 16, CW2, 1);
     pool.parallel(ph_gemm<false>, &c);
     sw.lap(4);
   } else {

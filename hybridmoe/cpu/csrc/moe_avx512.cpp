@@ -162,8 +162,9 @@ struct Fp8Regs {
         hi1(_mm512_load_si512(kFp8.hi + 64)), sign(_mm512_set1_epi8(char(0x80))) {}
 };
 
-// one packed 64-byte line -> its two steps as bf16 (w0: the even step, w1: the odd one)
-inline void fp8_line_to_bf16(const Fp8Regs& r, const uint8_t* p, __m512i& w0, __m512i& w1) {
+// One packed 64-byte line at p -> its two steps as bf16 (w0: the even step, w1: the odd one), with
+// intrinsics: gcc loads the line once per use (vpermi2b overwrites its index operand).
+inline void fp8_line_to_bf16_i(const Fp8Regs& r, const uint8_t* p, __m512i& w0, __m512i& w1) {
   const __m512i b = _mm512_loadu_si512(p);
   const __m512i lo = _mm512_permutex2var_epi8(r.lo0, b, r.lo1);
   const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(r.hi0, b, r.hi1), b, r.sign, 0xF8);
@@ -171,40 +172,101 @@ inline void fp8_line_to_bf16(const Fp8Regs& r, const uint8_t* p, __m512i& w0, __
   w1 = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// FP8 block: per K group (G values = G/2 steps) a bf16 dot into acc, then facc += acc * s[g]; one line
-// (two steps, two dot chains) per iteration. (Four chains over two lines for 1-2 rows measured the
-// same here: the widening, not the dot latency, bounds few rows.)
-template <int R>
-void blk_fp8(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C, int64_t ldc) {
-  constexpr int CH = 2;  // dot chains per row (steps per iteration, 2 per line)
-  __m512 facc[R];
-  for (int t = 0; t < R; ++t) facc[t] = _mm512_setzero_ps();
-  const uint8_t* x[R];
-  for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
+// The same in asm, for the one-row kernel (memory-bound: its uops per line decide how far ahead of
+// the data the core runs): one load of the line, vpermt2b (keeps the index, overwrites a copy of the
+// first table: a register move) for both lookups, the sign (hi | b & 0x80), 2 unpacks.
+inline void fp8_line_to_bf16(const Fp8Regs& r, const uint8_t* p, __m512i& w0, __m512i& w1) {
+  const __m512i b = _mm512_loadu_si512(p);
+  __m512i lo, hi;
+  asm("vmovdqa64 %[lo0], %[lo]\n\t"
+      "vpermt2b %[lo1], %[b], %[lo]\n\t"
+      "vmovdqa64 %[hi0], %[hi]\n\t"
+      "vpermt2b %[hi1], %[b], %[hi]\n\t"
+      "vpternlogd $0xF8, %[sign], %[b], %[hi]"
+      : [lo] "=&v"(lo), [hi] "=&v"(hi)
+      : [b] "v"(b), [lo0] "v"(r.lo0), [lo1] "v"(r.lo1), [hi0] "v"(r.hi0), [hi1] "v"(r.hi1), [sign] "v"(r.sign));
+  w0 = _mm512_unpacklo_epi8(lo, hi);
+  w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// acc += w . (the bf16 pair at x, broadcast): the pair is the dot's embedded-broadcast operand (gcc
+// does not fold _mm512_set1_epi32 into vdpbf16ps: a separate broadcast load per dot)
+inline __m512 dot_pair(__m512 acc, __m512i w, const uint8_t* x) {
+  asm("vdpbf16ps %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+
+// FP8 block, one row (decode): 4 dot chains over two lines per iteration (one chain per step: the
+// dots of a row are not serialized on their latency).
+void blk_fp8_1(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C) {
+  __m512 facc = _mm512_setzero_ps();
+  const uint8_t* x = A.data + m0 * A.ld;
   const int spg = G / 2, pf = A.prefetch;
   const Fp8Regs tab;
   for (int g = 0; g < Kd / G; ++g) {
-    __m512 acc[CH][R];
-    for (int c = 0; c < CH; ++c)
-      for (int t = 0; t < R; ++t) acc[c][t] = _mm512_setzero_ps();
-    for (int s = g * spg; s < (g + 1) * spg; s += CH) {  // G % 32 == 0: whole iterations
-      __m512i w[CH];
-      for (int l = 0; l < CH / 2; ++l) {
-        if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + (s + 2 * l) * 32 + pf), _MM_HINT_T0);
-        fp8_line_to_bf16(tab, wb + (s + 2 * l) * 32, w[2 * l], w[2 * l + 1]);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int s = g * spg; s < (g + 1) * spg; s += 4) {  // G % 32 == 0: whole iterations
+      const uint8_t* p = wb + s * 32;
+      if (pf) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + pf), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + 64 + pf), _MM_HINT_T0);
       }
-      for (int c = 0; c < CH; ++c)
-        for (int t = 0; t < R; ++t)
-          acc[c][t] = _mm512_dpbf16_ps(acc[c][t], (__m512bh)w[c], (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * (s + c))));
+      __m512i w0, w1, w2, w3;
+      fp8_line_to_bf16(tab, p, w0, w1);
+      fp8_line_to_bf16(tab, p + 64, w2, w3);
+      a0 = dot_pair(a0, w0, x + 4 * s);
+      a1 = dot_pair(a1, w1, x + 4 * s + 4);
+      a2 = dot_pair(a2, w2, x + 4 * s + 8);
+      a3 = dot_pair(a3, w3, x + 4 * s + 12);
     }
-    const __m512 vs = _mm512_set1_ps(sc[g]);
-    for (int t = 0; t < R; ++t) {
-      __m512 sum = _mm512_add_ps(acc[0][t], acc[1][t]);
-      if (CH == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[CH - 2][t], acc[CH - 1][t]));
-      facc[t] = _mm512_fmadd_ps(sum, vs, facc[t]);
-    }
+    facc = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), _mm512_set1_ps(sc[g]), facc);
   }
-  for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, facc[t]);
+  _mm512_storeu_ps(C, facc);
+}
+
+// FP8 block, R rows: per K group (G values = G/2 steps) a bf16 dot into acc, then facc += acc * s[g].
+// Each widened line serves all R rows. CH dot chains per row, one per step of an iteration: 2 (one
+// line). 4 chains (two lines) for 2-3 rows measured 2-3% slower on Zen 4 (throughput-bound there);
+// on a core whose vdpbf16ps latency exceeds its per-line issue time they may pay: a build with
+// -DHM_FP8_CH4_MAXR=3 (HYBRIDMOE_CXXFLAGS) uses 4 chains up to 3 rows, to compare.
+#ifndef HM_FP8_CH4_MAXR
+#define HM_FP8_CH4_MAXR 1
+#endif
+template <int R>
+void blk_fp8(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C, int64_t ldc) {
+  if constexpr (R == 1) {
+    blk_fp8_1(wb, Kd, G, A, m0, sc, C);
+  } else {
+    constexpr int CH = R <= HM_FP8_CH4_MAXR && R <= 4 ? 4 : 2;
+    __m512 facc[R];
+    for (int t = 0; t < R; ++t) facc[t] = _mm512_setzero_ps();
+    const uint8_t* x[R];
+    for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
+    const int spg = G / 2, pf = A.prefetch;
+    const Fp8Regs tab;
+    for (int g = 0; g < Kd / G; ++g) {
+      __m512 acc[CH][R];
+      for (int c = 0; c < CH; ++c)
+        for (int t = 0; t < R; ++t) acc[c][t] = _mm512_setzero_ps();
+      for (int s = g * spg; s < (g + 1) * spg; s += CH) {  // G % 32 == 0: whole iterations
+        __m512i w[CH];
+        for (int l = 0; l < CH / 2; ++l) {
+          if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + (s + 2 * l) * 32 + pf), _MM_HINT_T0);
+          fp8_line_to_bf16_i(tab, wb + (s + 2 * l) * 32, w[2 * l], w[2 * l + 1]);
+        }
+        for (int c = 0; c < CH; ++c)
+          for (int t = 0; t < R; ++t)
+            acc[c][t] = _mm512_dpbf16_ps(acc[c][t], (__m512bh)w[c], (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * (s + c))));
+      }
+      const __m512 vs = _mm512_set1_ps(sc[g]);
+      for (int t = 0; t < R; ++t) {
+        __m512 sum = _mm512_add_ps(acc[0][t], acc[1][t]);
+        if (CH == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[2][t], acc[3][t]));
+        facc[t] = _mm512_fmadd_ps(sum, vs, facc[t]);
+      }
+    }
+    for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, facc[t]);
+  }
 }
 
 #define HM_SWITCH_R(n, CALL) \
@@ -229,7 +291,7 @@ void fp8_to_bf16(const uint8_t* src, uint16_t* dst, int64_t steps) {
   const Fp8Regs tab;
   for (int64_t s = 0; s < steps; s += 2) {
     __m512i w0, w1;
-    fp8_line_to_bf16(tab, src + s * 32, w0, w1);
+    fp8_line_to_bf16_i(tab, src + s * 32, w0, w1);
     _mm512_storeu_si512(dst + s * 32, w0);
     _mm512_storeu_si512(dst + s * 32 + 32, w1);
   }

@@ -140,13 +140,24 @@ void ThreadPool::leader_loop() {
       task = std::move(queue_.front());
       queue_.pop_front();
     }
-    task();  // must not throw (the api wraps tasks)
+    {
+      std::lock_guard<std::mutex> lead(lead_mu_);  // an inline call may be running: after it
+      task();  // must not throw (the api wraps tasks)
+    }
     completed_.fetch_add(1);
     if (done_waiters_.load() > 0) {
       std::lock_guard<std::mutex> lk(qm_);
       dcv_.notify_all();
     }
   }
+}
+
+bool ThreadPool::run_inline(void (*fn)(void*), void* ctx) {
+  if (!inline_on_.load(std::memory_order_relaxed)) return false;
+  std::unique_lock<std::mutex> lead(lead_mu_, std::try_to_lock);
+  if (!lead.owns_lock() || completed_.load() != submitted_.load()) return false;  // queued work runs first
+  fn(ctx);
+  return true;
 }
 
 void ThreadPool::wait_task(int64_t id, int64_t spin_ns) {

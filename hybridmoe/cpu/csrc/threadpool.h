@@ -2,6 +2,9 @@
 // NUMA node). Thread 0 is the leader: it takes tasks from an in-order queue and runs them; inside a
 // task it calls parallel() to run a phase on all threads (itself included), with a barrier at the end.
 // Idle threads spin for spin_ns (CPUEngineSettings.spin_us) and then sleep.
+// A synchronous caller (the CPU-only model path) may instead run work itself in the leader's place
+// (run_inline): no hand-off to the leader and no wake-up of the waiting caller, and the caller's core
+// is the leader's (which sleeps when nothing is queued), so the pool never runs one thread too many.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -32,6 +35,15 @@ class ThreadPool {
 
   // Runs fn(tid, ctx) on all threads and returns when all finished. Leader thread only.
   void parallel(PhaseFn fn, void* ctx);
+
+  // Runs fn(ctx) on the calling thread in the leader's place (fn may call parallel(), whose phases
+  // then use the other threads and this one as thread 0) if no task is queued or running and no
+  // other inline call runs; returns false, fn not run, otherwise (the caller queues it instead).
+  // fn must not throw.
+  bool run_inline(void (*fn)(void*), void* ctx);
+  // Off: run_inline always returns false (benchmarks compare the queued path in one process).
+  void set_inline(bool on) { inline_on_.store(on); }
+  bool inline_on() const { return inline_on_.load(); }
 
   // Task queue (any thread). Tasks run in submission order; ids start at 1.
   int64_t submit(std::function<void()> task);
@@ -67,6 +79,8 @@ class ThreadPool {
   std::atomic<int64_t> submitted_{0}, completed_{0};
   std::atomic<int> task_waiters_{0}, done_waiters_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> inline_on_{true};
+  std::mutex lead_mu_;  // held while parallel() may be called: a queued task on the leader, or run_inline
 };
 
 }  // namespace hm

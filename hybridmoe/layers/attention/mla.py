@@ -12,8 +12,16 @@ W_kv_b viewed [H, Dn + Dv, Lkv] = [W_UK | W_UV].
   q_lat = q_nope W_UK [B, H, Lkv], scores q_lat . c_kv + q_pe . k_pe, o_lat = softmax . c_kv,
   out = o_lat W_UV^T. Reads only device tensors of the metadata (CUDA-graph capturable); the
   Triton kernel of mla_triton.py with the triton backend on CUDA, mla_ref.mla_decode_ref otherwise.
-- Prefill / extend over a cached prefix (chunked prefill, prefix-cache hits): each sequence's
-  latents are gathered from its pages and expanded with kv_b_proj, then causal SDPA.
+- Prefill / extend over a cached prefix (chunked prefill, prefix-cache hits), in one of two forms:
+  expanded: each sequence's latents are gathered from its pages and expanded with kv_b_proj, then
+  causal SDPA; absorbed: every new token is a decode query of its own over its causal prefix (a
+  virtual sequence of length prefix + i + 1 on its sequence's block table) through the decode path.
+  The expanded form pays kv_b_proj over every cached token (2 Lkv H (Dn + Dv) FLOP each) and
+  2 H (Dn + R + Dv) per query-key pair, the absorbed one 2 H (2 Lkv + R) per pair: for DeepSeek-V3
+  the absorbed form does fewer FLOPs when a sequence adds fewer than ~170 tokens to its prefix
+  (short prompts, small chunks, big prefix-cache hits). `_extend_form` compares the two costs, the
+  absorbed one weighted by ABSORBED_FLOP_COST (the decode kernel's FLOP rate is lower than cuBLAS's and
+  the flash kernel's: benchmarks/bench_mla_extend.py measures both forms).
 
 RoPE: DeepSeek checkpoints rotate interleaved channel pairs (x0, x1), (x2, x3), ...
 (`rope_interleave`, always for V2); the rope channels are de-interleaved to [evens | odds] and
@@ -43,6 +51,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the reference builds them with the default eps
+# Cost of an absorbed-form FLOP in expanded-form FLOPs (`_extend_form`). Measured on the H200 (bf16, H 128,
+# benchmarks/bench_mla_extend.py, 16 cases of prefix 0-16K x 1-4096 new tokens): 1.02-1.53 wherever either
+# form runs long enough to be compute-bound (more at a few queries, where the absorbed form is
+# latency-bound but fast anyway); with 1.3 the model picks the faster form in 14 of the 16 cases (the two
+# misses: prompts of 64 and 256 tokens with no prefix, 0.63 vs 0.74 ms and 0.40 vs 0.46 ms, both
+# dominated by launches).
+ABSORBED_FLOP_COST = 1.3
+# Without the Triton kernel (CPU, other backends) the absorbed form runs mla_decode_ref, which gathers
+# [T, P * S, Lkv + R] fp32 rows: taken only while that stays this small.
+REF_GATHER_LIMIT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -115,6 +133,7 @@ class MLAAttention(nn.Module):
         self.rotary = [rotary]  # shared table; a list keeps it out of this module's state_dict
         self.interleaved_rope = mla.interleaved_rope
         self.scale = softmax_scale
+        self.extend_form: str | None = None  # "absorbed" / "expanded" forces a form (tests, benchmarks)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T, n, R] -> [T, n, R]
         if self.interleaved_rope:
@@ -135,7 +154,9 @@ class MLAAttention(nn.Module):
         n, s, width = cache.shape
         cache.view(n * s, width).index_copy_(0, meta.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
         if meta.is_decode:
-            o = self._decode(q_nope, q_pe, cache, meta, ctx)
+            o = self._absorbed(q_nope, q_pe, cache, meta.block_table, meta.seq_lens, meta.max_seq_len, ctx)
+        elif self._extend_form(meta, cache, ctx) == "absorbed":
+            o = self._extend_absorbed(q_nope, q_pe, cache, meta, ctx)
         else:
             o = self._extend(q_nope, q_pe, cache, meta)
         return self.o_proj(o.reshape(t, h * self.v_dim))
@@ -144,14 +165,46 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
-    def _decode(self, q_nope, q_pe, cache, meta: AttentionMetadata, ctx: ForwardContext) -> torch.Tensor:  # [B, H, Dv]
+    def _absorbed(self, q_nope, q_pe, cache, block_table, seq_lens, max_seq_len: int,
+                  ctx: ForwardContext) -> torch.Tensor:  # [B, H, Dv]: one query a (virtual) sequence
         w_uk, w_uv = self._w_kv_b()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, Lkv]
         kernel = _decode_kernel(ctx, q_lat)
         # max_seq_len: a static bound (a graph's: the context length) the kernel picks its KV split count from
-        o_lat = kernel(q_lat.contiguous(), q_pe.contiguous(), cache, meta.block_table, meta.seq_lens, self.scale,
-                       max_seq_len=meta.max_seq_len)
+        o_lat = kernel(q_lat.contiguous(), q_pe.contiguous(), cache, block_table, seq_lens, self.scale,
+                       max_seq_len=max_seq_len)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
+
+    def _extend_form(self, meta: AttentionMetadata, cache: torch.Tensor, ctx: ForwardContext) -> str:
+        """"absorbed" or "expanded" for this batch: the form of fewer modeled FLOPs (module docstring),
+        host lengths only."""
+        if self.extend_form is not None:
+            return self.extend_form
+        h, lkv, dn, r, dv = self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim
+        pairs = sum(q * n for q, n in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
+        expanded = sum(meta.seq_lens_cpu) * 2 * lkv * h * (dn + dv) + pairs * 2 * h * (dn + r + dv)
+        absorbed = pairs * 2 * h * (2 * lkv + r) + sum(meta.query_lens_cpu) * 2 * h * lkv * (dn + dv)
+        if absorbed * ABSORBED_FLOP_COST >= expanded:
+            return "expanded"
+        if _decode_kernel(ctx, cache) is mla_decode_ref:  # the torch path gathers every row per query
+            gather = sum(meta.query_lens_cpu) * meta.block_table.shape[1] * cache.shape[1] * cache.shape[2] * 4
+            if gather > REF_GATHER_LIMIT_BYTES:
+                return "expanded"
+        return "absorbed"
+
+    def _extend_absorbed(self, q_nope, q_pe, cache, meta: AttentionMetadata,
+                         ctx: ForwardContext) -> torch.Tensor:  # [T, H, Dv]
+        """Every new token a decode query over its causal prefix: token i of sequence b (whose first
+        seq_len - q_len tokens are cached) attends to the first seq_len - q_len + i + 1 tokens."""
+        owner: list[int] = []
+        lens: list[int] = []
+        for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            owner += [b] * q_len
+            lens += range(seq_len - q_len + 1, seq_len + 1)
+        dev = q_nope.device
+        table = meta.block_table[torch.tensor(owner, dtype=torch.long, device=dev)]  # [T, P]
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)  # [T]
+        return self._absorbed(q_nope, q_pe, cache, table, seq_lens, max(lens, default=1), ctx)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               prefix: int) -> torch.Tensor:  # q [H, Q, Dk], k [H, L, Dk], v [H, L, Dv] -> [H, Q, Dv]

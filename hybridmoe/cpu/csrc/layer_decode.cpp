@@ -1,0 +1,34 @@
+// hm_layer_decode (layer_decode.h): the calls of one decoder layer's attention half, in order.
+// Compiled for baseline x86-64: every callee checks the ISA itself.
+#include "layer_decode.h"
+
+#include <cstdio>
+
+extern "C" int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us, char* err, int errlen);
+extern "C" int hm_attn_decode(const HmAttnDecode* a, char* err, int errlen);
+extern "C" int hm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, int64_t rows, int64_t H,
+                                   float eps, uint16_t* out, uint16_t* res_out);
+
+extern "C" {
+
+// Runs the layer's attention half on `pool` (dense GEMVs led by this thread when the pool is idle).
+// Returns 0, or 1 with what failed in err.
+int hm_layer_decode(void* pool, const HmLayerDecode* d, char* err, int errlen) {
+  auto fail = [&](const char* what) {
+    if (err && errlen > 0 && !*err) std::snprintf(err, size_t(errlen), "hm_layer_decode: %s failed", what);
+    return 1;
+  };
+  if (err && errlen > 0) err[0] = 0;
+  if (d->norm1_w && hm_add_rmsnorm_bf16(d->x, d->res_in, d->norm1_w, d->T, d->H, d->eps1, d->h1, d->res1))
+    return fail("input norm");
+  if (hm_dense(pool, &d->qkv, d->isa, 0, err, errlen)) return fail("qkv_proj");
+  if (hm_attn_decode(&d->attn, err, errlen)) return fail("attention");
+  if (hm_dense(pool, &d->o, d->isa, 0, err, errlen)) return fail("o_proj");
+  if (hm_add_rmsnorm_bf16(static_cast<const uint16_t*>(d->o.out), d->res2_in, d->norm2_w, d->T, d->H, d->eps2, d->h2,
+                          d->res2))
+    return fail("post-attention norm");
+  if (d->router.N > 0 && hm_dense(pool, &d->router, d->isa, 0, err, errlen)) return fail("router");
+  return 0;
+}
+
+}  // extern "C"
