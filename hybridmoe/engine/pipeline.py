@@ -126,15 +126,16 @@ class StepPipeline:
             sampling = [sampling[i] for i in keep]
         step = Launched(batch, sampling, prefill_only, starts, getattr(eng.runner, "prompt_logprobs", []))
         future = eng.runner.future
-        if self.overlap and sampling and len(sampling) <= future.max_rows \
-                and not any(needs_host_token(r) for r in sampling):
+        # prompt logprobs too: the next chunk's rows follow from the entries this step adds
+        sync = not self.overlap or len(sampling) > future.max_rows or any(needs_host_token(r) for r in live(batch))
+        if not sync and sampling:
             try:
                 step.slot, step.host = future.publish(eng.sampler.sample_ids(logits, sampling))
             except Exception:  # noqa: BLE001  (sampled again below, request by request: the bad one fails alone)
-                step.host = None
-        if step.host is None and (sampling or not self.overlap):
+                sync = True
+        if sync:
             step.rows = sample_rows(eng.sampler, logits, sampling)
-        elif step.host is None and logits.is_cuda:
+        elif not sampling and logits.is_cuda:  # a prefill chunk: checked (CPU expert errors) once it has run
             step.done = torch.cuda.Event()
             step.done.record()
         eng.scheduler.on_step_done(batch)

@@ -69,6 +69,25 @@ def test_serving_starts_its_server(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_serving_overlap_ab_with_ceiling(tmp_path):
+    """--overlap-ab: a server with overlap off, one with it on, each level both ways and the ITL ratio;
+    --offline-ceiling: the engine's decode step (one-batch) in the same run."""
+    pytest.importorskip("httpx")
+    out = tmp_path / "ab.json"
+    r = _run("serving", "--server-args", f"--device cpu --model-path {DEMO}", "--server-log",
+             str(tmp_path / "server.log"), "--concurrency", "1", "--num-prompts", "3", "--input-len", "12",
+             "--output-len", "6", "--overlap-ab", "--offline-ceiling", "--out", str(out), timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [x["overlap"] for x in data["results"]] == ["off", "on"]
+    assert all(x["completed"] == 3 and x["failed"] == 0 for x in data["results"])
+    (row,) = data["overlap_summary"]
+    assert row["on_over_off"] > 0 and data["offline_decode_step_ms"] > 0 and row["on_over_ceiling"] > 0
+    assert "on/off" in r.stdout and "against the offline decode step" in r.stdout
+    log = (tmp_path / "server.log").read_text()
+    assert "--disable-overlap-schedule" in r.stderr and "--enable-overlap-schedule" in r.stderr, log[-500:]
+
+
 def test_bench_usage():
     r = _run("nope")
     assert r.returncode == 2 and "one-batch" in r.stderr
