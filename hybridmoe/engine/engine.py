@@ -340,6 +340,8 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Forget the prefix cache; False (nothing done) while requests are in flight."""
+        if not self.scheduler.has_work() and self._inbox.empty() and not self._orphans:
+            self.pipeline.flush()  # a step still in flight holds only requests that ended: nothing to report
         return not self.has_work() and self.kv.reset_prefix_cache()
 
     def outputs(self, reqs: list[Req]) -> list[tuple[str, dict]]:
