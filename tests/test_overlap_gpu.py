@@ -32,11 +32,17 @@ PARAMS = [
 ]
 
 
-def _run(llm: LLM, stop_ids: list[int]) -> list[tuple]:
+def _run(llm: LLM, stop_ids: list[int]) -> tuple[list[tuple], list[list[int]]]:
+    """(mixed batch: (tokens, finish reason) per output; a batch decoding together to its length).
+
+    The second batch has the same composition at every step with overlap on and off (admitted
+    together, no early ends), so even bf16 must give the same tokens; the mixed one's batches differ
+    (a request that stopped is computed once more, admissions come a step later), which in bf16 can
+    flip a near-tie through the GEMMs' batch-size-dependent rounding: compared exactly in float32."""
     params = [dict(p, stop_token_ids=stop_ids) if i == 7 else p for i, p in enumerate(PARAMS)]
     outs = llm.generate(input_ids=PROMPTS, sampling_params=params)
     decode = llm.generate(input_ids=[p[:12] for p in PROMPTS[2:7]], sampling_params=dict(GREEDY, max_new_tokens=40))
-    return [(o["output_ids"], o["meta_info"]["finish_reason"]) for o in outs + decode]
+    return [(o["output_ids"], o["meta_info"]["finish_reason"]) for o in outs], [o["output_ids"] for o in decode]
 
 
 def _resolves(llm: LLM) -> list[int]:
@@ -76,8 +82,11 @@ def test_overlap_equal_with_cuda_graphs(tiny_model_dir, dtype):
         llm.shutdown()
         del llm
         torch.cuda.empty_cache()
-    assert results[1] == results[0]
-    assert results[0][8][1]["type"] == "stop"  # the 8th prompt (after the n=2 pair)
+    (mixed_off, decode_off), (mixed_on, decode_on) = results
+    assert decode_on == decode_off
+    if dtype == "float32":
+        assert mixed_on == mixed_off
+        assert mixed_off[8][1]["type"] == "stop"  # the 8th prompt (after the n=2 pair)
 
 
 def test_overlap_is_the_cuda_default(tiny_model_dir):
@@ -111,4 +120,6 @@ def test_overlap_equal_hybrid_stream_path(bf16_model, deferred):
         llm.shutdown()
         del llm
         torch.cuda.empty_cache()
-    assert results[1] == results[0]
+    (mixed_off, decode_off), (mixed_on, decode_on) = results
+    assert decode_on == decode_off  # bf16: the mixed batch is not compared token for token (see _run)
+    assert all(r["type"] in ("stop", "length") for _, r in mixed_on)
