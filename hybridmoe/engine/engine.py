@@ -311,6 +311,8 @@ class Engine:
             for r in self.step():
                 if r.finished:
                     pending.discard(r.rid)
+        if not self.scheduler.has_work() and self._inbox.empty():
+            self.pipeline.flush()  # a step of ended requests still in flight (overlap): wait, keep nothing
 
     # ---- state (engine thread) ----
     def stats(self) -> dict[str, Any]:
