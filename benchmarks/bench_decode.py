@@ -135,6 +135,9 @@ def main() -> None:
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--moe-backend", default="triton")
     p.add_argument("--graphs", default="on,off")
+    p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                   help="overlap scheduling (the next step launched before this one's tokens are read); auto: the "
+                        "engine's default (on with CUDA)")
     p.add_argument("--out", default=None)
     a = parse_shape_args(p)
 
@@ -150,6 +153,7 @@ def main() -> None:
             t = time.perf_counter()
             llm = LLM(d, device="cuda", dtype="bfloat16", load_format="dummy", progress=False,
                       skip_tokenizer_init=True, attention_backend=a.attention_backend, moe_backend=a.moe_backend,
+                      enable_overlap_schedule=a.overlap == "on", disable_overlap_schedule=a.overlap == "off",
                       disable_cuda_graph=(mode == "off"), cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
                       max_total_tokens=max_bs * (a.prompt_len + a.steps + 64), context_length=4096)
             print(f"graphs {mode}: model ready in {time.perf_counter() - t:.1f} s")

@@ -89,6 +89,9 @@ def main() -> None:
     p.add_argument("--deferred", type=int, nargs="+", default=[0, 2])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--graphs", default="on,off")
+    p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                   help="overlap scheduling (the next step launched before this one's tokens are read); auto: the "
+                        "engine's default (on with CUDA)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--off-steps", type=int, default=16, help="decode steps with graphs off (slow)")
@@ -121,6 +124,7 @@ def main() -> None:
                   kt_cpuinfer=a.cpuinfer, kt_max_deferred_experts_per_token=a.deferred[0],
                   cpu_engine=CPUEngineSettings(hostfn_spin_us=a.hostfn_spin_us),
                   hybrid_blocking_sync=a.blocking_sync == "on",
+                  enable_overlap_schedule=a.overlap == "on", disable_overlap_schedule=a.overlap == "off",
                   disable_cuda_graph="on" not in a.graphs, cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
                   max_total_tokens=max_bs * (a.prompt_len + a.steps + 64), context_length=4096)
         print(f"model ready in {time.perf_counter() - t:.1f} s", flush=True)

@@ -54,8 +54,11 @@ $PY -c "import fastapi, uvicorn, pydantic" 2>/dev/null && has_fastapi=1
 if want serving; then
   if [ $has_fastapi = 1 ]; then
     log bench-serving
-    timeout "${SERVING_TIMEOUT:-300}" $PY benchmarks/bench_serving.py --dummy-qwen3-30b --server-args "${SERVING_ARGS:-}" \
-      --out "$out/serving.json" 2>&1 | grep -v "INFO:" | tee "$out/bench_serving.log" | tail -12
+    # overlap scheduling off and on, each level both ways, and the engine's own decode step (one-batch) as the
+    # ceiling of ITL p50 (issue 16 point 4); SERVING_FLAGS="" for one server with the defaults
+    timeout "${SERVING_TIMEOUT:-420}" $PY benchmarks/bench_serving.py --dummy-qwen3-30b --server-args "${SERVING_ARGS:-}" \
+      ${SERVING_FLAGS---overlap-ab --offline-ceiling} --out "$out/serving.json" 2>&1 | grep -v "INFO:" \
+      | tee "$out/bench_serving.log" | tail -16
   else
     log "no fastapi here: bench_serving skipped"
   fi

@@ -87,6 +87,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="routed experts' kernels; unset: from --device and the --kt-* flags")
     r.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
     r.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest captured batch size")
+    r.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each step's sampled tokens before scheduling the next step (default with CUDA: the "
+                        "next step is scheduled and launched while the GPU runs this one, its tokens read after)")
+    r.add_argument("--enable-overlap-schedule", action="store_true",
+                   help="overlap scheduling with --device cpu too (off there by default)")
     r.add_argument("--stream-interval", type=int, default=d.stream_interval,
                    help="a stream sends an update every this many new tokens (and the last one)")
     r.add_argument("--allow-auto-truncate", action="store_true",

@@ -101,6 +101,10 @@ class EngineArgs:
     moe_backend: str | None = None  # torch | triton | cpu; default from device and kt options
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
+    # overlap scheduling (engine/pipeline.py): the host's work for step N+1 while the device runs step N;
+    # default on with CUDA, off on the CPU device (HYBRIDMOE_OVERLAP_SCHEDULE=1/0 changes that default)
+    disable_overlap_schedule: bool = False  # SGLang's flag
+    enable_overlap_schedule: bool = False  # on with --device cpu too
     random_seed: int = 0
     log_level: str = "info"
     decode_log_interval: int = 40  # a "Decode batch." log line every this many decode steps (0: never)
@@ -197,6 +201,8 @@ class EngineArgs:
              "a fraction between 0 and 1")
         need(self.context_length is None or self.context_length >= 1, "context-length", "a positive integer")
         need(self.cuda_graph_max_bs >= 1, "cuda-graph-max-bs", "a positive integer")
+        need(not (self.disable_overlap_schedule and self.enable_overlap_schedule), "enable-overlap-schedule",
+             "not together with --disable-overlap-schedule")
         need(self.attention_backend in (None, *ATTENTION_BACKEND_ALIASES), "attention-backend",
              f"one of {tuple(ATTENTION_BACKEND_ALIASES)}")
         self._map_attention_backend()

@@ -48,8 +48,6 @@ NO_OP_FLAGS: tuple[tuple[str, str], ...] = (
     ("--disable-shared-experts-fusion", "accepted; always so here: shared experts run as their own GPU MLP, never "
                                         "fused into the routed experts' kernel"),
     ("--disable-custom-all-reduce", "accepted, no effect: one GPU per server, no all-reduce"),
-    ("--disable-overlap-schedule", "accepted, no effect: hybridmoe has no overlap scheduler (it overlaps the CPU "
-                                   "experts with the GPU's work instead)"),
 )
 
 # Refused: (flag, reason); each takes any number of values so that the refusal, not a parse error, is reported

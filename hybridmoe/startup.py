@@ -209,6 +209,9 @@ def summary_lines(engine) -> list[str]:
                      f"({moe.backend} backend)")
     graphs = runner.graphs
     lines.append(f"CUDA graphs: batch sizes {graphs.sizes}" if graphs is not None else "CUDA graphs: off")
+    if hasattr(engine, "overlap"):
+        lines.append("overlap scheduling: " + ("on (--disable-overlap-schedule turns it off)" if engine.overlap
+                                                 else "off"))
     return lines
 
 

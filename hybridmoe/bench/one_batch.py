@@ -3,6 +3,9 @@ SGLang's bench_one_batch. For each batch size: `batch` random prompts of `input-
 prefilled together (prefill latency and input tokens/s), then decoded for `output-len` tokens
 (median and p99 decode step latency, output tokens/s). A warm-up batch runs first.
 
+Steps run without overlap scheduling (each step's sampled ids read before the next is scheduled:
+the engine's own step latency) unless `--enable-overlap-schedule` is given.
+
 Takes every engine flag of `serve` (`--model-path`, `--kt-*`, `--device`, ...); `--shape
 qwen3-30b-a3b` benchmarks a published shape with random weights instead of a checkpoint.
 
@@ -123,6 +126,8 @@ def _engine_args(ns: argparse.Namespace):
         ns.model_path = str(write_shape_dir(ns.shape, layers=ns.layers))
         ns.load_format, ns.skip_tokenizer_init = "dummy", True
     args = engine_args_from(ns)
+    if not args.enable_overlap_schedule:  # each step's latency alone, as SGLang's bench_one_batch measures it
+        args = dataclasses.replace(args, disable_overlap_schedule=True)
     longest = ns.input_len + ns.output_len
     if args.context_length is None or args.context_length < longest + 1:
         args = dataclasses.replace(args, context_length=max(args.context_length or 0, longest + 1))

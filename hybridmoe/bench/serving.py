@@ -10,6 +10,13 @@ when matplotlib is installed, a PNG of throughput and latency against concurrenc
 
     hybridmoe bench serving --server-args "--device cpu" --concurrency 1 8 32 --out r.json
     hybridmoe bench serving --url http://127.0.0.1:30000 --input-len 512 --request-rate 4
+
+`--overlap-ab` starts the server with `--disable-overlap-schedule` and with `--enable-overlap-schedule`
+in turn (`--ab-rounds` times) and reports each level both ways and the ITL p50 ratio; with
+`--offline-ceiling` the engine's own decode step (`hybridmoe bench one-batch`, batch 1, the same
+flags, no overlap) is measured in the same run and the ITL p50s are given as ratios to it.
+
+    hybridmoe bench serving --shape qwen3-30b-a3b --server-args "" --concurrency 1 --overlap-ab --offline-ceiling
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,61 +189,122 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="write the results as JSON here (and a PNG beside it)")
     p.add_argument("--png", default=None, help="the PNG's path (default: --out with .png)")
+    p.add_argument("--overlap-ab", action="store_true",
+                   help="run every level against a server started with --disable-overlap-schedule and one started "
+                        "with --enable-overlap-schedule (in turn, --ab-rounds times); report both and the ratio")
+    p.add_argument("--ab-rounds", type=int, default=1, help="--overlap-ab: off/on rounds (default 1)")
+    p.add_argument("--offline-ceiling", action="store_true",
+                   help="also measure the engine's decode step at batch 1 without a server (`hybridmoe bench "
+                        "one-batch` with --server-args as engine flags, overlap off) and report ITL p50 against it")
     return p
 
 
-HEADER = (f"{'conc':>5} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+HEADER = (f"{'overlap':>7} {'conc':>5} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'E2E p50':>9} {'E2E p99':>9} {'failed':>6}   (latencies in ms)")
 
 
 def _row(r: dict) -> str:
-    return (f"{r['concurrency']:>5} {r['request_throughput']:>8.2f} {r['output_throughput']:>10.1f} "
+    return (f"{r.get('overlap', '-'):>7} {r['concurrency']:>5} {r['request_throughput']:>8.2f} {r['output_throughput']:>10.1f} "
             f"{r['ttft_ms_p50']:>9.1f} {r['ttft_ms_p99']:>9.1f} {r['itl_ms_p50']:>8.1f} {r['itl_ms_p99']:>8.1f} "
             f"{r['e2e_ms_p50']:>9.1f} {r['e2e_ms_p99']:>9.1f} {r['failed']:>6}")
 
 
+def run_levels(a: argparse.Namespace, base_url: str, headers: dict, label: str) -> tuple[list[dict], dict]:
+    """Every concurrency level against one server (after a warm-up); the levels and /get_model_info."""
+    info = httpx.get(base_url + "/get_model_info", headers=headers, timeout=30).json()
+    vocab = int(info.get("vocab_size") or 1000)
+    rng = random.Random(a.seed)
+    asyncio.run(run_level(base_url, headers, make_prompts(2, a.input_len, a.range_ratio, vocab, rng),
+                          min(a.output_len, 4), 2))  # warm-up
+    levels = []
+    for c in a.concurrency:
+        n = a.num_prompts or max(8, 4 * c)
+        r = asyncio.run(run_level(base_url, headers, make_prompts(n, a.input_len, a.range_ratio, vocab, rng),
+                                  a.output_len, c, a.request_rate, a.seed))
+        r["overlap"] = label
+        levels.append(r)
+        print(_row(r), flush=True)
+        for e in r["errors"]:
+            print(f"      error: {e}", file=sys.stderr)
+    return levels, info
+
+
+def offline_ceiling(a: argparse.Namespace) -> float:
+    """The median decode step (ms) of `hybridmoe bench one-batch` at batch 1 with the server's engine
+    flags and overlap off, in a subprocess (the servers are stopped by then: the device is free)."""
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "one_batch.json")
+        cmd = [sys.executable, "-m", "hybridmoe.cli", "bench", "one-batch", *shlex.split(a.server_args),
+               "--batch-size", "1", "--input-len", str(a.input_len), "--output-len", str(max(a.output_len, 8)),
+               "--out", out]
+        print("offline ceiling:", " ".join(cmd), file=sys.stderr)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if a.server_log else None)
+        return float(json.loads(Path(out).read_text())["results"][0]["decode_latency_ms_median"])
+
+
+def _ab_summary(levels: list[dict], ceiling: float | None) -> list[dict]:
+    """Per concurrency: the median over rounds of ITL p50 off and on, their ratio (and to the ceiling)."""
+    import statistics
+
+    rows = []
+    for c in sorted({r["concurrency"] for r in levels}):
+        med = {m: statistics.median([r["itl_ms_p50"] for r in levels if r["concurrency"] == c and r["overlap"] == m])
+               for m in ("off", "on") if any(r["concurrency"] == c and r["overlap"] == m for r in levels)}
+        row = {"concurrency": c, **{f"itl_ms_p50_{m}": v for m, v in med.items()}}
+        line = f"conc {c}: ITL p50 off {med.get('off', math.nan):.2f} ms, on {med.get('on', math.nan):.2f} ms"
+        if len(med) == 2:
+            row["on_over_off"] = med["on"] / med["off"]
+            line += f", on/off {row['on_over_off']:.3f}"
+        if ceiling:
+            for m, v in med.items():
+                row[f"{m}_over_ceiling"] = v / ceiling
+            line += f"; against the offline decode step {ceiling:.2f} ms: " + ", ".join(
+                f"{m} {v / ceiling:.3f}" for m, v in med.items())
+        print(line, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    proc = None
     if a.shape is not None:
         from hybridmoe.bench.shapes import write_shape_dir
 
         a.server_args += f" --model-path {write_shape_dir(a.shape)} --load-format dummy --skip-tokenizer-init"
-    if a.url is None:
-        proc, base_url = start_server(a.server_args, a.startup_timeout, a.server_log)
-    else:
-        base_url = a.url.rstrip("/")
+    if (a.overlap_ab or a.offline_ceiling) and a.url is not None:
+        raise SystemExit("--overlap-ab and --offline-ceiling start their own servers: leave --url out")
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    modes = [("off", " --disable-overlap-schedule"), ("on", " --enable-overlap-schedule")] * max(1, a.ab_rounds) \
+        if a.overlap_ab else [("-", "")]
     levels: list[dict] = []
-    try:
-        info = httpx.get(base_url + "/get_model_info", headers=headers, timeout=30).json()
-        vocab = int(info.get("vocab_size") or 1000)
-        rng = random.Random(a.seed)
-        asyncio.run(run_level(base_url, headers, make_prompts(2, a.input_len, a.range_ratio, vocab, rng),
-                              min(a.output_len, 4), 2))  # warm-up
-        print(HEADER)
-        for c in a.concurrency:
-            n = a.num_prompts or max(8, 4 * c)
-            r = asyncio.run(run_level(base_url, headers, make_prompts(n, a.input_len, a.range_ratio, vocab, rng),
-                                      a.output_len, c, a.request_rate, a.seed))
-            levels.append(r)
-            print(_row(r), flush=True)
-            for e in r["errors"]:
-                print(f"      error: {e}", file=sys.stderr)
-        if a.out:
-            config = {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf") for k, v in vars(a).items()
-                      if k != "api_key"}
-            Path(a.out).write_text(json.dumps({"benchmark": "serving", "config": config, "base_url": base_url,
-                                               "model": info, "results": levels}, indent=2) + "\n")
-            print(f"wrote {a.out}")
-        if a.out or a.png:
-            from hybridmoe.bench.plot import plot_levels
+    info: dict = {}
+    base_url = a.url.rstrip("/") if a.url else ""
+    print(HEADER)
+    for label, flag in modes:
+        proc = None
+        if a.url is None:
+            proc, base_url = start_server(a.server_args + flag, a.startup_timeout, a.server_log)
+        try:
+            got, info = run_levels(a, base_url, headers, label)
+            levels += got
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(60)
+    ceiling = offline_ceiling(a) if a.offline_ceiling else None
+    summary = _ab_summary(levels, ceiling) if a.overlap_ab or ceiling else []
+    if a.out:
+        config = {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf") for k, v in vars(a).items()
+                  if k != "api_key"}
+        Path(a.out).write_text(json.dumps({"benchmark": "serving", "config": config, "base_url": base_url,
+                                           "model": info, "results": levels, "overlap_summary": summary,
+                                           "offline_decode_step_ms": ceiling}, indent=2) + "\n")
+        print(f"wrote {a.out}")
+    if a.out or a.png:
+        from hybridmoe.bench.plot import plot_levels
 
-            print(plot_levels(levels, a.png or str(Path(a.out).with_suffix(".png")), title=info.get("model_path", "")))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+        shown = [r for r in levels if r["overlap"] != "off"][:len(a.concurrency)]  # one curve: the default's
+        print(plot_levels(shown, a.png or str(Path(a.out).with_suffix(".png")), title=info.get("model_path", "")))
     return 0 if all(r["failed"] == 0 for r in levels) else 1
 
 

@@ -68,6 +68,7 @@ class DecodeGraphs:
         self.pool = None
         self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
         self.lora = None  # lora/manager.py LoRAManager: the per-token adapter slots, a fixed input buffer
+        self.future = None  # engine/future.py FutureTokens: resolves placeholder input ids (overlap scheduling)
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs
@@ -115,9 +116,12 @@ class DecodeGraphs:
             self.copied.synchronize()
         table = h32[self.max_bs:self.max_bs + bs * p].reshape(bs, p)
         table[:] = 0
+        pending = False
         for i, r in enumerate(reqs):
             pos = r.num_computed
-            h64[0, i] = r.token_at(pos)
+            tok = r.token_at(pos)
+            pending |= tok < 0  # sampled by the step before, not read yet: resolved on the device below
+            h64[0, i] = tok
             h64[1, i] = pos
             h64[2, i] = r.pages[pos // page_size] * page_size + pos % page_size
             h32[i] = pos + 1
@@ -128,6 +132,8 @@ class DecodeGraphs:
         self.dev32[: self.max_bs + bs * p].copy_(self.host32[: self.max_bs + bs * p], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        if pending:
+            self.future.resolve_(self.input_ids[:n])
         if self.lora is not None:  # slots filled (adapters copied in) before the replay; no recapture
             self.lora.prepare_graph(reqs, bs)
         before = self.before_replay.get(bs)

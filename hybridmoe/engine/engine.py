@@ -27,6 +27,7 @@ from hybridmoe.engine.kv_cache import KVCacheManager
 from hybridmoe.engine.model_files import _eos_ids, _load_tokenizer  # noqa: F401  (_load_tokenizer: tests)
 from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.engine.outputs import output_dict
+from hybridmoe.engine.pipeline import StepPipeline, overlap_enabled
 from hybridmoe.engine.request import (
     Req,
     SamplingParams,
@@ -80,6 +81,8 @@ class Engine:
         self.failed_batches = 0  # model forwards that raised
         self.grammars = EngineGrammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         self.step_log = StepLog(self, args.decode_log_interval)
+        self.overlap = overlap_enabled(args, self.runner.device)  # --disable-overlap-schedule
+        self.pipeline = StepPipeline(self, self.overlap)
         torch.manual_seed(args.random_seed)
 
     @property
@@ -210,82 +213,24 @@ class Engine:
         return done
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or not self._inbox.empty() or bool(self._orphans)
+        return self.scheduler.has_work() or not self._inbox.empty() or bool(self._orphans) or self.pipeline.busy
 
     # ---- the step ----
     def step(self) -> list[Req]:
-        """Run one batch; return the requests that got new tokens or finished."""
+        """Schedule and run one batch; return the requests that got new tokens or finished. With
+        overlap scheduling (pipeline.py) the tokens returned are those of the step before, read
+        while this one runs on the device."""
         updated = self._drain_inbox()
         if self._orphans:
             updated, self._orphans = updated + self._orphans, []
         batch = self.scheduler.schedule()
-        if batch is None:
-            return updated
-        for req in batch.reqs:
-            if req.finished:  # refused or aborted while scheduling
-                updated.append(self._retire(req))
-        if not any(n > 0 for n in batch.num_tokens):
-            return updated
-        sampling = [r for r, n, s in zip(batch.reqs, batch.num_tokens, batch.sample) if n > 0 and s]
-        try:
-            logits = self.runner.forward(batch)
-        except Exception as e:
-            return updated + self._fail_batch(batch, e)
-        # max_new_tokens 0: the prompt is prefilled (its logprobs computed, its pages cached), nothing sampled
-        prefill_only = [r for r in sampling if r.params.max_new_tokens == 0]
-        if prefill_only:
-            keep = [i for i, r in enumerate(sampling) if r.params.max_new_tokens > 0]
-            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-            sampling = [sampling[i] for i in keep]
-        rows = self._sample(logits, sampling)
-        try:
-            self.runner.check_step_errors()  # before any token of a failed step is kept
-        except Exception as e:
-            return updated + self._fail_batch(batch, e)
-        for req, entries in getattr(self.runner, "prompt_logprobs", []):
-            req.input_logprobs.extend(entries)
-        self.scheduler.on_step_done(batch)
-        self.step_log.on_step(batch.is_decode, len(sampling))
-        updated.extend(self._fork(batch))
-        for req in prefill_only:
-            self.scheduler.finish(req, finish_length(0))
-            updated.append(self._retire(req))
-        now = time.time()
-        for req, row in zip(sampling, rows):
-            try:
-                if isinstance(row, Exception):
-                    raise row
-                self._take_token(req, row, now)
-            except Exception as e:  # sampling, detokenization, stop matching: this request alone
-                self._fail_request(req, e)
-            updated.append(req)
-        return updated
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[tuple | Exception]:  # logits [B, V]
-        """Per request (token, logprob, top logprobs), or the exception its sampling raised.
-
-        The batch is sampled at once; if that raises, each request is sampled alone so the one
-        whose parameters break the sampler fails without the others.
-        """
-        if not reqs:
-            return []
-        try:
-            return self._rows(self.sampler(logits, reqs), len(reqs))
-        except Exception as e:
-            if len(reqs) == 1:
-                return [e]
-        rows: list[tuple | Exception] = []
-        for i, req in enumerate(reqs):
-            try:
-                rows.extend(self._rows(self.sampler(logits[i:i + 1], [req]), 1))
-            except Exception as e:
-                rows.append(e)
-        return rows
-
-    @staticmethod
-    def _rows(out: Any, n: int) -> list[tuple | Exception]:
-        return [(out.next_ids[i], out.logprobs[i] if out.logprobs is not None else None,
-                 out.top_logprobs[i] if out.top_logprobs else []) for i in range(n)]
+        if batch is not None:
+            for req in batch.reqs:
+                if req.finished:  # refused or aborted while scheduling
+                    updated.append(self._retire(req))
+            if not any(n > 0 for n in batch.num_tokens):
+                batch = None
+        return updated + self.pipeline.run(batch)
 
     def _take_token(self, req: Req, row: tuple, now: float) -> None:
         token, logprob, top = row
@@ -307,10 +252,9 @@ class Engine:
         self.scheduler.finish(req, finish_abort(message))  # pages freed if it still held them
         return self._retire(req) if req.rid in self.reqs else req
 
-    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[Req]:
-        """The model forward raised: end the requests of this batch (pages freed, nothing of
+    def _fail_batch(self, live: list[Req], error: Exception) -> list[Req]:
+        """The model forward raised: end the live requests of its batch (pages freed, nothing of
         the step kept); the others, and the next steps, go on."""
-        live = [r for r, n in zip(batch.reqs, batch.num_tokens) if n > 0 and not r.finished]
         log.error("the model forward failed; failing the %d request(s) of its batch: %s: %s", len(live),
                   type(error).__name__, error, exc_info=True)
         self.failed_batches += 1
@@ -367,6 +311,8 @@ class Engine:
             for r in self.step():
                 if r.finished:
                     pending.discard(r.rid)
+        if not self.scheduler.has_work() and self._inbox.empty():
+            self.pipeline.flush()  # a step of ended requests still in flight (overlap): wait, keep nothing
 
     # ---- state (engine thread) ----
     def stats(self) -> dict[str, Any]:
@@ -396,6 +342,8 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Forget the prefix cache; False (nothing done) while requests are in flight."""
+        if not self.scheduler.has_work() and self._inbox.empty() and not self._orphans:
+            self.pipeline.flush()  # a step still in flight holds only requests that ended: nothing to report
         return not self.has_work() and self.kv.reset_prefix_cache()
 
     def outputs(self, reqs: list[Req]) -> list[tuple[str, dict]]:

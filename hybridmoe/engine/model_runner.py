@@ -15,6 +15,7 @@ import torch
 from hybridmoe.config import EngineArgs, ModelConfig
 from hybridmoe.engine import prompt_logprobs
 from hybridmoe.engine.cuda_graph import DecodeGraphs
+from hybridmoe.engine.future import FutureTokens
 from hybridmoe.engine.hooks import MoEHooks, NoHooks
 from hybridmoe.engine.scheduler import ScheduledBatch
 from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend, kv_cache_dtype
@@ -107,6 +108,8 @@ class ModelRunner:
         self._alloc_kv_cache()
         self.moe.note_kv_cache(sum(t.nbytes for layer in self.kv_caches for t in layer))
         self.vocab_size = model_cfg.vocab_size
+        # sampled ids not read on the host yet (overlap scheduling): input ids < 0 are resolved from it
+        self.future = FutureTokens(args.max_running_requests, self.device, blocking=self.blocking_sync_wanted)
         self.graphs: DecodeGraphs | None = None
         use_graphs = not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph()
         if self.moe.backend == "cpu" and self.device.type == "cuda" and use_graphs:
@@ -131,6 +134,7 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.device, max_bs, self.max_pages_per_seq, self.context_len, self._ctx,
                               self.hooks)
         graphs.lora = self.lora  # the per-token adapter slots: a graph input buffer
+        graphs.future = self.future  # placeholder input ids are resolved from it before a replay
         return graphs
 
     def capture_graphs(self) -> None:
@@ -206,6 +210,7 @@ class ModelRunner:
             if smp:
                 sample_rows.append(qsl[-1] - 1)
         dev = self.device
+        pending = bool(ids) and min(ids) < 0  # placeholders of tokens sampled in a step still on the device
         meta = AttentionMetadata(
             is_decode=all(n == 1 for n in q_lens),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
@@ -216,7 +221,10 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             max_seq_len=max(seq_lens),
         )
-        return (torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        if pending:
+            input_ids = self.future.resolve(input_ids)
+        return (input_ids,
                 torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True),
                 meta,
                 torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True))
@@ -237,7 +245,7 @@ class ModelRunner:
                 if all(smp for _, smp in live):
                     return logits
                 rows = [i for i, (_, smp) in enumerate(live) if smp]
-                return logits[torch.tensor(rows, device=logits.device)]
+                return logits[torch.tensor(rows).to(logits.device, non_blocking=True)]  # no stream sync
         input_ids, positions, meta, rows = self.prepare(batch)
         self._prepare_lora(batch)
         with self.hooks.forward_scope(input_ids.shape[0]):  # e.g. a layerwise GPU prefill

@@ -248,25 +248,40 @@ class Req:
     sample_index: int = 0  # which of the n sequences of its prompt this is
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     lora_key: str | None = None  # that adapter's load (name#n): its prefix cache namespace
+    # Overlap scheduling (engine/pipeline.py): tokens sampled on the device whose values the host has
+    # not read yet, as placeholders -slot (engine/future.py); they follow output_ids in the sequence,
+    # so the scheduler schedules the next step before the host knows them. At most one step's worth.
+    pending: list[int] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt, output and pending placeholder ids: the sequence whose KV the steps compute."""
+        return self.prompt_ids + self.output_ids + self.pending if self.pending else self.prompt_ids + self.output_ids
 
     def token_at(self, pos: int) -> int:
         """all_ids[pos] without building the list."""
-        n = len(self.prompt_ids)
-        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+        n, m = len(self.prompt_ids), len(self.output_ids)
+        if pos < n:
+            return self.prompt_ids[pos]
+        return self.output_ids[pos - n] if pos < n + m else self.pending[pos - n - m]
 
     @property
     def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.pending)
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens sampled so far, read on the host or pending: the output index of the next one."""
+        return len(self.output_ids) + len(self.pending)
 
     @property
     def finished(self) -> bool:
         return self.state is ReqState.FINISHED
 
     def finish(self, reason: dict) -> None:
+        if self.pending:  # overlap: the step after the end was launched before the end was seen; what it
+            self.pending.clear()  # computed (the KV of the last kept token) is dropped, as without overlap
+            self.num_computed = min(self.num_computed, max(0, self.seq_len - 1))
         self.finish_reason = reason
         self.state = ReqState.FINISHED
 

@@ -57,36 +57,11 @@ class Sampler:
         return ids.tolist()
 
     def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:  # logits [B, V]
-        constrained = self._constrain(logits, reqs)
-        if constrained is not None:
-            logits = constrained
-        if all(self._plain_greedy(r) for r in reqs):  # one argmax kernel: decode at batch 1 feels every launch
-            ids = argmax_rows(logits[:, : self.vocab_size]) if logits.device.type == "cpu" else None
-            if ids is None:
-                ids = torch.argmax(logits[:, : self.vocab_size], dim=-1)
-            return SampleOutput(self._ids(ids), None, None)
-        logits = logits[:, : self.vocab_size].float()
-        raw = logits
-        dev = logits.device
-        params = [r.params for r in reqs]
-        logits = self._apply_penalties(logits, reqs)
-        logits = self._mask_min_tokens(logits, reqs)
-
-        greedy = torch.tensor([p.is_greedy for p in params], device=dev)
-        temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev)
-        scaled = logits / temps[:, None]
-        if any(p.top_k > 0 for p in params) or any(p.top_p < 1 for p in params) or any(p.min_p > 0 for p in params):
-            scaled = self._filter(scaled, params)
-        probs = torch.softmax(scaled, dim=-1)
-        noise = self._exponential_noise(probs, reqs)
-        sampled = torch.argmax(probs / noise, dim=-1)  # exponential race: exact categorical sampling
-        next_ids = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
-
-        want_lp = any(r.return_logprob for r in reqs)
-        if not want_lp:
+        next_ids, raw, constrained = self._draw(logits, reqs)
+        if raw is None or not any(r.return_logprob for r in reqs):
             return SampleOutput(self._ids(next_ids), None, None)
         lp = torch.log_softmax(raw, dim=-1)
-        if constrained is not None:  # a forbidden token's -inf is not JSON: OpenAI's floor for "never" instead
+        if constrained:  # a forbidden token's -inf is not JSON: OpenAI's floor for "never" instead
             lp = lp.clamp_min(LOGPROB_FLOOR)
         chosen = lp.gather(1, next_ids[:, None])[:, 0]
         n_top = max(r.top_logprobs_num for r in reqs)
@@ -98,6 +73,39 @@ class Sampler:
             top = [list(zip(vals_l[b][: r.top_logprobs_num], idx_l[b][: r.top_logprobs_num]))
                    for b, r in enumerate(reqs)]
         return SampleOutput(ids_list, chosen.tolist(), top)
+
+    def sample_ids(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:  # logits [B, V] -> [B]
+        """The next ids on the logits' device, not read (overlap scheduling: nothing here waits for the
+        device); no logprobs."""
+        return self._draw(logits, reqs)[0]
+
+    def _draw(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """(next ids [B] on the device, the float32 logits after bias and grammar [B, V] or None on the
+        plain greedy path, whether bias or grammar changed them). Queues device work only."""
+        constrained = self._constrain(logits, reqs)
+        if constrained is not None:
+            logits = constrained
+        if all(self._plain_greedy(r) for r in reqs):  # one argmax kernel: decode at batch 1 feels every launch
+            ids = argmax_rows(logits[:, : self.vocab_size]) if logits.device.type == "cpu" else None
+            if ids is None:
+                ids = torch.argmax(logits[:, : self.vocab_size], dim=-1)
+            return ids, None, constrained is not None
+        logits = logits[:, : self.vocab_size].float()
+        raw = logits
+        dev = logits.device
+        params = [r.params for r in reqs]
+        logits = self._apply_penalties(logits, reqs)
+        logits = self._mask_min_tokens(logits, reqs)
+
+        greedy = _to(dev, [p.is_greedy for p in params])
+        temps = _to(dev, [max(p.temperature, 1e-5) for p in params])
+        scaled = logits / temps[:, None]
+        if any(p.top_k > 0 for p in params) or any(p.top_p < 1 for p in params) or any(p.min_p > 0 for p in params):
+            scaled = self._filter(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = self._exponential_noise(probs, reqs)
+        sampled = torch.argmax(probs / noise, dim=-1)  # exponential race: exact categorical sampling
+        return torch.where(greedy, torch.argmax(logits, dim=-1), sampled), raw, constrained is not None
 
     def _constrain(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor | None:  # [B, V] float32
         """Logits with the requests' logit_bias added and their grammars' forbidden tokens at -inf; None
@@ -143,7 +151,7 @@ class Sampler:
         logprobs: the argmax of the raw logits is the answer."""
         p = r.params
         return (p.is_greedy and not r.return_logprob and p.repetition_penalty == 1 and p.frequency_penalty == 0
-                and p.presence_penalty == 0 and len(r.output_ids) >= p.min_new_tokens)
+                and p.presence_penalty == 0 and r.num_sampled >= p.min_new_tokens)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         params = [r.params for r in reqs]
@@ -153,21 +161,24 @@ class Sampler:
         counts = torch.zeros(b, v, device=dev)
         seen = torch.zeros(b, v, dtype=torch.bool, device=dev)
         for i, r in enumerate(reqs):
+            p = params[i]
+            if p.repetition_penalty == 1 and p.frequency_penalty == 0 and p.presence_penalty == 0:
+                continue  # nothing to count (and its sequence may end with an unread placeholder: overlap)
             if r.output_ids:
                 out = torch.tensor(r.output_ids, device=dev)
                 counts[i].index_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
             # Repetition penalty (HF/SGLang semantics) covers prompt and output tokens.
             seen[i, torch.tensor(r.all_ids, device=dev)] = True
-        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
-        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+        rep = _to(dev, [p.repetition_penalty for p in params])[:, None]
+        freq = _to(dev, [p.frequency_penalty for p in params])[:, None]
+        pres = _to(dev, [p.presence_penalty for p in params])[:, None]
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalized, logits)
         return logits - freq * counts - pres * (counts > 0).float()
 
     def _mask_min_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         # a request with a grammar stops where its grammar ends: its mask allows the stop tokens only there
-        rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens and r.grammar is None]
+        rows = [i for i, r in enumerate(reqs) if r.num_sampled < r.params.min_new_tokens and r.grammar is None]
         if not rows:
             return logits
         logits = logits.clone()
@@ -176,15 +187,15 @@ class Sampler:
             banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else self.eos_ids)
             banned = [t for t in banned if t < logits.shape[-1]]
             if banned:
-                logits[i, banned] = _NEG_INF
+                logits[i].index_fill_(0, _to(logits.device, banned), _NEG_INF)
         return logits
 
     @staticmethod
     def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
         dev, v = logits.device, logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else v for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        top_k = _to(dev, [p.top_k if p.top_k > 0 else v for p in params])
+        top_p = _to(dev, [float(p.top_p) for p in params])
+        min_p = _to(dev, [float(p.min_p) for p in params])
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         rank = torch.arange(v, device=dev)[None, :]
@@ -202,6 +213,13 @@ class Sampler:
             seed = r.params.sampling_seed
             if seed is not None and not r.params.is_greedy:
                 g = torch.Generator(device=probs.device)
-                g.manual_seed((seed * 1_000_003 + len(r.output_ids)) % (1 << 63))
+                g.manual_seed((seed * 1_000_003 + r.num_sampled) % (1 << 63))
                 noise[i] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
         return noise.clamp_min_(1e-20)
+
+
+def _to(dev: torch.device, values: list) -> torch.Tensor:
+    """A small host list as a tensor on dev, copied without waiting for the device (a blocking copy
+    would wait for the step's forward and undo overlap scheduling)."""
+    t = torch.tensor(values)
+    return t if dev.type == "cpu" else t.to(dev, non_blocking=True)

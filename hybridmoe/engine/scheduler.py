@@ -145,6 +145,8 @@ class Scheduler:
             # Keep a page per running request in reserve so admission does not force preemption.
             if need + len(self.running) > self.kv.num_available() or not self._grow(req, n):
                 self._release(req)
+                if not self.running and self._drop_waiting_pages():
+                    continue  # nothing runs to free pages: waiting forks gave theirs back, retry
                 break
             if req.num_preemptions == 0 and req.sample_index == 0:  # a resumed request's reuse is not
                 req.cached_tokens = req.num_computed  # prompt caching; a fork reports its prompt's
@@ -178,6 +180,16 @@ class Scheduler:
         fresh = [r for r in self.waiting if r.num_preemptions == 0]
         fresh.sort(key=lambda r: -self.kv.cached_prefix_len(r.all_ids, namespace=r.lora_key))
         self.waiting = deque(resumed + fresh)
+
+    def _drop_waiting_pages(self) -> bool:
+        """Release the pages held by waiting requests (forked sequences holding their prompt's pages,
+        queued behind a preempted request); False if none held any. Without it a pool too small for the
+        queue's head would wait forever for pages that only requests behind the head hold. The pages go
+        to the prefix cache, where the forks find them again."""
+        held = [r for r in self.waiting if r.pages]
+        for r in held:
+            self._release(r)
+        return bool(held)
 
     def _grow(self, req: Req, n: int) -> bool:
         """Give req the pages for n more tokens; False (nothing taken) if the pool is short."""
@@ -215,11 +227,17 @@ class Scheduler:
                 req.num_computed += n
 
     def finish(self, req: Req, reason: dict) -> None:
-        """End a running request (stop token, length...) and return its pages to the cache."""
+        """End a request (stop token, length...) and return its pages to the cache. With overlap
+        scheduling a request may end while waiting: preempted by the step scheduled before its last
+        token was read."""
         req.finish(reason)
         if req in self.running:
             self.running.remove(req)
             self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+            if req.pages:
+                self._release(req)
 
 
 def _too_many_loras(running: list[Req], req: Req, limit: int) -> bool:

@@ -47,19 +47,28 @@ def test_one_batch_refuses_bad_sizes():
 
 
 def test_serving_starts_its_server(tmp_path):
+    """Two servers (--overlap-ab: overlap off, then on), each level both ways and the ITL ratio, and the
+    engine's decode step (--offline-ceiling: one-batch) in the same run."""
     pytest.importorskip("httpx")
     out = tmp_path / "serving.json"
     r = _run("serving", "--server-args", f"--device cpu --model-path {DEMO}", "--server-log",
              str(tmp_path / "server.log"), "--concurrency", "1", "4", "--num-prompts", "6", "--input-len", "16",
-             "--output-len", "5", "--range-ratio", "0.5", "--request-rate", "50", "--out", str(out))
+             "--output-len", "5", "--range-ratio", "0.5", "--request-rate", "50", "--overlap-ab", "--offline-ceiling",
+             "--out", str(out), timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     data = json.loads(out.read_text())
     levels = data["results"]
-    assert [x["concurrency"] for x in levels] == [1, 4]
+    assert [(x["overlap"], x["concurrency"]) for x in levels] == [("off", 1), ("off", 4), ("on", 1), ("on", 4)]
     for x in levels:
         assert x["completed"] == 6 and x["failed"] == 0 and x["total_output_tokens"] == 30
         assert 0 < x["ttft_ms_p50"] <= x["ttft_ms_p99"] and 0 < x["e2e_ms_p50"] <= x["e2e_ms_p99"]
         assert x["itl_ms_p50"] > 0
+    assert [row["concurrency"] for row in data["overlap_summary"]] == [1, 4]
+    assert data["offline_decode_step_ms"] > 0
+    for row in data["overlap_summary"]:
+        assert row["on_over_off"] > 0 and row["on_over_ceiling"] > 0 and row["off_over_ceiling"] > 0
+    assert "on/off" in r.stdout and "against the offline decode step" in r.stdout
+    assert "--disable-overlap-schedule" in r.stderr and "--enable-overlap-schedule" in r.stderr  # the commands
     png = out.with_suffix(".png")
     try:
         import matplotlib  # noqa: F401

@@ -35,6 +35,7 @@ def test_startup_summary_progress_and_one_log_format(obs):
     assert "experts: MoE layers 0-3: 2 of 8 on the GPU (torch), 6 on the CPU; placement uniform" in log
     assert re.search(r"CPU experts: --kt-method AMXINT8, 1 threads in 1 sub-pool\(s\), ISA path \w+; deferred", log)
     assert "CUDA graphs: off" in log
+    assert re.search(r"overlap scheduling: (off|on \(--disable-overlap-schedule turns it off\))", log)
     # uvicorn's lines in our format too ("Uvicorn running on", "Application startup complete")
     uvicorn = [x for x in log.splitlines() if "Application startup complete" in x]
     assert uvicorn and all(LINE.match(x) for x in uvicorn), uvicorn

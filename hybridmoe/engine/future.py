@@ -1,0 +1,86 @@
+"""Sampled ids that the host has not read yet (overlap scheduling, engine/pipeline.py).
+
+Legend: B rows sampled in a step, R ring slots.
+
+A step's sampled ids [B] are stored on the device in a ring (slots start..start+B-1) and copied to
+pinned host memory behind an event, so the host can schedule and launch the next step before they
+arrive. Until then a request carries the placeholder -slot in place of its token; the next step's
+input ids are resolved on the device (`resolve`: a negative id reads the ring), so the host never
+waits for the sample before launching. Slot 0 is never used: ids >= 0 are real tokens.
+
+Ring size: step N+1 stores its ids after its forward read step N's slots (stream order), and the
+host replaces step N's placeholders before it launches step N+2, so two steps' rows would do; the
+ring holds three (a step's rows wrap to slot 1 only when they would pass the end, and then cannot
+reach the previous step's slots).
+"""
+
+from __future__ import annotations
+
+import torch
+
+HOST_BUFFERS = 3  # pinned host copies in flight at most: step N is read before step N+2 is launched
+
+
+class HostIds:
+    """One step's sampled ids on their way to the host."""
+
+    def __init__(self, buf: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self._buf = buf  # [B] int64: pinned host (CUDA) or the ids themselves (CPU)
+        self._event = event
+
+    def read(self) -> list[int]:
+        """The ids, once the step has run (sleeping on the event when it was made blocking)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._buf.tolist()
+
+
+class FutureTokens:
+    """The device ring of not-yet-read sampled ids and their copies to the host.
+
+    max_rows: the most rows one step samples (--max-running-requests); blocking: wait for a copy
+    sleeping instead of spinning (hybrid MoE on CUDA: a spinning host thread takes a core the CPU
+    experts need)."""
+
+    def __init__(self, max_rows: int, device: torch.device, blocking: bool = False) -> None:
+        self.max_rows = max(1, max_rows)
+        self.device = device
+        self.ring = torch.zeros(3 * self.max_rows + 2, dtype=torch.int64, device=device)  # [R]
+        self._next = 1
+        self._cuda = device.type == "cuda"
+        self._host = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=True) for _ in range(HOST_BUFFERS)] \
+            if self._cuda else []
+        self._events = [torch.cuda.Event(blocking=blocking) for _ in range(HOST_BUFFERS)] if self._cuda else []
+        self._turn = 0
+
+    def publish(self, ids: torch.Tensor) -> tuple[int, HostIds]:  # ids [B]
+        """Store a step's sampled ids in the ring and start their copy to the host; returns the first
+        slot (row i is slot + i, placeholder -(slot + i)) and the host copy. Nothing waits."""
+        n = ids.shape[0]
+        if not 0 < n <= self.max_rows:
+            raise ValueError(f"{n} sampled rows; the ring takes 1..{self.max_rows} per step")
+        if self._next + n > self.ring.shape[0]:
+            self._next = 1
+        slot, self._next = self._next, self._next + n
+        ids = ids.to(torch.int64)
+        self.ring[slot:slot + n].copy_(ids, non_blocking=True)
+        if not self._cuda:  # the CPU computed them already: nothing to wait for
+            return slot, HostIds(ids, None)
+        k, self._turn = self._turn, (self._turn + 1) % HOST_BUFFERS
+        buf = self._host[k][:n]
+        buf.copy_(ids, non_blocking=True)
+        self._events[k].record()
+        return slot, HostIds(buf, self._events[k])
+
+    def resolve(self, ids: torch.Tensor) -> torch.Tensor:  # ids [T] int64 with placeholders -> [T]
+        """Input ids with each placeholder -slot replaced by the ring's slot, on the device."""
+        return torch.where(ids < 0, self.ring[(-ids).clamp_(min=0)], ids)
+
+    def resolve_(self, ids: torch.Tensor) -> None:  # ids [T] int64, in place
+        """`resolve` into the same buffer (a CUDA graph's static input ids)."""
+        ids.copy_(self.resolve(ids))
+
+
+def placeholder(slot: int) -> int:
+    """The id a request carries for the token stored in ring slot `slot`."""
+    return -slot
