@@ -51,9 +51,9 @@ def _resolves(llm: LLM) -> list[int]:
     calls = [0]
     real = future.resolve_
 
-    def counted(ids):
+    def counted(ids, host):
         calls[0] += 1
-        real(ids)
+        real(ids, host)
 
     future.resolve_ = counted
     return calls

@@ -280,3 +280,35 @@ def test_failed_step_keeps_nothing(tiny_model_dir, monkeypatch):
     plain.submit(ref)
     plain.run_until_done([ref])
     assert again.output_ids == ref.output_ids and not eng.runner.errors
+
+
+def test_future_ring_publish_and_resolve():
+    """Slots in order, wrap to slot 1 (never onto the previous step's rows), host copies; placeholders
+    resolved in any order and mixed with real ids, and a run of consecutive slots as one slice."""
+    from hybridmoe.engine.future import placeholder
+
+    f = FutureTokens(max_rows=4, device=torch.device("cpu"))
+    assert f.ring.shape[0] == 14
+    seen: list[tuple[int, int]] = []
+    prev = None
+    for step in range(9):
+        n = 1 + step % 4
+        ids = torch.arange(100 * step, 100 * step + n)
+        slot, host = f.publish(ids)
+        assert slot >= 1 and slot + n <= f.ring.shape[0]
+        if prev is not None:  # never over the rows of the step before (they may not be read yet)
+            assert slot >= prev[0] + prev[1] or slot + n <= prev[0]
+        prev = (slot, n)
+        seen.append((slot, n))
+        assert host.read() == ids.tolist()
+        mixed = [7, placeholder(slot + n - 1), 3] + [placeholder(slot + i) for i in range(n)]
+        got = f.resolve(torch.tensor(mixed), mixed)
+        assert got.tolist() == [7, ids[-1].item(), 3] + ids.tolist()
+        run = [placeholder(slot + i) for i in range(n)]
+        assert f.resolve(torch.tensor(run), run).tolist() == ids.tolist()
+        buf = torch.tensor(run[::-1] + [5])
+        f.resolve_(buf, run[::-1] + [5])
+        assert buf.tolist() == ids.tolist()[::-1] + [5]
+    assert any(s == 1 for s, _ in seen[1:])  # it wrapped
+    with pytest.raises(ValueError):
+        f.publish(torch.arange(5))

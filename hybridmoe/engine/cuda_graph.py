@@ -116,12 +116,11 @@ class DecodeGraphs:
             self.copied.synchronize()
         table = h32[self.max_bs:self.max_bs + bs * p].reshape(bs, p)
         table[:] = 0
-        pending = False
+        toks = [r.token_at(r.num_computed) for r in reqs]
+        pending = min(toks) < 0  # sampled by the step before, not read yet: resolved on the device below
         for i, r in enumerate(reqs):
             pos = r.num_computed
-            tok = r.token_at(pos)
-            pending |= tok < 0  # sampled by the step before, not read yet: resolved on the device below
-            h64[0, i] = tok
+            h64[0, i] = toks[i]
             h64[1, i] = pos
             h64[2, i] = r.pages[pos // page_size] * page_size + pos % page_size
             h32[i] = pos + 1
@@ -133,7 +132,7 @@ class DecodeGraphs:
         if self.copied is not None:
             self.copied.record()
         if pending:
-            self.future.resolve_(self.input_ids[:n])
+            self.future.resolve_(self.input_ids[:n], toks)
         if self.lora is not None:  # slots filled (adapters copied in) before the replay; no recapture
             self.lora.prepare_graph(reqs, bs)
         before = self.before_replay.get(bs)

@@ -72,13 +72,27 @@ class FutureTokens:
         self._events[k].record()
         return slot, HostIds(buf, self._events[k])
 
-    def resolve(self, ids: torch.Tensor) -> torch.Tensor:  # ids [T] int64 with placeholders -> [T]
-        """Input ids with each placeholder -slot replaced by the ring's slot, on the device."""
-        return torch.where(ids < 0, self.ring[(-ids).clamp_(min=0)], ids)
+    def resolve(self, ids: torch.Tensor, host: list[int]) -> torch.Tensor:  # ids [T] int64 -> [T]
+        """Input ids (host: the same ids as a host list) with each placeholder -slot replaced by the
+        ring's slot, on the device. A decode batch of the previous step's rows in order is one slice."""
+        slot = _run_of_slots(host)
+        if slot:
+            return self.ring[slot:slot + len(host)].clone()
+        return torch.where(ids < 0, self.ring.index_select(0, ids.neg().clamp_(min=0)), ids)
 
-    def resolve_(self, ids: torch.Tensor) -> None:  # ids [T] int64, in place
+    def resolve_(self, ids: torch.Tensor, host: list[int]) -> None:  # ids [T] int64, in place
         """`resolve` into the same buffer (a CUDA graph's static input ids)."""
-        ids.copy_(self.resolve(ids))
+        slot = _run_of_slots(host)
+        ids.copy_(self.ring[slot:slot + len(host)] if slot else self.resolve(ids, host))
+
+
+def _run_of_slots(host: list[int]) -> int:
+    """s when host is the placeholders of slots s, s+1, ... in order (a decode batch of the previous
+    step's sampled rows); else 0."""
+    if not host or host[0] >= 0:
+        return 0
+    s = -host[0]
+    return s if all(t == -(s + i) for i, t in enumerate(host)) else 0
 
 
 def placeholder(slot: int) -> int:

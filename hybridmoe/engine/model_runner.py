@@ -223,7 +223,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         if pending:
-            input_ids = self.future.resolve(input_ids)
+            input_ids = self.future.resolve(input_ids, ids)
         return (input_ids,
                 torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True),
                 meta,
