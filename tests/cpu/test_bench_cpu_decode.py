@@ -22,8 +22,13 @@ def test_bench_cpu_decode_tiny(tmp_path):
     assert "of the bound" in res.stdout
 
 
-def test_gguf_of_the_shape(tmp_path):
+def test_gguf_of_the_shape(tmp_path, monkeypatch):
     gguf = pytest.importorskip("gguf")
+    # importing the script sets OMP_WAIT_POLICY=PASSIVE (for its own process): put it back after this
+    # test, or every later CPU-only LLM of this process would set torch's thread count at construction
+    # (engine/model_runner.py) and two models built one after the other could differ in the last bits
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")  # records the value before (an absent one too) for the undo
+    monkeypatch.delenv("OMP_WAIT_POLICY")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from bench_cpu_decode import TINY
