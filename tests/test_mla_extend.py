@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_deepseek import GREEDY, VARIANTS, _prompt, _rel
+from test_deepseek import GREEDY, _prompt, _rel, variant_dir  # noqa: F401 (the fixture)
 
 from hybridmoe import LLM
 from hybridmoe.engine.request import Req, SamplingParams
@@ -18,22 +18,9 @@ from hybridmoe.engine.scheduler import ScheduledBatch
 from hybridmoe.layers.attention import mla
 from hybridmoe.layers.attention.mla import MLAAttention, MLAConfig
 
-from tiny_models import hf_model, make_tiny_model
+from tiny_models import hf_model
 
 FORMS = ("absorbed", "expanded")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            kind, overrides = VARIANTS[name]
-            cache[name] = make_tiny_model(kind, tmp_path_factory.mktemp(name), **overrides)
-        return cache[name]
-
-    return get
 
 
 def _force(llm: LLM, form: str) -> list[MLAAttention]:
@@ -46,10 +33,10 @@ def _force(llm: LLM, form: str) -> list[MLAAttention]:
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("name", ["v3", "v2_lora_greedy"])
-def test_both_forms_give_the_prompt_logits_over_a_cached_prefix(name, form, tiny, monkeypatch):
+def test_both_forms_give_the_prompt_logits_over_a_cached_prefix(name, form, variant_dir, monkeypatch):
     """A prefill of 23 tokens, one token over them, then 46 more over the 24 cached (pages of 4): every
     position's logits equal transformers' over the whole prompt, in the forced form."""
-    path = tiny(name)
+    path = variant_dir(name)
     ref = hf_model(path)
     llm = LLM(str(path), device="cpu", dtype="float32", progress=False, page_size=4)
     layers = _force(llm, form)
@@ -73,10 +60,10 @@ def test_both_forms_give_the_prompt_logits_over_a_cached_prefix(name, form, tiny
 
 
 @pytest.mark.parametrize("name", ["v3", "v2"])
-def test_absorbed_form_through_chunks_prefix_hits_and_batches(name, tiny):
+def test_absorbed_form_through_chunks_prefix_hits_and_batches(name, variant_dir):
     """Greedy tokens equal transformers' with every extend absorbed: chunked prefill (chunks of 16), a
     40-token prefix-cache hit and a batch of prompts of several lengths prefilled together."""
-    path = tiny(name)
+    path = variant_dir(name)
     ref = hf_model(path)
     vocab = ref.config.vocab_size
     llm = LLM(str(path), device="cpu", dtype="float32", progress=False, chunked_prefill_size=16, page_size=4)
