@@ -35,6 +35,10 @@ def main() -> None:
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    p.add_argument("--segment-gap-us", type=float, default=50.0,
+                   help="GPU idle gaps longer than this split the timeline into segments (hybrid: the waits for the "
+                        "CPU experts); the last --segments segments are printed with their GPU busy time")
+    p.add_argument("--segments", type=int, default=24)
     p.add_argument("--prefill", type=int, default=0,
                    help="profile the prefill of one prompt of this many tokens instead (after one untimed prompt of "
                         "the same length: Triton compiles excluded), to its first token")
@@ -67,10 +71,23 @@ def main() -> None:
         while any(len(r.output_ids) < 4 for r in reqs):  # prefill and warm-up decode steps
             eng.step()
         torch.cuda.synchronize()
+        pool = None
+        if a.gpu_experts is not None:
+            from hybridmoe.cpu.engine import default_pool
+
+            pool = default_pool()
+            pool.sync()
+            pool.trace_start(1 << 18)
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(a.steps):
                 eng.step()
             torch.cuda.synchronize()
+        if pool is not None:
+            from hybridmoe.cpu.trace import format_summary
+            from hybridmoe.cpu.trace import summarize as cpu_summary
+
+            pool.sync()
+            print(f"CPU trace: {format_summary(cpu_summary(pool.trace_stop()))}")
         llm.shutdown()
 
     summarize(prof, a, a.steps, "decode steps")
@@ -131,8 +148,32 @@ def summarize(prof, a, n: int, what: str) -> None:
     print(f"{'per step: count':>16} {'total us':>9} {'mean us':>8}  name")
     for name, durs in rows:
         print(f"{len(durs) / n:>16.1f} {sum(durs) / n:>9.1f} {sum(durs) / len(durs):>8.2f}  {name[:110]}")
+    print_segments(events, a.segment_gap_us, a.segments)
     if a.trace:
         prof.export_chrome_trace(a.trace)
+
+
+def print_segments(events, gap_us: float, last: int) -> None:
+    """The timeline cut at GPU idle gaps > gap_us: per segment its length, GPU busy time, operation count and
+    its longest operations, then the gap after it. In a hybrid step the gaps are the waits for the CPU experts and a
+    segment is the GPU path from one layer's CPU result to the next layer's CPU task (plus the GPU experts)."""
+    evs = sorted(events, key=lambda e: e.time_range.start)
+    segs: list[list] = []
+    for e in evs:
+        s, t = e.time_range.start, e.time_range.end
+        if not segs or s - segs[-1][1] > gap_us:
+            segs.append([s, t, []])
+        else:
+            segs[-1][1] = max(segs[-1][1], t)
+        segs[-1][2].append(e)
+    print(f"timeline segments (cut at gaps > {gap_us:.0f} us), the last {min(last, len(segs))} of {len(segs)}:")
+    for i in range(max(0, len(segs) - last), len(segs)):
+        s, t, es = segs[i]
+        busy = sum(e.time_range.end - e.time_range.start for e in es)  # overlapping ops counted twice (rare)
+        gap = segs[i + 1][0] - t if i + 1 < len(segs) else 0.0
+        top = sorted(es, key=lambda e: e.time_range.start - e.time_range.end)[:3]
+        names = ", ".join(f"{e.name[:28]} {e.time_range.end - e.time_range.start:.0f}" for e in top)
+        print(f"  seg {i}: {t - s:7.1f} us, busy {busy:7.1f} us, {len(es):3d} ops [{names}]; gap after {gap:7.1f} us")
 
 
 if __name__ == "__main__":
