@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import add_shape_args, parse_shape_args, write_config  # noqa: E402
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def main() -> None:
@@ -71,7 +75,7 @@ def main() -> None:
         while any(len(r.output_ids) < 4 for r in reqs):  # prefill and warm-up decode steps
             eng.step()
         torch.cuda.synchronize()
-        pool = None
+        pool, cpu_events = None, None
         if a.gpu_experts is not None:
             from hybridmoe.cpu.engine import default_pool
 
@@ -87,10 +91,11 @@ def main() -> None:
             from hybridmoe.cpu.trace import summarize as cpu_summary
 
             pool.sync()
-            print(f"CPU trace: {format_summary(cpu_summary(pool.trace_stop()))}")
+            cpu_events = pool.trace_stop()
+            print(f"CPU trace: {format_summary(cpu_summary(cpu_events))}")
         llm.shutdown()
 
-    summarize(prof, a, a.steps, "decode steps")
+    summarize(prof, a, a.steps, "decode steps", cpu_events)
 
 
 def profile_prefill(eng, a, g, profile, activity) -> None:
@@ -116,7 +121,7 @@ def profile_prefill(eng, a, g, profile, activity) -> None:
     summarize(prof, a, 1, f"prefill of {a.prefill} tokens")
 
 
-def summarize(prof, a, n: int, what: str) -> None:
+def summarize(prof, a, n: int, what: str, cpu_events: torch.Tensor | None = None) -> None:
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]  # kernels, memcpys, memsets
     if not events:
         print("no GPU events recorded (CUPTI unavailable?)")
@@ -148,33 +153,50 @@ def summarize(prof, a, n: int, what: str) -> None:
     print(f"{'per step: count':>16} {'total us':>9} {'mean us':>8}  name")
     for name, durs in rows:
         print(f"{len(durs) / n:>16.1f} {sum(durs) / n:>9.1f} {sum(durs) / len(durs):>8.2f}  {name[:110]}")
-    print_segments(events, a.segment_gap_us, a.segments)
-    if a.trace:
-        prof.export_chrome_trace(a.trace)
+    trace = a.trace or str(Path(tempfile.mkdtemp()) / "trace.json")
+    prof.export_chrome_trace(trace)
+    print_segments(json.loads(Path(trace).read_text()), a.segment_gap_us, a.segments, cpu_events)
 
 
-def print_segments(events, gap_us: float, last: int) -> None:
-    """The timeline cut at GPU idle gaps > gap_us: per segment its length, GPU busy time, operation count and
-    its longest operations, then the gap after it. In a hybrid step the gaps are the waits for the CPU experts and a
-    segment is the GPU path from one layer's CPU result to the next layer's CPU task (plus the GPU experts)."""
-    evs = sorted(events, key=lambda e: e.time_range.start)
+# The pool's trace is on the steady clock (CLOCK_MONOTONIC); the profiler's trace is on the system clock less its
+# baseTimeNanoseconds. Measured once at import: the two clocks do not drift apart over a profile.
+_MONO_TO_UNIX_NS = time.time_ns() - time.monotonic_ns()
+_CPU_KINDS = {0: "submit", 1: "start", 2: "end", 3: "wait", 4: "release"}
+
+
+def print_segments(trace: dict, gap_us: float, last: int, cpu_events: torch.Tensor | None) -> None:
+    """The GPU timeline cut at idle gaps > gap_us: per segment its length, GPU busy time, operation count and
+    longest operations, then the gap after it. In a hybrid step the gaps are the waits for the CPU experts and a
+    segment is the GPU path from one layer's CPU result to the next layer's CPU task (plus the GPU experts). With
+    the CPU pool's trace, each segment also lists the pool's events from the gap before it to its end, in us from
+    the segment's start (the same clock): when the stream was released, when the next task was submitted, etc."""
+    base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
+    evs = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in GPU_CATS),
+                 key=lambda e: e["ts"])
     segs: list[list] = []
     for e in evs:
-        s, t = e.time_range.start, e.time_range.end
+        s, t = e["ts"], e["ts"] + e["dur"]
         if not segs or s - segs[-1][1] > gap_us:
             segs.append([s, t, []])
         else:
             segs[-1][1] = max(segs[-1][1], t)
         segs[-1][2].append(e)
+    cpu = []
+    if cpu_events is not None:
+        for t_ns, tid, kind in cpu_events.tolist():
+            if kind in _CPU_KINDS:
+                cpu.append(((t_ns + _MONO_TO_UNIX_NS) / 1e3 - base_us, tid, _CPU_KINDS[kind]))
+        cpu.sort()
     print(f"timeline segments (cut at gaps > {gap_us:.0f} us), the last {min(last, len(segs))} of {len(segs)}:")
     for i in range(max(0, len(segs) - last), len(segs)):
         s, t, es = segs[i]
-        busy = sum(e.time_range.end - e.time_range.start for e in es)  # overlapping ops counted twice (rare)
+        busy = sum(e["dur"] for e in es)  # overlapping ops counted twice (rare)
         gap = segs[i + 1][0] - t if i + 1 < len(segs) else 0.0
-        top = sorted(es, key=lambda e: e.time_range.start - e.time_range.end)[:3]
-        names = ", ".join(f"{e.name[:28]} {e.time_range.end - e.time_range.start:.0f}" for e in top)
+        top = sorted(es, key=lambda e: -e["dur"])[:3]
+        names = ", ".join(f"{e['name'][:28]} {e['dur']:.0f}" for e in top)
         print(f"  seg {i}: {t - s:7.1f} us, busy {busy:7.1f} us, {len(es):3d} ops [{names}]; gap after {gap:7.1f} us")
-
-
-if __name__ == "__main__":
-    main()
+        if cpu:
+            lo = segs[i - 1][1] if i > 0 else s - gap_us
+            near = [f"{k} #{tid} {ts - s:+.1f}" for ts, tid, k in cpu if lo <= ts <= t]
+            if near:
+                print(f"      CPU pool (us from the segment start): {', '.join(near)}")
