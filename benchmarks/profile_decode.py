@@ -200,3 +200,7 @@ def print_segments(trace: dict, gap_us: float, last: int, cpu_events: torch.Tens
             near = [f"{k} #{tid} {ts - s:+.1f}" for ts, tid, k in cpu if lo <= ts <= t]
             if near:
                 print(f"      CPU pool (us from the segment start): {', '.join(near)}")
+
+
+if __name__ == "__main__":
+    main()
