@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridmoe.layers.fused_ops import topk_softmax
+from hybridmoe.layers.fused_ops import topk_softmax, use_triton
 
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORINGS = ("softmax", "sigmoid")
@@ -63,6 +63,20 @@ def route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = 
     weights [T, K] float32, expert ids [T, K] int32."""
     if cfg.is_plain_softmax and bias is None:
         return topk_softmax(logits, cfg.top_k, cfg.renormalize)
+    t, e = logits.shape
+    if t and e <= 4096 and use_triton(logits):  # one kernel instead of ~20 (routing_triton's docstring)
+        from hybridmoe.moe.routing_triton import grouped_topk
+
+        return grouped_topk(logits if logits.stride(1) == 1 else logits.contiguous(), top_k=cfg.top_k,
+                            scoring=cfg.scoring, method=cfg.method, renormalize=cfg.renormalize, n_group=cfg.n_group,
+                            topk_group=cfg.topk_group, scaling=cfg.scaling,
+                            bias=bias if cfg.method == "noaux_tc" else None)
+    return route_ref(logits, cfg, bias)
+
+
+def route_ref(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """route's torch form (the reference of the Triton kernel, and the CPU path)."""
     t, e = logits.shape
     logits = logits.float()
     scores = torch.sigmoid(logits) if cfg.scoring == "sigmoid" else torch.softmax(logits, dim=-1)  # [T, E]
