@@ -80,6 +80,38 @@ def run_batch(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
             "cpu_trace": trace}
 
 
+def extrapolation_target(a: argparse.Namespace, n_moe: int) -> int | None:
+    """MoE layers to extrapolate to: --extrapolate-moe-layers, else the published model's with --dummy-*."""
+    if a.extrapolate_moe_layers is not None:
+        return a.extrapolate_moe_layers or None
+    name = getattr(a, "dummy_model", None)
+    if name is None:
+        return None
+    from shapes import DUMMY_MODELS
+
+    cfg = DUMMY_MODELS[name]
+    full = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    return full if full != n_moe else None
+
+
+def extrapolate(row: dict, n_moe: int, target: int) -> dict:
+    """The step of a model with `target` MoE layers where this one has n_moe: the measured step plus the missing
+    layers at the median period of a layer within a step (releases of the stream, one a MoE layer). The dense layers,
+    the lm_head and the step boundary are counted once, as in the real model. Ratios to a bound scale the bytes by
+    target / n_moe."""
+    period = row["cpu_trace"].get("release_interval_us", float("nan"))
+    if not period == period or n_moe < 2:  # nan: no releases traced (no CPU tasks)
+        return {}
+    ms = row["ms_per_step"] + (target - n_moe) * period / 1e3
+    out = {"layer_period_us": period, "extrapolated_moe_layers": target, "extrapolated_ms_per_step": ms,
+           "extrapolated_tokens_per_s": row["batch"] * 1e3 / ms}
+    if "adjacent_probes_gbps" in row:
+        adjacent = statistics.fmean(row["adjacent_probes_gbps"]) * 1e9
+        out["extrapolated_ratio_to_adjacent_bound"] = out["extrapolated_tokens_per_s"] * row[
+            "cpu_expert_bytes_per_token"] * target / n_moe / adjacent
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(p)
@@ -105,6 +137,11 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole grid this many times, interleaved (the host's bandwidth drifts); the "
                         "summary gives each setting's median")
+    p.add_argument("--extrapolate-moe-layers", type=int, default=None,
+                   help="also give each row's time per step extrapolated to this many MoE layers (default: the "
+                        "published model's with --dummy-*, e.g. 58 for DeepSeek-V3): the measured step plus the "
+                        "missing layers at the median period of a layer within a step (the CPU trace's interval "
+                        "between stream releases), and its ratio to the bound of that many layers")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tests), not a measurement")
     p.add_argument("--out", default=None)
     a = parse_shape_args(p)
@@ -133,6 +170,8 @@ def main() -> None:
         probes = [bw / 1e9]  # one more after every batch-1 row: the machine's read bandwidth moves
         bpt, per_expert = cpu_expert_bytes_per_token(runner.model, a.topk)
         bound = bw / bpt
+        n_moe = sum(1 for b in runner.model.moe_blocks() if getattr(b.experts, "cpu", None) is not None)
+        target = extrapolation_target(a, n_moe)
         print(f"CPU stream read {bw / 1e9:.1f} GB/s; CPU expert bytes/token {bpt / 1e9:.3f} GB "
               f"({per_expert / 1e6:.2f} MB per expert) -> bound {bound:.1f} tok/s", flush=True)
         current = runner.hybrid.num_deferred
@@ -168,6 +207,8 @@ def main() -> None:
                                    bound_tokens_per_s=bound, ratio_to_bound=row["tokens_per_s"] / bound,
                                    adjacent_probes_gbps=[before, probes[-1]],
                                    ratio_to_adjacent_bound=row["tokens_per_s"] * bpt / (adjacent * 1e9))
+                    if target:
+                        row.update(extrapolate(row, n_moe, target))
                     results["runs"].append(row)
                     if a.out:  # after every row: a later setting that fails keeps the earlier ones
                         Path(a.out).write_text(json.dumps(results, indent=2))
@@ -179,6 +220,10 @@ def main() -> None:
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
                     if b == 1:
                         print(f"  CPU trace: {format_summary(row['cpu_trace'])}", flush=True)
+                    if "extrapolated_ms_per_step" in row:
+                        print(f"  extrapolated to {target} MoE layers: {row['extrapolated_ms_per_step']:.2f} ms/step "
+                              f"({row['extrapolated_tokens_per_s']:.2f} tok/s; a layer's period "
+                              f"{row['layer_period_us']:.1f} us)", flush=True)
             runner.graphs = graphs
         llm.shutdown()
     # conservative: the bound from the best probe of the run (the first one can read low)
@@ -188,6 +233,9 @@ def main() -> None:
     for row in results["runs"]:
         if row["batch"] == 1:
             row["ratio_to_best_probe_bound"] = row["tokens_per_s"] * bpt / (best * 1e9)
+            if "extrapolated_tokens_per_s" in row:
+                row["extrapolated_ratio_to_best_probe_bound"] = (row["extrapolated_tokens_per_s"] * bpt * target / n_moe
+                                                                 / (best * 1e9))
         key = tuple(row[k] for k in ("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us"))
         groups.setdefault(key, []).append(row)
     print(f"best probe of the run {best:.1f} GB/s -> bound {best * 1e9 / bpt:.1f} tok/s; probes "
@@ -201,11 +249,22 @@ def main() -> None:
         line = (f"deferred {key[0]} graphs {key[1]:3s} batch {key[2]:3d} blocking-sync {key[3]:3s} "
                 f"hostfn-spin {key[4]}: median {med:.1f} tok/s of {len(rows)} "
                 f"({', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])})")
+        if target and key[2] == 1:
+            ext = statistics.median(r["extrapolated_tokens_per_s"] for r in rows)
+            entry[f"median_extrapolated_tokens_per_s_{target}_moe_layers"] = ext
+            entry["median_extrapolated_ratio_to_best_probe_bound"] = ext * bpt * target / n_moe / (best * 1e9)
+            entry["median_extrapolated_ratio_to_adjacent_bound"] = statistics.median(
+                r["extrapolated_tokens_per_s"] * bpt * target / n_moe / (statistics.fmean(r["adjacent_probes_gbps"]) * 1e9)
+                for r in rows)
         if key[2] == 1:
             entry["median_ratio_to_best_probe_bound"] = med * bpt / (best * 1e9)
             entry["median_ratio_to_adjacent_bound"] = statistics.median(r["ratio_to_adjacent_bound"] for r in rows)
             line += (f"; ratio {entry['median_ratio_to_best_probe_bound']:.2f} of the best-probe bound, "
                      f"{entry['median_ratio_to_adjacent_bound']:.2f} of the adjacent-probe bound")
+        if "median_extrapolated_ratio_to_best_probe_bound" in entry:
+            line += (f"; extrapolated to {target} MoE layers: {ext:.2f} tok/s, ratio "
+                     f"{entry['median_extrapolated_ratio_to_best_probe_bound']:.2f} of the best-probe bound, "
+                     f"{entry['median_extrapolated_ratio_to_adjacent_bound']:.2f} of the adjacent-probe bound")
         results["summary"].append(entry)
         print(line)
     if a.out:

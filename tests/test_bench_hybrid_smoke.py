@@ -13,6 +13,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def test_extrapolation_to_more_moe_layers():
+    """bench_hybrid_decode.extrapolate: the step plus the missing layers at the measured period; the bound's bytes
+    scale with the layers."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_hybrid_decode import extrapolate
+
+    row = {"batch": 1, "ms_per_step": 22.0, "cpu_trace": {"release_interval_us": 3000.0},
+           "adjacent_probes_gbps": [100.0, 120.0], "cpu_expert_bytes_per_token": 6 * 300e6}
+    out = extrapolate(row, n_moe=6, target=58)
+    assert out["extrapolated_ms_per_step"] == pytest.approx(22.0 + 52 * 3.0)
+    assert out["extrapolated_tokens_per_s"] == pytest.approx(1e3 / 178.0)
+    # 58 layers of 300 MB at 110 GB/s take 158.2 ms: that over 178 ms
+    assert out["extrapolated_ratio_to_adjacent_bound"] == pytest.approx(58 * 300e6 / 110e9 / 0.178)
+    assert extrapolate({**row, "cpu_trace": {"release_interval_us": float("nan")}}, 6, 58) == {}
+
+
 def test_bench_hybrid_decode_smoke(tmp_path):
     out = tmp_path / "hb.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_hybrid_decode.py"), "--device", "cpu",

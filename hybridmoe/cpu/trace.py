@@ -13,7 +13,9 @@ The stream's side, per host function that waited for a task: `blocked` (the wait
 returned: the stream stalled on the CPU), `wake` (the task ended, or the wait began if later ->
 the wait returned) and, per release of the stream (a wait returning with no other return before
 the next submit), `gpu_path` (that return -> the next submit: the GPU work and host-function
-launches between one layer's CPU result and the next layer's CPU task).
+launches between one layer's CPU result and the next layer's CPU task), and `release_interval`, the
+median time from one release to the next: with one wait a MoE layer, the period of a layer within a
+step (the step boundary, one interval in several, does not move the median).
 """
 
 from __future__ import annotations
@@ -81,7 +83,12 @@ def summarize(events: torch.Tensor) -> dict[str, float]:
         "wake_us": _mean_us(wake),
         "releases": float(len(gpu)),
         "gpu_path_us": _mean_us(gpu),
+        "release_interval_us": _median_us([b - a for a, b in zip(releases, releases[1:])]),
     }
+
+
+def _median_us(v: list[int]) -> float:
+    return statistics.median(v) / 1e3 if v else float("nan")
 
 
 def format_summary(s: dict[str, float]) -> str:

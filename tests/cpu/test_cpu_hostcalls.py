@@ -119,6 +119,8 @@ def test_trace_decomposes_the_time_between_tasks(layer, pool, inputs):
     s = summarize(ev)
     assert s["tasks"] == 5 and s["waits"] == 5 and s["releases"] == 4, s  # the last release has no next submit
     assert s["gpu_path_us"] >= 3000 and s["wait_submit_us"] >= 3000, s
+    # a layer's period: >= the 1 + 3 ms of sleep between releases, and the task's run on top
+    assert 4000 <= s["release_interval_us"] <= 4000 + s["run_us"] + 20000, s
     assert 0 < s["run_us"] and s["run_total_ms"] < s["wall_ms"] and s["wake_us"] >= 0 and s["start_latency_us"] >= 0, s
     assert s["idle_total_ms"] >= 4 * 3.0 and s["blocked_us"] <= 1000 + s["run_us"] + 500, s
     assert "5 tasks" in format_summary(s)
