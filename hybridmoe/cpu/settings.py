@@ -22,8 +22,8 @@ class CPUEngineSettings:
     prefetch_bytes: int = 2048
     """Software prefetch distance of the decode-sized (few-row) kernels, bytes ahead of the weight
     stream, in [0, 1 MiB]; 0: the hardware prefetchers alone. 2048 (32 lines) read 10-30% faster
-    than none on the H200 host (benchmarks/results/README_cpu_moe.md, session 4). Results do not
-    depend on it."""
+    than none on the H200 host (benchmarks/results/README_cpu_moe.md, session 4). The AMX tile
+    kernels (many rows) prefetch each weight block this far ahead too. Results do not depend on it."""
 
     spin_us: int = 1000
     """How long idle pool threads (and Python's waits) spin before they sleep, microseconds, in

@@ -54,6 +54,7 @@ struct ActView {
   int gstride;          // Kd/G
   // Software prefetch distance of the few-row (decode) kernels, bytes ahead of the weight stream
   // (0: none): the pool's setting (CPUEngineSettings.prefetch_bytes), passed with every GEMM call.
+  // The AMX tile kernels use it too, per weight block of a pair, on their first pass over the pair.
   int prefetch;
 };
 
