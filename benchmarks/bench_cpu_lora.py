@@ -112,6 +112,7 @@ def main() -> None:
     times: dict[tuple, list[float]] = {(s, lo): [] for s in settings for lo in (False, True)}
     lows: dict[tuple, list[float]] = {(s, lo): [] for s in settings for lo in (False, True)}
     lora_us: dict[tuple, list[float]] = {s: [] for s in settings}
+    gemm_us: dict[tuple, list[tuple[float, float]]] = {(s, lo): [] for s in settings for lo in (False, True)}
     ceilings = {}
     for rnd in range(a.rounds + 1):  # round 0: warm-up, not kept
         for s in settings:
@@ -123,6 +124,8 @@ def main() -> None:
                 med, low = time_tasks(pools[s[1]], tasks)
                 prof = native.profile(reset=True)
                 if rnd:
+                    n_t = max(1.0, prof["tasks"])
+                    gemm_us[(s, lo)].append((1e6 * prof["gemm1"] / n_t, 1e6 * prof["gemm2"] / n_t))
                     times[(s, lo)].append(med)
                     lows[(s, lo)].append(low)
                     if lo:
@@ -135,11 +138,15 @@ def main() -> None:
         row = {"isa": s[0], "threads": s[1], "T": s[2], "base_us": 1e6 * b, "lora_us": 1e6 * lo,
                "ratio": statistics.median(ratios), "base_low_us": 1e6 * bl, "lora_low_us": 1e6 * ll,
                "ratio_low": ll / bl, "bytes_ceiling": ceilings[s], "lora_profile_us": statistics.median(lora_us[s])}
+        for lo, name in ((False, "base"), (True, "lora")):
+            for j, ph in enumerate(("gemm1", "gemm2")):
+                row[f"{name}_{ph}_us"] = statistics.median(v[j] for v in gemm_us[(s, lo)])
         rows.append(row)
         print(f"{s[0]:7s} threads {s[1]} T {s[2]}: base {row['base_us']:8.1f} us, LoRA {row['lora_us']:8.1f} us: ratio "
               f"{row['ratio']:.3f}; least disturbed {row['base_low_us']:8.1f} / {row['lora_low_us']:8.1f} us: ratio "
               f"{row['ratio_low']:.3f} (bytes {row['bytes_ceiling']:.3f}); profile 'lora' {row['lora_profile_us']:.1f} "
-              f"us/task", flush=True)
+              f"us/task; gemm1 {row['base_gemm1_us']:.1f} -> {row['lora_gemm1_us']:.1f} us, gemm2 "
+              f"{row['base_gemm2_us']:.1f} -> {row['lora_gemm2_us']:.1f} us", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
 

@@ -1,11 +1,16 @@
-"""Triton kernels of the batched LoRA (ops.py): shrink xa[t] = scale[s] * A[s] x[t] and expand
-y[t] += Bt[s]^T xa[t], s = idx[t] (-1: the token has no adapter and both kernels skip it).
+"""Triton kernels of the batched LoRA (ops.py): shrink xa[t] = A[s] x[t] and expand
+y[t] += scale[s] Bt[s]^T xa[t], s = idx[t] (-1: the token has no adapter and both kernels skip it).
 
 Each program reads its token's slot from the index buffer, so a CUDA graph replays them for any
 mix of adapters; per-token gather (decode batches are small; a prefill chunk reads each token's
 A once per rank block). No host sync.
 
-Legend: T tokens, K in features, N out features, S slots, R max rank.
+The shrink is split over K (`split_k`): at decode a single program per token looping over K
+(2048 .. 4096) was a chain of dependent HBM loads, ~1 us each, the bulk of LoRA's cost per layer.
+Each (token, K chunk) program writes a partial xa[t, c] and the expand sums the chunks as it loads
+them (no third kernel, deterministic order).
+
+Legend: T tokens, K in features, N out features, S slots, R max rank, C K chunks.
 """
 
 from __future__ import annotations
@@ -18,42 +23,59 @@ try:
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the torch path importable
     triton = None
 
+# programs the shrink aims at (an H200 has 132 SMs): more chunks per token for small T
+_SHRINK_PROGRAMS = 256
+_TILE = 4096  # A elements a shrink program loads per step (BLOCK_R x BLOCK_K)
+
 
 def available() -> bool:
     return triton is not None
 
 
+def split_k(t: int, k: int, block_r: int) -> tuple[int, int, int]:
+    """(BLOCK_K, chunk length, chunks) of a shrink over t rows of K inputs: chunks of whole
+    BLOCK_K steps, as many as keep about _SHRINK_PROGRAMS programs busy (1 for a long prefill)."""
+    block_k = max(32, min(256, _TILE // block_r))
+    steps = -(-k // block_k)
+    chunks = max(1, min(steps, -(-_SHRINK_PROGRAMS // max(t, 1))))
+    per = -(-steps // chunks) * block_k
+    return block_k, per, -(-k // per)
+
+
 if triton is not None:
     @triton.jit
-    def _shrink(x_ptr, a_ptr, scale_ptr, idx_ptr, xa_ptr, K, R, stride_xt, stride_as, stride_ar,
+    def _shrink(x_ptr, a_ptr, idx_ptr, xa_ptr, K, R, K_PER, stride_xt, stride_as, stride_ar, stride_xat,
                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         t = tl.program_id(0)
+        c = tl.program_id(1)
         s = tl.load(idx_ptr + t).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
-        if s < 0:
-            tl.store(xa_ptr + t * R + offs_r, tl.zeros([BLOCK_R], dtype=tl.float32), mask=offs_r < R)
+        if s < 0:  # the expand skips the token: nothing to write
             return
+        offs_r = tl.arange(0, BLOCK_R)
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_beg = c * K_PER
+        for k0 in range(0, K_PER, BLOCK_K):
+            offs_k = k_beg + k0 + tl.arange(0, BLOCK_K)
             xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             a = tl.load(a_ptr + s * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :],
                         mask=(offs_r[:, None] < R) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
             acc += tl.sum(a * xv[None, :], axis=1)
-        acc = acc * tl.load(scale_ptr + s)
-        tl.store(xa_ptr + t * R + offs_r, acc, mask=offs_r < R)
+        tl.store(xa_ptr + t * stride_xat + c * R + offs_r, acc, mask=offs_r < R)
 
     @triton.jit
-    def _expand(xa_ptr, b_ptr, idx_ptr, y_ptr, N, R, stride_bs, stride_br, stride_yt,
-                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _expand(xa_ptr, b_ptr, scale_ptr, idx_ptr, y_ptr, N, R, C, stride_xat, stride_bs, stride_br, stride_yt,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
         t = tl.program_id(0)
         nb = tl.program_id(1)
         s = tl.load(idx_ptr + t).to(tl.int64)
         if s < 0:
             return
         offs_r = tl.arange(0, BLOCK_R)
+        offs_c = tl.arange(0, BLOCK_C)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        xa = tl.load(xa_ptr + t * R + offs_r, mask=offs_r < R, other=0.0)
+        part = tl.load(xa_ptr + t * stride_xat + offs_c[:, None] * R + offs_r[None, :],
+                       mask=(offs_c[:, None] < C) & (offs_r[None, :] < R), other=0.0)  # [BLOCK_C, BLOCK_R]
+        xa = tl.sum(part, axis=0) * tl.load(scale_ptr + s)  # [BLOCK_R]
         b = tl.load(b_ptr + s * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
                     mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0).to(tl.float32)
         d = tl.sum(b * xa[:, None], axis=0)  # [BLOCK_N]
@@ -74,11 +96,13 @@ def lora_add(y: torch.Tensor,  # [T, N], updated in place
         return y
     r, n = A.shape[1], Bt.shape[2]
     assert x.stride(1) == 1 and A.stride(2) == 1 and Bt.stride(2) == 1 and y.stride(1) == 1
-    xa = torch.empty(t, r, dtype=torch.float32, device=x.device)  # [T, R]
     block_r = max(16, triton.next_power_of_2(r))
-    _shrink[(t,)](x, A, scale, idx, xa, k, r, x.stride(0), A.stride(0), A.stride(1),
-                  BLOCK_R=block_r, BLOCK_K=64)
+    block_k, per, chunks = split_k(t, k, block_r)
+    xa = torch.empty(t, chunks, r, dtype=torch.float32, device=x.device)  # [T, C, R] partial sums
+    _shrink[(t, chunks)](x, A, idx, xa, k, r, per, x.stride(0), A.stride(0), A.stride(1), xa.stride(0),
+                         BLOCK_R=block_r, BLOCK_K=block_k)
     block_n = 64
-    _expand[(t, triton.cdiv(n, block_n))](xa, Bt, idx, y, n, r, Bt.stride(0), Bt.stride(1), y.stride(0),
-                                          BLOCK_R=block_r, BLOCK_N=block_n)
+    _expand[(t, triton.cdiv(n, block_n))](xa, Bt, scale, idx, y, n, r, chunks, xa.stride(0), Bt.stride(0),
+                                          Bt.stride(1), y.stride(0), BLOCK_R=block_r,
+                                          BLOCK_C=triton.next_power_of_2(chunks), BLOCK_N=block_n)
     return y

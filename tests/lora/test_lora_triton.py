@@ -18,7 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the scri
 from interpreter import case_result, collect, json_results
 
 CASES = {"t0": (0, 3, 4, 7, 5), "t1": (1, 1, 2, 9, 3), "odd": (37, 4, 5, 33, 19), "wide": (6, 8, 16, 130, 200),
-         "allbase": (5, 2, 3, 16, 16)}
+         "allbase": (5, 2, 3, 16, 16), "split": (3, 3, 48, 700, 130), "loop": (3, 3, 48, 700, 130)}
+# "split": K over 11 chunks of one BLOCK_K step (a partial last one); "loop": as few programs as
+# possible (triton_ops._SHRINK_PROGRAMS patched): 2 chunks of 6 steps each (the long-prefill loop)
+_PROGRAMS = {"loop": 4}
 
 
 def _inputs(t, s, r, k, n, dtype, device, seed=0, none=False):
@@ -31,9 +34,11 @@ def _inputs(t, s, r, k, n, dtype, device, seed=0, none=False):
 
 
 def _case(name: str, dtype: torch.dtype, device: str) -> dict:
+    from hybridmoe.lora import triton_ops
     from hybridmoe.lora.ops import lora_delta_ref
     from hybridmoe.lora.triton_ops import lora_add
 
+    triton_ops._SHRINK_PROGRAMS = _PROGRAMS.get(name, 256)
     t, s, r, k, n = CASES[name]
     x, a, bt, scale, idx, y = _inputs(t, s, r, k, n, dtype, device, none=name == "allbase")
     want = y.double().cpu() + lora_delta_ref(x.cpu(), a.cpu(), bt.cpu(), scale.cpu(), idx.cpu())
@@ -55,6 +60,20 @@ def interp():
 def test_interpreted(interp, case):
     res = case_result(interp, f"{case}-fp32")
     assert res["err"] <= 1e-5 and res["shape"] == [CASES[case][0], CASES[case][4]]
+
+
+@pytest.mark.parametrize("t, k, r, want", [(1, 2048, 48, (64, 64, 32)), (1, 4096, 16, (256, 256, 16)),
+                                           (4, 2048, 32, (128, 128, 16)), (1, 100, 16, (256, 256, 1)),
+                                           (512, 2048, 16, (256, 2048, 1)), (100, 700, 48, (64, 256, 3))])
+def test_split_k(t, k, r, want):
+    """The shrink's K chunks: whole BLOCK_K steps covering K, about 256 programs at decode, 1 chunk
+    for a long prefill."""
+    from hybridmoe.lora.triton_ops import split_k
+
+    block_r = max(16, 1 << (r - 1).bit_length())
+    block_k, per, chunks = split_k(t, k, block_r)
+    assert (block_k, per, chunks) == want
+    assert per % block_k == 0 and (chunks - 1) * per < k <= chunks * per
 
 
 @pytest.mark.gpu

@@ -196,6 +196,22 @@ void lora_gate_up(const LoraTask& t, int e, int64_t r0, int M, int nb0, int nb1,
   });
 }
 
+void lora_prefetch(const LoraTask& t, int stage, int e, int64_t r0, int M, int nb0, int nb1) {
+  const HmLoraDesc& d = *t.d;
+  const int64_t bs = int64_t(d.R) * 16, es = t.esz();
+  int last = -1;
+  for_runs(t, r0, M, [&](int, int, int slot) {
+    if (slot == last) return;  // a prefill item's rows share a few slots: their lines once
+    last = slot;
+    const int64_t len = (stage == 0 ? (nb1 - nb0) / 2 : nb1 - nb0) * bs * es;  // bytes of each B's item range
+    const int64_t off0 = stage == 0 ? t.off_bg() + nb0 / 2 * bs : t.off_bd() + int64_t(nb0) * bs;
+    for (int part = 0; part < (stage == 0 ? 2 : 1); ++part) {
+      const char* p = static_cast<const char*>(t.part(slot, e, off0 + part * (t.off_bu() - t.off_bg())));
+      for (int64_t b = 0; b < len; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+  });
+}
+
 void lora_mid(const LoraTask& tc, const float* af) {
   const_cast<LoraTask&>(tc).af = af;  // the state this thread owns (g_task); read by the stage-2 units
 }

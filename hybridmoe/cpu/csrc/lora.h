@@ -64,6 +64,10 @@ void lora_unit(const LoraTask& t, int stage, int64_t u);
 // A gate/up item's deltas: rows r0..r0+M of expert e, N-blocks [nb0, nb1) (even: gate, odd: up),
 // C[m][(nb - nb0) * 16 + j] (row stride ldc). Waits for e's stage-0 units.
 void lora_gate_up(const LoraTask& t, int e, int64_t r0, int M, int nb0, int nb1, float* C, int64_t ldc);
+// Before a GEMM item's own GEMM (stage 0: gate/up, 1: down; its arguments as in lora_gate_up and
+// lora_down): prefetches the B ranges the item's deltas will read, so their cold lines arrive while
+// the GEMM runs (read after it, each item's few hundred bytes .. 2 KB per B cost a memory latency).
+void lora_prefetch(const LoraTask& t, int stage, int e, int64_t r0, int M, int nb0, int nb1);
 // Between the stages (leader): the activations af [S][Ip] the stage-1 units read (fp32, before
 // they are quantized for the down GEMM).
 void lora_mid(const LoraTask& t, const float* af);

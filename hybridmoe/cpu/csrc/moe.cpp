@@ -226,6 +226,7 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
     }
     int64_t r0 = c.ws->offs[size_t(it.e)] + it.m0;
     int M = it.m1 - it.m0;
+    if (c.lora) lora_prefetch(*c.lora, STAGE1 ? 0 : 1, it.e, r0, M, it.nb0, it.nb1);  // lands during the GEMM
     if (STAGE1) {
       ActView A{c.A1 + r0 * c.ld1, c.ld1, c.sx1 + r0, c.g1 + r0 * c.gs1, c.gs1, c.prefetch};
       int64_t ldc = int64_t(it.nb1 - it.nb0) * 16;
