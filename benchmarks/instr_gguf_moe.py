@@ -8,7 +8,9 @@ on a one-thread pool under `valgrind --tool=callgrind`, collecting inside hm::ru
 and prints the instructions per weight byte touched (the distinct experts' three matrices) in
 total, of the gate/up GEMM phase (ph_gemm<true>, with the activation) per gate/up byte, of the down
 phase (ph_gemm<false>) per down byte, and of the rest (routing, quantization, gather, reduction)
-per byte of all three. Needs valgrind and callgrind_annotate on PATH.
+per byte of all three. Needs valgrind and callgrind_annotate on PATH. Valgrind (3.19) has no
+AVX-512: under it the library's CPU check sees AVX2 only, so these are the AVX2 kernels' counts
+whatever --isa says; HYBRIDMOE_CPU_LIB=path/to/lib.so compares two builds.
 """
 
 from __future__ import annotations
