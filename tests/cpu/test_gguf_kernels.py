@@ -147,3 +147,37 @@ def test_bad_layers_are_clear_errors(pool):
     layer = GGUFMoELayer(ex, pool=pool)
     with pytest.raises(RuntimeError, match="NaN or Inf"):
         layer.forward(nan, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("types", TRIPLES[:3], ids=TRIPLE_IDS[:3])
+@pytest.mark.parametrize("t,e,k", [(1, 6, 4), (5, 6, 2), (70, 3, 2), (600, 3, 2)],
+                         ids=["t1", "t5", "t70_tile", "t600_two_row_chunks"])
+def test_activation_blocks_converted_inside_gate_up(types, isa, pool, t, e, k):
+    # I = 768: three 256-column blocks of the expert activation, each converted by the thread that
+    # finishes its last gate/up item (moe.cpp, Kernels::quant_block), for one-row experts (which
+    # read x's quantized row in place), few-row ones (direct kernels, 2-N-block items), many-row
+    # ones (tile path, 8-N-block items) and experts of more than 256 rows (two row chunks).
+    check(types, isa, pool, t, e, k, 512, 768, random_bytes=True, act_check=False)
+
+
+def _q8_0_constant(rows: int, k: int, d: float, q: int) -> torch.Tensor:
+    blk = torch.zeros(rows, k // 32, 34, dtype=torch.uint8)
+    blk[..., :2] = torch.tensor([d], dtype=torch.float16).view(torch.uint8)
+    blk[..., 2:] = torch.tensor(q, dtype=torch.int8).view(torch.uint8)
+    return blk.view(1, rows, -1)
+
+
+@pytest.mark.parametrize("t", [1, 3, 80])
+def test_activation_overflow_is_a_clear_error(isa, pool, t):
+    # gate = up = 65504 * 127 * K * max|x|: Inf in fp32, so the expert activation holds Inf or NaN;
+    # its conversion (inside the gate/up phase) must refuse it, and the next task must run normally.
+    h, i = 256, 512
+    big = _q8_0_constant(i, h, 65504.0, 127)
+    ex = GGUFExperts.of(big, big, _q8_0_constant(h, i, 1.0, 1), ("Q8_0",) * 3)
+    layer = GGUFMoELayer(ex, isa=isa, pool=pool)
+    ids, w = torch.zeros(t, 1, dtype=torch.long), torch.ones(t, 1)
+    with pytest.raises(RuntimeError, match="expert activation holds NaN or Inf"):
+        layer.forward(torch.full((t, h), 3e38), ids, w)
+    small = _q8_0_constant(i, h, 1e-3, 1)
+    ok = GGUFMoELayer(GGUFExperts.of(small, small, _q8_0_constant(h, i, 1e-3, 1), ("Q8_0",) * 3), isa=isa, pool=pool)
+    assert torch.isfinite(ok.forward(torch.ones(t, h), ids, w)).all()

@@ -71,6 +71,12 @@ struct Kernels {
   // m in [0, M), n in [nb0*16, nb1*16). nb1 - nb0 is even.
   void (*gemm)(int method, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C,
                int64_t ldc, int group);
+  // Optional (nullptr: absent): convert fp32 values [256 blk, 256 blk + 256) of a row of Kd values
+  // into their part of the dst row, written by no other block's call, so the blocks of one row
+  // may be converted by different threads in any order, each once its 256 values are final (the
+  // GGUF tables: the driver then converts the expert activation inside the gate/up phase).
+  // Returns false when the block holds NaN or Inf.
+  bool (*quant_block)(const float* src, int Kd, int blk, uint8_t* dst);
 };
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }

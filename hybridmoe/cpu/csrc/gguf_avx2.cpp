@@ -83,7 +83,7 @@ void dot_rows(const UBlk* U, int B, const ActView& A, int K, int m0, int mr, boo
 
 #include "gguf_gemm.h"
 
-const Kernels kTable = {"gguf-avx2", act_row_bytes, quant_row, gemm};
+const Kernels kTable = {"gguf-avx2", act_row_bytes, quant_row, gemm, quant_block};
 
 }  // namespace
 }  // namespace hm

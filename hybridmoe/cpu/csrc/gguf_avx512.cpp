@@ -67,7 +67,7 @@ void dot_rows(const UBlk* U, int B, const ActView& A, int K, int m0, int mr, boo
 
 #include "gguf_gemm.h"
 
-const Kernels kTable = {"gguf-avx512", act_row_bytes, quant_row, gemm};
+const Kernels kTable = {"gguf-avx512", act_row_bytes, quant_row, gemm, quant_block};
 
 }  // namespace
 }  // namespace hm

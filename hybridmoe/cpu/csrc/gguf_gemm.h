@@ -30,6 +30,10 @@ bool quant_row(int, const void* src, int src_dtype, int K, int Kdp, int, uint8_t
   return quant_act_row(src, src_dtype, K, dst);
 }
 
+bool quant_block(const float* src, int Kd, int blk, uint8_t* dst) {
+  return quant_act_blk(src + int64_t(blk) * 256, Kd, blk, dst);
+}
+
 // N-block nb of W's pair (w13: gate blocks even, up blocks odd) for expert e: its matrix, first row,
 // number of rows (0..16) and first byte.
 struct NBlock {

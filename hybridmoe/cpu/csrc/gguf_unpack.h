@@ -117,20 +117,51 @@ inline void unpack_block(int type, const uint8_t* row, int b, UBlk& o) {
   spread_scales(S, o);
 }
 
-// Activation row -> the Q8_K-style row (gguf_common.h). src holds K values of dtype dt; Kp == K.
+// Block b (values 256 b .. 256 b + 255, in x) of an activation row of K values -> its parts of the
+// Q8_K-style row dst (gguf_common.h): q, bs, d, bi, qp, b32 of one block are bytes no other block
+// writes, so different threads may convert the blocks of one row concurrently (moe.cpp converts
+// each block of the expert activation as soon as the gate/up items that produce it are done).
 // Returns false on NaN or Inf. Scalar loops: the compiler vectorizes them with the unit's ISA.
+inline bool quant_act_blk(const float* x, int K, int b, uint8_t* dst) {
+  int8_t* q = reinterpret_cast<int8_t*>(dst) + b * 256;
+  float* bs = reinterpret_cast<float*>(dst + K) + b * 16;
+  float* dd = reinterpret_cast<float*>(dst + K) + K / 16;
+  int16_t* bi = reinterpret_cast<int16_t*>(dd + K / 256) + b * 16;
+  int8_t* qp = reinterpret_cast<int8_t*>(dst + gguf_act_qp_offset(K)) + b * 256;
+  int16_t* b32 = reinterpret_cast<int16_t*>(dst + gguf_act_qp_offset(K) + K) + b * 8;
+  float amax = 0.0f;
+  for (int i = 0; i < 256; ++i) {
+    const float a = x[i] < 0 ? -x[i] : x[i];
+    amax = a > amax ? a : amax;
+  }
+  if (!(amax <= 3.40282347e38f)) return false;  // Inf
+  for (int i = 0; i < 256; ++i)
+    if (x[i] != x[i]) return false;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int i = 0; i < 256; ++i) q[i] = int8_t(std::nearbyint(x[i] * inv));
+  for (int g = 0; g < 16; ++g) {
+    int s = 0;
+    for (int i = 0; i < 16; ++i) s += q[g * 16 + i];
+    bs[g] = float(s);
+    bi[g] = int16_t(s);
+  }
+  for (int j = 0; j < 8; ++j) {
+    b32[j] = int16_t(bi[2 * j] + bi[2 * j + 1]);
+    const int to = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1);  // 0 2 1 3 4 6 5 7: sub-block j goes to slot to
+    std::memcpy(qp + 32 * to, q + 32 * j, 32);
+  }
+  dd[b] = amax / 127.0f;
+  return true;
+}
+
+// Activation row -> the Q8_K-style row (gguf_common.h). src holds K values of dtype dt; Kp == K.
+// Returns false on NaN or Inf.
 inline bool quant_act_row(const void* src, int dt, int K, uint8_t* dst) {
-  int8_t* q = reinterpret_cast<int8_t*>(dst);
-  float* bs = reinterpret_cast<float*>(dst + K);
-  float* dd = bs + K / 16;
-  int16_t* bi = reinterpret_cast<int16_t*>(dd + K / 256);
-  int8_t* qp = reinterpret_cast<int8_t*>(dst + gguf_act_qp_offset(K));
-  int16_t* b32 = reinterpret_cast<int16_t*>(qp + K);
   alignas(64) float x[256];
   for (int b = 0; b < K / 256; ++b) {
+    const float* xb = x;
     if (dt == DT_F32) {
-      const float* s = static_cast<const float*>(src) + b * 256;
-      for (int i = 0; i < 256; ++i) x[i] = s[i];
+      xb = static_cast<const float*>(src) + b * 256;
     } else {
       const uint16_t* s = static_cast<const uint16_t*>(src) + b * 256;
       for (int i = 0; i < 256; ++i) {
@@ -138,28 +169,7 @@ inline bool quant_act_row(const void* src, int dt, int K, uint8_t* dst) {
         std::memcpy(&x[i], &u, 4);
       }
     }
-    float amax = 0.0f;
-    for (int i = 0; i < 256; ++i) {
-      const float a = x[i] < 0 ? -x[i] : x[i];
-      amax = a > amax ? a : amax;
-    }
-    if (!(amax <= 3.40282347e38f)) return false;  // Inf
-    for (int i = 0; i < 256; ++i)
-      if (x[i] != x[i]) return false;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < 256; ++i) q[b * 256 + i] = int8_t(std::nearbyint(x[i] * inv));
-    for (int g = 0; g < 16; ++g) {
-      int s = 0;
-      for (int i = 0; i < 16; ++i) s += q[b * 256 + g * 16 + i];
-      bs[b * 16 + g] = float(s);
-      bi[b * 16 + g] = int16_t(s);
-    }
-    for (int j = 0; j < 8; ++j) {
-      b32[b * 8 + j] = int16_t(bi[b * 16 + 2 * j] + bi[b * 16 + 2 * j + 1]);
-      const int to = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1);  // 0 2 1 3 4 6 5 7: sub-block j goes to slot to
-      std::memcpy(qp + b * 256 + 32 * to, q + b * 256 + 32 * j, 32);
-    }
-    dd[b] = amax / 127.0f;
+    if (!quant_act_blk(xb, K, b, dst)) return false;
   }
   return true;
 }

@@ -1,6 +1,10 @@
 // The MoE layer driver (see moe.h). Phases, each spread over all pool threads:
 //   1 quantize x per slot  2 w13 GEMM + activation  3 quantize the activation
 //   4 w2 GEMM into y[slot]  5 out[t] (+)= sum_j w_j * y[slot(t, j)]
+// Kernels with quant_block (GGUF) fold phase 3 into phase 2: each 256-column block of an expert's
+// activation rows is converted by the thread that finishes the last gate/up item of that block.
+// Rows of an expert routed one token only are not gathered in phase 1: its items read the token's
+// row of x quantized (XQ) in place.
 // GEMM work is cut into items (expert, N-block range, row range) taken dynamically by the threads
 // of the sub-pool that owns the N-block range, so small T spreads each expert's rows over all
 // threads (weights streamed once) and large T gets cache-sized tiles.
@@ -14,6 +18,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -29,6 +34,9 @@ constexpr int BIG_ROWS = 64;  //   activations are then reused across 8 blocks f
 constexpr int HCHUNK = 256;   // output columns per reduction unit
 constexpr int PADROWS = 32;   // extra activation rows (AMX tiles read up to 32 rows past an expert)
 constexpr int MAXSUB = 64;
+constexpr int QBLK = 256;               // columns per quant_block call
+constexpr int QNB = 2 * QBLK / 16;      // w13 N-blocks (gate + up) that produce one block
+static_assert(QNB % CW1 == 0 && QNB % CW_BIG == 0, "a w13 item must not straddle a quant block");
 
 // This unit is compiled for baseline x86-64 (so template instances it emits are safe everywhere);
 // only the functions marked HM_AVX2 use AVX2/FMA/F16C, and they run after the CPU check.
@@ -121,9 +129,11 @@ HM_AVX2 inline __m128i f32_to_bf16_8(__m256 v) {
 }  // namespace
 
 struct Workspace {
-  Buf a1, a2, sx1, sx2, g1, g2, af, y, slot_tok, slot_w, tok_slot, xq, xs, xg;
+  Buf a1, a2, sx1, sx2, g1, g2, af, y, slot_tok, slot_w, tok_slot, xq, xs, xg, gsl;
   std::vector<Buf> cbuf;
-  std::vector<int64_t> count, offs, pos;
+  std::vector<int64_t> count, offs, pos, qbase;
+  std::unique_ptr<std::atomic<int>[]> qdone;  // [units] w13 N-blocks done per (expert, row chunk, block)
+  int64_t qcap = 0;
   std::vector<Item> items;
   std::vector<std::vector<Item>> per_sub;
   explicit Workspace(int n) : cbuf(size_t(n)) {}
@@ -150,7 +160,10 @@ struct Ctx {
   int32_t* XG;
   float *sx1, *sx2, *af, *y;
   int32_t *g1, *g2, *slot_tok, *tok_slot;
+  int32_t* gsl;     // the slots phase 1 gathers (those of experts with 2 or more rows)
+  int64_t ngsl = 0;
   float* slot_w;
+  bool fuse_q2 = false;  // the activation is converted inside the w13 phase (Kernels::quant_block)
   const LoraTask* lora = nullptr;  // the pairs' adapter deltas (lora.h); null: none in this task
   int64_t sub_beg[MAXSUB + 1];
   Counter next[MAXSUB];
@@ -177,8 +190,9 @@ void ph_quant_tokens(int tid, void* p) {
 void ph_gather(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
   int64_t b, e;
-  range_of(c.S, tid, c.nth, b, e);
-  for (int64_t s = b; s < e; ++s) {
+  range_of(c.ngsl, tid, c.nth, b, e);
+  for (int64_t i = b; i < e; ++i) {
+    const int64_t s = c.gsl[i];
     int64_t r = c.slot_tok[s];
     std::memcpy(c.A1 + s * c.ld1, c.XQ + r * c.ld1, size_t(c.ld1));
     c.sx1[s] = c.XS[r];
@@ -228,7 +242,10 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
     int M = it.m1 - it.m0;
     if (c.lora) lora_prefetch(*c.lora, STAGE1 ? 0 : 1, it.e, r0, M, it.nb0, it.nb1);  // lands during the GEMM
     if (STAGE1) {
-      ActView A{c.A1 + r0 * c.ld1, c.ld1, c.sx1 + r0, c.g1 + r0 * c.gs1, c.gs1, c.prefetch};
+      // one row: the token's row of XQ as it is (XQ holds PADROWS spare rows like A1)
+      const int64_t xr = M == 1 ? c.slot_tok[r0] : -1;
+      ActView A = xr >= 0 ? ActView{c.XQ + xr * c.ld1, c.ld1, c.XS + xr, c.XG + xr * c.gs1, c.gs1, c.prefetch}
+                          : ActView{c.A1 + r0 * c.ld1, c.ld1, c.sx1 + r0, c.g1 + r0 * c.gs1, c.gs1, c.prefetch};
       int64_t ldc = int64_t(it.nb1 - it.nb0) * 16;
       c.k->gemm(d.method, d.w13, it.e, A, M, it.nb0, it.nb1, C, ldc, d.group);
       if (c.lora) lora_gate_up(*c.lora, it.e, r0, M, it.nb0, it.nb1, C, ldc);  // before the activation
@@ -237,6 +254,13 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
           const float* g = C + r * ldc + pr * 32;
           act16(d, g, g + 16, c.af + (r0 + r) * d.Ip + (it.nb0 / 2 + pr) * 16);
         }
+      if (c.fuse_q2) {  // the last item of its block converts the block's rows (acq_rel: sees the others' af)
+        const int kb = it.nb0 / QNB, n = it.nb1 - it.nb0;
+        std::atomic<int>& done = c.ws->qdone[size_t(c.ws->qbase[size_t(it.e)] + (it.m0 / MC) * (d.Ip / QBLK) + kb)];
+        if (done.fetch_add(n, std::memory_order_acq_rel) + n == QNB)
+          for (int r = 0; r < M; ++r)
+            if (!c.k->quant_block(c.af + (r0 + r) * d.Ip, d.Ip, kb, c.A2 + (r0 + r) * c.ld2)) c.bad.store(1);
+      }
     } else {
       ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2, c.prefetch};
       c.k->gemm(d.method, d.w2, it.e, A, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp, d.group);
@@ -325,6 +349,21 @@ void build_items(Ctx& c, int NB, int cw, int stage) {
   c.sub_beg[nsub] = int64_t(ws.items.size());
 }
 
+// The counters of the fused activation conversion: one per (expert, MC-row chunk, QBLK block), zero.
+void prepare_qdone(Ctx& c) {
+  Workspace& ws = *c.ws;
+  const int E = c.d->E, nkb = c.d->Ip / QBLK;
+  ws.qbase.assign(size_t(E) + 1, 0);
+  for (int e = 0; e < E; ++e)
+    ws.qbase[size_t(e) + 1] = ws.qbase[size_t(e)] + (ws.count[size_t(e)] + MC - 1) / MC * nkb;
+  const int64_t n = ws.qbase[size_t(E)];
+  if (n > ws.qcap) {
+    ws.qdone.reset(new std::atomic<int>[size_t(n)]);
+    ws.qcap = n;
+  }
+  for (int64_t i = 0; i < n; ++i) ws.qdone[size_t(i)].store(0, std::memory_order_relaxed);
+}
+
 std::string route(Ctx& c) {
   const HmTask& t = *c.t;
   Workspace& ws = *c.ws;
@@ -345,6 +384,11 @@ std::string route(Ctx& c) {
   }
   for (int e = 0; e < E; ++e) ws.offs[size_t(e) + 1] = ws.offs[size_t(e)] + ws.count[size_t(e)];
   c.S = ws.offs[size_t(E)];
+  c.gsl = ws.gsl.get<int32_t>(size_t(c.S) + 1);
+  c.ngsl = 0;
+  for (int e = 0; e < E; ++e)
+    if (ws.count[size_t(e)] > 1)
+      for (int64_t s = ws.offs[size_t(e)]; s < ws.offs[size_t(e) + 1]; ++s) c.gsl[c.ngsl++] = int32_t(s);
   c.slot_tok = ws.slot_tok.get<int32_t>(size_t(c.S) + 1);
   c.slot_w = ws.slot_w.get<float>(size_t(c.S) + 1);
   c.tok_slot = ws.tok_slot.get<int32_t>(size_t(TK) + 1);
@@ -424,22 +468,24 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     c.af = ws.af.get<float>(size_t(c.S) * size_t(d.Ip));
     c.y = ws.y.get<float>(size_t(c.S) * size_t(d.Hp));
     sw.lap(0);
-    c.XQ = ws.xq.get<uint8_t>(size_t(t.T) * size_t(c.ld1));
-    c.XS = ws.xs.get<float>(size_t(t.T));
-    c.XG = ws.xg.get<int32_t>(size_t(t.T) * size_t(c.gs1));
+    c.XQ = ws.xq.get<uint8_t>((size_t(t.T) + PADROWS) * size_t(c.ld1));
+    c.XS = ws.xs.get<float>(size_t(t.T) + PADROWS);
+    c.XG = ws.xg.get<int32_t>((size_t(t.T) + PADROWS) * size_t(c.gs1));
     // Decode-sized tasks convert their few rows on the leader alone: a parallel phase costs a
     // wake-up and a barrier of every thread (several us), more than the work itself.
     light(pool, c, ph_quant_tokens, c.S <= kInlineRows1);
     if (c.bad.load()) return "input x holds NaN or Inf";
-    light(pool, c, ph_gather, c.S <= kInlineRows1);
+    if (c.ngsl) light(pool, c, ph_gather, c.ngsl <= kInlineRows1);
     sw.lap(1);
     c.lora = lora_begin(L.lora, L.isa, t.lora_idx, t.x, t.x_dtype, d.H, t.T, c.S, c.slot_tok, ws.offs.data());
     sw.lap(7);
+    c.fuse_q2 = c.k->quant_block && !c.round_act_bf16 && d.I == d.Ip && d.Ip % QBLK == 0 && d.w13.N == 2 * d.Ip;
+    if (c.fuse_q2) prepare_qdone(c);
     build_items(c, d.w13.N / 16, CW1, 0);
     pool.parallel(ph_gemm<true>, &c);
     if (c.lora) lora_mid(*c.lora, c.af);  // the down units read the activations before they are quantized
     sw.lap(2);
-    light(pool, c, ph_quant2, c.S <= kInlineRows2);
+    if (!c.fuse_q2) light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";
     sw.lap(3);
     build_items(c, d.w2.N / 16, CW2, 1);

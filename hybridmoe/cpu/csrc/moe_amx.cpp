@@ -212,7 +212,7 @@ void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb
   }
 }
 
-const Kernels kTableAmx = {"amx", avx512::act_row_bytes, avx512::quant_row, gemm};
+const Kernels kTableAmx = {"amx", avx512::act_row_bytes, avx512::quant_row, gemm, nullptr};
 
 }  // namespace
 }  // namespace hm

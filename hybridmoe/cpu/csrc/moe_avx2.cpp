@@ -324,7 +324,7 @@ void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb
   }
 }
 
-const Kernels kTable = {"avx2", act_row_bytes, quant_row, gemm};
+const Kernels kTable = {"avx2", act_row_bytes, quant_row, gemm, nullptr};
 
 }  // namespace
 }  // namespace hm

@@ -384,7 +384,7 @@ void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb
 }  // namespace avx512
 
 namespace {
-const Kernels kTable512 = {"avx512", avx512::act_row_bytes, avx512::quant_row, avx512::gemm};
+const Kernels kTable512 = {"avx512", avx512::act_row_bytes, avx512::quant_row, avx512::gemm, nullptr};
 }
 }  // namespace hm
 
