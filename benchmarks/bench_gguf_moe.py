@@ -14,6 +14,7 @@ latency); `--timing forward` times layer.forward instead (adds the Python argume
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -24,6 +25,7 @@ from hybridmoe.cpu import gguf_quant as gq
 from hybridmoe.cpu import native
 from hybridmoe.cpu.engine import CPUThreadPool
 from hybridmoe.cpu.gguf_engine import GGUFExperts, GGUFMoELayer
+from hybridmoe.cpu.settings import CPUEngineSettings
 
 
 def make_layer(typ: str, e: int, h: int, i: int, seed: int) -> GGUFExperts:
@@ -87,34 +89,42 @@ def main(argv=None) -> dict:
     ap.add_argument("--timing", choices=("task", "forward"), default="task",
                     help="task: submit -> done of prebuilt tasks (bench_cpu_moe.py's way); forward: layer.forward")
     ap.add_argument("--profile", action="store_true", help="print the native phase times (us per task)")
+    ap.add_argument("--prefetch", type=lambda s: [int(v) for v in s.split(",")], default=None,
+                    help="software prefetch distances (bytes) to compare, e.g. 0,1024,2048,4096, one pool each in turn "
+                         "(default: CPUEngineSettings')")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    pool = CPUThreadPool(threads=a.threads)
-    sets = {}
-    for typ in a.types.split(","):
-        sets[typ] = [GGUFMoELayer(make_layer(typ, a.E, a.H, a.I, s), isa=a.isa, pool=pool) for s in range(a.layers)]
-    kernel = next(iter(sets.values()))[0].kernel_name
-    rows = []
-    probes = [pool.stream_read_gbps(a.stream_bytes, 5)]
-    for t in a.T:
-        for typ, layers in sets.items():  # interleaved with a probe per T: the host's bandwidth swings
-            sec, touched = measure(layers, t, a.k, a.E, a.H, a.seconds, a.min_iters, a.max_iters, a.timing)
-            prof = native.profile(reset=True)
-            per_expert = sum(m.numel() for m in layers[0].packed.tensors().values()) / a.E
-            gbs = touched * per_expert / sec / 1e9
-            tflops = 2 * 3 * a.H * a.I * t * a.k / sec / 1e12
-            phases = {p: v / max(1.0, prof["tasks"]) * 1e6 for p, v in prof.items() if p != "tasks"}
-            rows.append({"type": typ, "T": t, "ms": sec * 1e3, "GB/s": gbs, "TFLOP/s": tflops, "phases_us": phases})
+    prefetch = a.prefetch if a.prefetch is not None else [CPUEngineSettings().prefetch_bytes]
+    settings = [dataclasses.replace(CPUEngineSettings(), prefetch_bytes=pf) for pf in prefetch]  # validated here
+    packs = {typ: [make_layer(typ, a.E, a.H, a.I, s) for s in range(a.layers)] for typ in a.types.split(",")}
+    rows, probes, kernel, threads = [], [], "", 0
+    for st in settings:  # one pool at a time (two would share the cores), on the same packed weights
+        pool = CPUThreadPool(threads=a.threads, settings=st)
+        sets = {typ: [GGUFMoELayer(p, isa=a.isa, pool=pool) for p in ps] for typ, ps in packs.items()}
+        kernel, threads = next(iter(sets.values()))[0].kernel_name, pool.threads
         probes.append(pool.stream_read_gbps(a.stream_bytes, 5))
+        for t in a.T:
+            for typ, layers in sets.items():  # interleaved with a probe per T: the host's bandwidth swings
+                sec, touched = measure(layers, t, a.k, a.E, a.H, a.seconds, a.min_iters, a.max_iters, a.timing)
+                prof = native.profile(reset=True)
+                per_expert = sum(m.numel() for m in layers[0].packed.tensors().values()) / a.E
+                gbs = touched * per_expert / sec / 1e9
+                tflops = 2 * 3 * a.H * a.I * t * a.k / sec / 1e12
+                phases = {p: v / max(1.0, prof["tasks"]) * 1e6 for p, v in prof.items() if p != "tasks"}
+                rows.append({"type": typ, "T": t, "prefetch": st.prefetch_bytes, "ms": sec * 1e3, "GB/s": gbs,
+                             "TFLOP/s": tflops, "phases_us": phases})
+            probes.append(pool.stream_read_gbps(a.stream_bytes, 5))
+        del sets
+        pool.close()
     best = max(probes)
-    print(f"kernel {kernel}, threads {pool.threads}, stream-read probe best {best:.1f} GB/s (all {probes})")
+    print(f"kernel {kernel}, threads {threads}, stream-read probe best {best:.1f} GB/s (all {probes})")
     for r in rows:
         r["ratio_to_stream"] = r["GB/s"] / best
-        print(f"{r['type']:7s} T={r['T']:5d}  {r['ms']:9.3f} ms  {r['GB/s']:7.1f} GB/s  ratio {r['ratio_to_stream']:.2f}"
+        print(f"{r['type']:7s} T={r['T']:5d} pf={r['prefetch']:5d}  {r['ms']:9.3f} ms  {r['GB/s']:7.1f} GB/s  ratio {r['ratio_to_stream']:.2f}"
               f"  {r['TFLOP/s']:.3f} TFLOP/s")
         if a.profile:
             print("         phases (us/task): " + ", ".join(f"{p} {v:.1f}" for p, v in r["phases_us"].items()))
-    res = {"kernel": kernel, "threads": pool.threads, "timing": a.timing, "stream_read_gbps": best, "probes": probes, "rows": rows,
+    res = {"kernel": kernel, "threads": threads, "timing": a.timing, "stream_read_gbps": best, "probes": probes, "rows": rows,
            "shape": {"E": a.E, "k": a.k, "H": a.H, "I": a.I}}
     if a.json:
         with open(a.json, "w") as f:
