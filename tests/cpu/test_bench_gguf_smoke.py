@@ -1,0 +1,20 @@
+"""benchmarks/bench_gguf_moe.py runs end to end on tiny shapes (the script the H200 runs is not first exercised
+there): every type x T x prefetch distance gives a row with a positive rate. It checks the script, not the numbers."""
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bench_gguf_moe_smoke(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_gguf_moe
+
+    res = bench_gguf_moe.main(["--types", "Q4_K,Q8_0", "--E", "8", "--H", "256", "--I", "256", "--T", "1,3",
+                               "--layers", "2", "--seconds", "0.05", "--min-iters", "2", "--prefetch", "0,1024",
+                               "--threads", "1", "--stream-bytes", str(1 << 24), "--json", str(tmp_path / "g.json")])
+    got = [(r["type"], r["T"], r["prefetch"]) for r in res["rows"]]
+    assert sorted(got) == sorted((ty, t, pf) for ty in ("Q4_K", "Q8_0") for t in (1, 3) for pf in (0, 1024))
+    assert all(r["GB/s"] > 0 and r["ratio_to_stream"] > 0 for r in res["rows"])
+    assert (tmp_path / "g.json").exists() and len(res["probes"]) == 2 * (1 + 2)
