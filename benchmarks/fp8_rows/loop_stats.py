@@ -91,7 +91,7 @@ def row_of(name: str, key: str, loop: list[tuple[int, str, str]]) -> str:
     """One table row: the loop's instruction counts per 64-byte weight line."""
     ops = [(mn, o) for _, mn, o in loop]
     dots = sum(mn.startswith(key) for mn, _ in ops)
-    if "gemm" in name:  # the FP8 one-row kernel inlined (before a2fbd9e): pf when the loop prefetches
+    if "gemm" in name:  # the FP8 one-row kernel inlined (up to ad61aa4): pf when the loop prefetches
         short = "gemm: fp8 one-row loop" + (" [pf]" if any(mn.startswith("prefetch") for mn, _ in ops) else "")
     else:
         short = re.search(r"(blk_\w+(<[^()]*>)?)", name).group(1) + (" [pf]" if "true>" in name else "")
