@@ -30,6 +30,12 @@ void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb
 // build A's gemm (run.sh appends it to A's source, whose namespace hm is renamed hm_a)
 extern "C" void gemm_a(int method, const void* W, int e, const void* A, int M, int nb0, int nb1, float* C,
                        int64_t ldc, int G);
+extern "C" void fp8_to_bf16_a(const uint8_t* src, uint16_t* dst, int64_t steps);
+namespace hm {
+namespace avx512 {
+void fp8_to_bf16(const uint8_t* src, uint16_t* dst, int64_t steps);  // kernels_avx512.h
+}
+}  // namespace hm
 
 namespace {
 
@@ -139,6 +145,13 @@ int main(int argc, char** argv) {
   const size_t nk = ks.size();
   // bit-exact checks over one expert at every row count: B against A, and each row of B against the
   // same row computed alone (one-row call): does a row's result depend on its expert's row count?
+  {  // the AMX path's widening pass (one expert: every byte value many times)
+    const int64_t steps = int64_t(s.N / 16) * (s.Kd / 2);
+    std::vector<uint16_t> wa(size_t(steps) * 32), wbv(wa.size());
+    fp8_to_bf16_a(s.fp8.data(), wa.data(), steps);
+    hm::avx512::fp8_to_bf16(s.fp8.data(), wbv.data(), steps);
+    std::printf("# fp8_to_bf16: B==A %s\n", wa == wbv ? "yes" : "no");
+  }
   std::printf("# rows: B==A, B==B(row alone), A==A(row alone)\n");
   for (int M = 1; M <= 10; ++M) {
     std::vector<float> ca(size_t(10) * 64), cb(ca.size()), c1(ca.size()), d1(ca.size());

@@ -18,6 +18,9 @@ extern "C" void gemm_a(int method, const void* W, int e, const void* A, int M, i
   hm::avx512::gemm(method, *static_cast<const hm::PackedMat*>(W), e, *static_cast<const hm::ActView*>(A), M, nb0,
                    nb1, C, ldc, G);
 }
+extern "C" void fp8_to_bf16_a(const uint8_t* src, uint16_t* dst, int64_t steps) {
+  hm::avx512::fp8_to_bf16(src, dst, steps);
+}
 CPP
 g++ $base $avx512 -I"$csrc" -Dhm=hm_a -Dhm_kernels_avx512=hm_kernels_avx512_a -c "$out/moe_a.cpp" -o "$out/a.o"
 g++ $base $avx512 -I"$csrc" -c "$csrc/moe_avx512.cpp" -o "$out/b.o"

@@ -1,6 +1,6 @@
 // AVX-512 kernels (F/BW/VL + VNNI + BF16). Activation formats: int8 method -> u8 = q + 128 per row
 // (dot = dpbusd(u8, w) - 128 * rowsum(w)); int4 -> s8 q (dpbusd(nibble, q)); BF16 and FP8 -> bf16
-// rows (dpbf16ps; FP8 widens its weights to bf16 in registers, fp8_line_to_bf16, and scales each K
+// rows (dpbf16ps; FP8 widens its weights to bf16 in registers, fp8_line_at, and scales each K
 // group's partial dot). q = round(x * 127/amax), scale = amax/127, exactly as the AVX2 path.
 #include <immintrin.h>
 
@@ -162,17 +162,7 @@ struct Fp8Regs {
         hi1(_mm512_load_si512(kFp8.hi + 64)), sign(_mm512_set1_epi8(char(0x80))) {}
 };
 
-// One packed 64-byte line at p -> its two steps as bf16 (w0: the even step, w1: the odd one), with
-// intrinsics: gcc loads the line once per use (vpermi2b overwrites its index operand).
-inline void fp8_line_to_bf16_i(const Fp8Regs& r, const uint8_t* p, __m512i& w0, __m512i& w1) {
-  const __m512i b = _mm512_loadu_si512(p);
-  const __m512i lo = _mm512_permutex2var_epi8(r.lo0, b, r.lo1);
-  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(r.hi0, b, r.hi1), b, r.sign, 0xF8);
-  w0 = _mm512_unpacklo_epi8(lo, hi);
-  w1 = _mm512_unpackhi_epi8(lo, hi);
-}
-
-// The few-row kernels' inner loop in asm pieces that all address memory off one index register i
+// The few-row kernels' inner loop in asm pieces (the line widening also serves fp8_to_bf16) that all address memory off one index register i
 // (the activation byte offset of the iteration's first step; its weights are at wb + 8 * i): with
 // intrinsics or "m" operands gcc keeps a pointer per row and adds to each every iteration. The
 // kernels are memory-bound: their uops per line decide how far ahead of the data the core runs.
@@ -298,7 +288,7 @@ void fp8_to_bf16(const uint8_t* src, uint16_t* dst, int64_t steps) {
   const Fp8Regs tab;
   for (int64_t s = 0; s < steps; s += 2) {
     __m512i w0, w1;
-    fp8_line_to_bf16_i(tab, src + s * 32, w0, w1);
+    fp8_line_at<0>(tab, src, 4 * s, w0, w1);  // the line at src + 8 * (4 * s) = src + 32 * s
     _mm512_storeu_si512(dst + s * 32, w0);
     _mm512_storeu_si512(dst + s * 32 + 32, w1);
   }
