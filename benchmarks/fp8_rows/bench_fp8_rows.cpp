@@ -1,13 +1,15 @@
 // Few-row expert GEMM kernels by row count: weight bytes/s of FP8 (two builds of moe_avx512.cpp, A
 // and B, e.g. the committed kernel and a working copy; B's AMX table too where the CPU has AMX) and
-// INT8 (B, AVX-512 VNNI) at 1..8 rows of one expert, interleaved and repeated, medians, with 1 or
-// more threads claiming items of 4 N-blocks as the engine does; A and B compared bit for bit first.
+// INT8 (B, AVX-512 VNNI) at 1..8 rows of one expert and the T=16 mix (rows_of_item), interleaved and
+// repeated, medians, with 1 or more threads claiming items of 4 N-blocks as the engine does; A and B
+// compared bit for bit first (AMX: its max difference from B).
 // Built and run by run.sh (see there).
 //   cold: the w13 GEMM of DeepSeek-V3 (N 4096, Kd 7168) over `experts` experts (more than the LLC)
 //   hot:  4 N-blocks of one expert per thread (458 KB FP8: L2-resident), 64 times: compute cost
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -15,27 +17,16 @@
 #include <thread>
 #include <vector>
 
-#include "common.h"
+#include "kernels_avx512.h"  // B's hm::avx512::gemm and fp8_to_bf16
 
 namespace hm {
 const Kernels* kernels_checked(int isa);  // dispatch.cpp
 }
 
-namespace hm {
-namespace avx512 {
-void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc,
-          int G);
-}
-}  // namespace hm
-// build A's gemm (run.sh appends it to A's source, whose namespace hm is renamed hm_a)
+// A's gemm and fp8_to_bf16 (run.sh appends these to A's source, whose namespace hm is renamed hm_a)
 extern "C" void gemm_a(int method, const void* W, int e, const void* A, int M, int nb0, int nb1, float* C,
                        int64_t ldc, int G);
 extern "C" void fp8_to_bf16_a(const uint8_t* src, uint16_t* dst, int64_t steps);
-namespace hm {
-namespace avx512 {
-void fp8_to_bf16(const uint8_t* src, uint16_t* dst, int64_t steps);  // kernels_avx512.h
-}
-}  // namespace hm
 
 namespace {
 
@@ -92,6 +83,14 @@ struct Setup {
 
 constexpr int kHotReps = 64;
 
+// M = 0: the T=16 DeepSeek-V3 mix (16 tokens x top-8 of 256: an expert's rows ~ Binomial(16, 1/32)
+// given >= 1): of 101 items, 80 with 1 row, 18 with 2, 3 with 3, interleaved
+int rows_of_item(int M, int64_t it) {
+  if (M > 0) return M;
+  const int k = int(it % 101);
+  return k % 5 == 4 && k < 90 ? 2 : k >= 98 ? 3 : 1;
+}
+
 // One pass over the work (cold: every expert's N-blocks; hot: each thread its own 4 blocks of expert
 // 0, kHotReps times) by `nth` threads claiming items of 4 N-blocks (the engine's w2 item) from a counter;
 // returns weight bytes / s.
@@ -110,12 +109,13 @@ double pass(const Setup& s, Gemm g, int method, int M, bool hot, int pf, int nth
     for (;;) {
       const int64_t it = hot ? -1 : next.fetch_add(1);
       if (hot) {
-        for (int r = 0; r < kHotReps; ++r) g(method, W, 0, A, M, 4 * (tid % ipe), 4 * (tid % ipe) + 4, C, 64, s.G);
+        for (int r = 0; r < kHotReps; ++r)
+          g(method, W, 0, A, rows_of_item(M, r + tid), 4 * (tid % ipe), 4 * (tid % ipe) + 4, C, 64, s.G);
         return;
       }
       if (it >= items) return;
       const int e = int(it / ipe), nb = int(it % ipe) * 4;
-      g(method, W, e, A, M, nb, nb + 4, C, 64, s.G);
+      g(method, W, e, A, rows_of_item(M, it), nb, nb + 4, C, 64, s.G);
     }
   };
   std::vector<std::thread> ts;
@@ -132,14 +132,14 @@ int main(int argc, char** argv) {
   const int experts = argc > 1 ? std::atoi(argv[1]) : 6, rounds = argc > 2 ? std::atoi(argv[2]) : 7;
   const int pf = argc > 3 ? std::atoi(argv[3]) : 2048, nth = argc > 4 ? std::atoi(argv[4]) : 1;
   Setup s(experts);
-  const int rowsv[] = {1, 2, 3, 4, 5, 8};
+  const hm::Kernels* amx = hm::kernels_checked(hm::ISA_AMX);  // the AMX table: FP8 from 4 rows on tiles
+  const int rowsv[] = {1, 2, 3, 4, 5, 8, 0};  // 0: the T=16 mix (rows_of_item)
   struct K {
     const char* name;
     Gemm g;
     int method;
   };
   std::vector<K> ks = {{"FP8-A", gemm_a_, hm::M_FP8}, {"FP8-B", hm::avx512::gemm, hm::M_FP8}};
-  const hm::Kernels* amx = hm::kernels_checked(hm::ISA_AMX);  // the AMX table: FP8 from 4 rows on tiles
   if (amx) ks.push_back({"FP8-Bamx", amx->gemm, hm::M_FP8});
   ks.push_back({"INT8", hm::avx512::gemm, hm::M_INT8});
   const size_t nk = ks.size();
@@ -170,7 +170,18 @@ int main(int argc, char** argv) {
       b1 = b1 && std::memcmp(c1.data(), cb.data(), size_t(M) * 64 * 4) == 0;
       a1 = a1 && std::memcmp(d1.data(), ca.data(), size_t(M) * 64 * 4) == 0;
     }
-    std::printf("# %d: %s %s %s\n", M, ab ? "yes" : "no", b1 ? "yes" : "no", a1 ? "yes" : "no");
+    std::printf("# %d: %s %s %s", M, ab ? "yes" : "no", b1 ? "yes" : "no", a1 ? "yes" : "no");
+    if (amx) {  // the AMX table on the last item: max |amx - B| / max |B|
+      std::vector<float> cx(ca.size());
+      amx->gemm(hm::M_FP8, s.wf, 0, A, M, s.N / 16 - 4, s.N / 16, cx.data(), 64, s.G);
+      double d = 0, m = 0;
+      for (size_t j = 0; j < size_t(M) * 64; ++j) {
+        d = std::max(d, double(std::fabs(cx[j] - cb[j])));
+        m = std::max(m, double(std::fabs(cb[j])));
+      }
+      std::printf("  amx vs B: %.2e", d / m);
+    }
+    std::printf("\n");
   }
   std::printf("# experts=%d (%.0f MB FP8), rounds=%d, prefetch=%d, threads=%d\n", experts, double(s.fp8.size()) / 1e6,
               rounds, pf, nth);
@@ -182,7 +193,10 @@ int main(int argc, char** argv) {
       std::vector<std::vector<double>> v(nk);
       for (int r = 0; r < rounds; ++r)
         for (size_t k = 0; k < nk; ++k) v[k].push_back(pass(s, ks[k].g, ks[k].method, M, hot, pf, nth));
-      std::printf("%6d", M);
+      if (M)
+        std::printf("%6d", M);
+      else
+        std::printf("%6s", "mix16");
       std::vector<double> med(nk);
       for (size_t k = 0; k < nk; ++k) {
         std::sort(v[k].begin(), v[k].end());
