@@ -2,9 +2,11 @@
 # Builds and runs bench_fp8_rows.cpp. A = moe_avx512.cpp at git ref $1 (default HEAD; or the path of a
 # variant of the source), B = the working copy (with moe_amx.cpp: an FP8-Bamx column where the CPU has
 # AMX), compiled with build.py's flags. Further arguments go to the benchmark: experts rounds prefetch
-# threads. Examples (Zen 4 dev box; the H200 host: more experts than its LLC, 15 threads):
-#   bash benchmarks/fp8_rows/run.sh HEAD 6 7 2048 1
-#   bash benchmarks/fp8_rows/run.sh ad61aa4 48 5 2048 15
+# threads. Examples (Zen 4 dev box; the H200 host: more experts than its LLC, 15 threads; a copy of
+# the tree without git history takes A as a file, extracted beforehand with git show):
+#   bash benchmarks/fp8_rows/run.sh ad61aa4 6 15 2048 1
+#   git show ad61aa4:hybridmoe/cpu/csrc/moe_avx512.cpp > benchmarks/fp8_rows/moe_avx512_ad61aa4.cpp
+#   bash benchmarks/fp8_rows/run.sh benchmarks/fp8_rows/moe_avx512_ad61aa4.cpp 96 9 2048 15
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); root=$(cd "$here/../.." && pwd); csrc=$root/hybridmoe/cpu/csrc
 ref=${1:-HEAD}; shift || true
