@@ -162,12 +162,12 @@ struct Fp8Regs {
         hi1(_mm512_load_si512(kFp8.hi + 64)), sign(_mm512_set1_epi8(char(0x80))) {}
 };
 
-// The few-row kernels' inner loop in asm pieces (the line widening also serves fp8_to_bf16) that all address memory off one index register i
+// The few-row kernels' inner loop in asm pieces that all address memory off one index register i
 // (the activation byte offset of the iteration's first step; its weights are at wb + 8 * i): with
 // intrinsics or "m" operands gcc keeps a pointer per row and adds to each every iteration. The
 // kernels are memory-bound: their uops per line decide how far ahead of the data the core runs.
-// (Memory is read through register operands, not declared to the compiler: nothing writes the
-// weights or activations while a kernel runs.)
+// The line widening also serves fp8_to_bf16. (Memory is read through register operands, not
+// declared to the compiler: nothing writes the weights or activations while a kernel runs.)
 
 // The line at wb + 8 * i + D -> its two steps as bf16 (w0: the even step, w1: the odd one): one load,
 // the high bytes by vpermt2b (keeps the index b, overwrites a copy of the first table: a register
