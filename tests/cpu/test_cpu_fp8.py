@@ -105,8 +105,8 @@ def test_every_e4m3_code_widens_exactly(isa, pool, codes, t):
 
 @pytest.mark.parametrize("block,h,i", [((128, 128), 264, 136), ((16, 32), 100, 72)], ids=["b128", "b16x32_odd"])
 def test_every_row_count_of_one_expert(isa, pool, block, h, i):
-    """Each row count 1..9, 16 and 17 on one expert (the few-row kernels' register blocks: the
-    one-row kernel, 2-8 rows, an 8-row block plus a remainder, AMX from 4 rows where present), made
+    """Each row count 1..10, 16 and 17 on one expert (the few-row kernels' register blocks: 1-4 rows
+    with 4 dot chains, 5-8 with 2, an 8-row block plus a remainder, AMX from 4 rows where present), made
     of duplicate ids (a token picking the expert twice), next to a skipped expert, a -1 id and a
     lone row on another expert; odd H and I, fp32 and bf16 x."""
     w = fp8_experts(3, i, h, block, seed=11)
@@ -114,7 +114,7 @@ def test_every_row_count_of_one_expert(isa, pool, block, h, i):
     dq = w.dequantized(torch.float32)
     skip = torch.tensor([False, False, True])
     g = torch.Generator().manual_seed(12)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 17):
         t = (rows + 1) // 2
         ids = torch.full((t, 3), 2)  # slot 2: the skipped expert
         ids[:, 0] = 1
@@ -129,6 +129,32 @@ def test_every_row_count_of_one_expert(isa, pool, block, h, i):
             tol = 1.0 if dtype == torch.float32 else 4.0
             assert rel_error(out, ref) <= ORACLE_REL * tol and max_error(out, ref) <= ORACLE_MAX * tol, \
                 (rows, dtype, rel_error(out, ref), max_error(out, ref))
+
+
+# Row counts up to which each path computes a row exactly as it computes it alone: AVX2 keeps each
+# row's sums apart at any count; AVX-512 sums 1-4 rows in the one-row kernel's order (4 dot chains;
+# 5-8 rows: 2); AMX takes 4+ rows on tiles.
+ROW_INVARIANT_UP_TO = {"avx2": 10, "avx512": 4, "amx": 3}
+
+
+@pytest.mark.parametrize("block,h,i", [((128, 128), 264, 136), ((32, 96), 200, 72)], ids=["b128", "b32x96_odd"])
+def test_a_rows_result_does_not_depend_on_its_experts_row_count(isa, pool, block, h, i):
+    """n tokens (1..10) all routed to one expert give, token by token, bit for bit what each gives
+    alone (T=1), up to the path's ROW_INVARIANT_UP_TO rows; beyond it within the oracle bounds. Odd
+    H and I; fp32 and bf16 x."""
+    w = fp8_experts(2, i, h, block, seed=21)
+    layer = CPUMoELayer(pack(w), isa=isa, pool=pool)
+    g = torch.Generator().manual_seed(22)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(10, h, generator=g).to(dtype)
+        ids, wt = torch.ones(10, 1, dtype=torch.long), torch.rand(10, 1, generator=g)
+        alone = torch.cat([layer.forward(x[r:r + 1], ids[r:r + 1], wt[r:r + 1]) for r in range(10)])
+        for n in range(1, 11):
+            out = layer.forward(x[:n], ids[:n], wt[:n])
+            if n <= ROW_INVARIANT_UP_TO[isa]:
+                assert torch.equal(out, alone[:n]), (n, dtype, (out - alone[:n]).abs().max())
+            else:
+                assert rel_error(out, alone[:n]) <= ORACLE_REL, (n, dtype)
 
 
 def test_all_skipped_duplicates_accumulate(isa, pool):

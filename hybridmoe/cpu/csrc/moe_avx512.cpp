@@ -1,6 +1,6 @@
 // AVX-512 kernels (F/BW/VL + VNNI + BF16). Activation formats: int8 method -> u8 = q + 128 per row
 // (dot = dpbusd(u8, w) - 128 * rowsum(w)); int4 -> s8 q (dpbusd(nibble, q)); BF16 and FP8 -> bf16
-// rows (dpbf16ps; FP8 widens its weights to bf16 in registers, fp8_line_to_bf16, and scales each K
+// rows (dpbf16ps; FP8 widens its weights to bf16 in registers, fp8_line_at, and scales each K
 // group's partial dot). q = round(x * 127/amax), scale = amax/127, exactly as the AVX2 path.
 #include <immintrin.h>
 
@@ -162,111 +162,108 @@ struct Fp8Regs {
         hi1(_mm512_load_si512(kFp8.hi + 64)), sign(_mm512_set1_epi8(char(0x80))) {}
 };
 
-// One packed 64-byte line at p -> its two steps as bf16 (w0: the even step, w1: the odd one), with
-// intrinsics: gcc loads the line once per use (vpermi2b overwrites its index operand).
-inline void fp8_line_to_bf16_i(const Fp8Regs& r, const uint8_t* p, __m512i& w0, __m512i& w1) {
-  const __m512i b = _mm512_loadu_si512(p);
-  const __m512i lo = _mm512_permutex2var_epi8(r.lo0, b, r.lo1);
-  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(r.hi0, b, r.hi1), b, r.sign, 0xF8);
-  w0 = _mm512_unpacklo_epi8(lo, hi);
-  w1 = _mm512_unpackhi_epi8(lo, hi);
-}
+// The few-row kernels' inner loop in asm pieces that all address memory off one index register i
+// (the activation byte offset of the iteration's first step; its weights are at wb + 8 * i): with
+// intrinsics or "m" operands gcc keeps a pointer per row and adds to each every iteration. The
+// kernels are memory-bound: their uops per line decide how far ahead of the data the core runs.
+// The line widening also serves fp8_to_bf16. (Memory is read through register operands, not
+// declared to the compiler: nothing writes the weights or activations while a kernel runs.)
 
-// The same in asm, for the one-row kernel (memory-bound: its uops per line decide how far ahead of
-// the data the core runs): one load of the line, vpermt2b (keeps the index, overwrites a copy of the
-// first table: a register move) for both lookups, the sign (hi | b & 0x80), 2 unpacks.
-inline void fp8_line_to_bf16(const Fp8Regs& r, const uint8_t* p, __m512i& w0, __m512i& w1) {
-  const __m512i b = _mm512_loadu_si512(p);
-  __m512i lo, hi;
-  asm("vmovdqa64 %[lo0], %[lo]\n\t"
-      "vpermt2b %[lo1], %[b], %[lo]\n\t"
+// The line at wb + 8 * i + D -> its two steps as bf16 (w0: the even step, w1: the odd one): one load,
+// the high bytes by vpermt2b (keeps the index b, overwrites a copy of the first table: a register
+// move) with the sign or-ed in (hi | b & 0x80), then the low bytes by vpermi2b (overwrites b, no
+// longer needed: no copy), 2 unpacks. 7 vector instructions.
+template <int D>
+inline void fp8_line_at(const Fp8Regs& r, const uint8_t* wb, int64_t i, __m512i& w0, __m512i& w1) {
+  __m512i b, hi;
+  asm("vmovdqu64 %c[d](%[wb],%[i],8), %[b]\n\t"
       "vmovdqa64 %[hi0], %[hi]\n\t"
       "vpermt2b %[hi1], %[b], %[hi]\n\t"
-      "vpternlogd $0xF8, %[sign], %[b], %[hi]"
-      : [lo] "=&v"(lo), [hi] "=&v"(hi)
-      : [b] "v"(b), [lo0] "v"(r.lo0), [lo1] "v"(r.lo1), [hi0] "v"(r.hi0), [hi1] "v"(r.hi1), [sign] "v"(r.sign));
-  w0 = _mm512_unpacklo_epi8(lo, hi);
-  w1 = _mm512_unpackhi_epi8(lo, hi);
+      "vpternlogd $0xF8, %[sign], %[b], %[hi]\n\t"
+      "vpermi2b %[lo1], %[lo0], %[b]\n\t"
+      "vpunpcklbw %[hi], %[b], %[w0]\n\t"
+      "vpunpckhbw %[hi], %[b], %[w1]"
+      : [w0] "=&v"(w0), [w1] "=&v"(w1), [hi] "=&v"(hi), [b] "=&v"(b)
+      : [wb] "r"(wb), [i] "r"(i), [d] "i"(D), [lo0] "v"(r.lo0), [lo1] "v"(r.lo1), [hi0] "v"(r.hi0),
+        [hi1] "v"(r.hi1), [sign] "v"(r.sign));
 }
 
-// acc += w . (the bf16 pair at x, broadcast): the pair is the dot's embedded-broadcast operand (gcc
-// does not fold _mm512_set1_epi32 into vdpbf16ps: a separate broadcast load per dot)
-inline __m512 dot_pair(__m512 acc, __m512i w, const uint8_t* x) {
-  asm("vdpbf16ps %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(x)));
-  return acc;
+template <int D>
+inline void prefetch_at(const uint8_t* wb, int64_t i) {
+  asm volatile("prefetcht0 %c[d](%[wb],%[i],8)" : : [wb] "r"(wb), [i] "r"(i), [d] "i"(D));
 }
 
-// FP8 block, one row (decode): 4 dot chains over two lines per iteration (one chain per step: the
-// dots of a row are not serialized on their latency).
-void blk_fp8_1(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C) {
-  __m512 facc = _mm512_setzero_ps();
-  const uint8_t* x = A.data + m0 * A.ld;
-  const int spg = G / 2, pf = A.prefetch;
+// acc[t] += w . (the bf16 pair at x[t] + i + D, broadcast) for each row t: the pair is the dot's
+// embedded-broadcast operand (gcc does not fold _mm512_set1_epi32 into vdpbf16ps)
+template <int R, int D>
+inline void dots_at(__m512 (&acc)[R], __m512i w, const uint8_t* const (&x)[R], int64_t i) {
+  for (int t = 0; t < R; ++t)
+    asm("vdpbf16ps %c[d](%[x],%[i])%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc[t]) : [w] "v"(w), [x] "r"(x[t]),
+        [i] "r"(i), [d] "i"(D));
+}
+
+// One iteration of blk_fp8_ (below) at activation byte offset i + O: CH / 2 lines, CH dots per row.
+template <int R, int CH, bool PF, int O>
+inline void fp8_iter(const Fp8Regs& tab, const uint8_t* wb, const uint8_t* wpf, __m512 (&acc)[CH][R],
+                     const uint8_t* const (&x)[R], int64_t i) {
+  __m512i w0, w1, w2, w3;
+  if (PF) prefetch_at<8 * O>(wpf, i);
+  fp8_line_at<8 * O>(tab, wb, i, w0, w1);
+  if constexpr (CH == 4) {
+    if (PF) prefetch_at<8 * O + 64>(wpf, i);
+    fp8_line_at<8 * O + 64>(tab, wb, i, w2, w3);
+  }
+  dots_at<R, O>(acc[0], w0, x, i);
+  dots_at<R, O + 4>(acc[1], w1, x, i);
+  if constexpr (CH == 4) {
+    dots_at<R, O + 8>(acc[2], w2, x, i);
+    dots_at<R, O + 12>(acc[3], w3, x, i);
+  }
+}
+
+// FP8 block, R rows: per K group (G values = G/2 steps) CH dot chains per row, chain c taking the
+// steps s with s % CH == c (one per step of an iteration over CH/2 lines: a row's dots are not
+// serialized on their latency), then facc += (chain sum) * s[g]. Each widened line serves all R
+// rows; per line: one load, 6 vector ops of widening, 2R dots, one prefetch.
+// CH = 4 (two lines per iteration) up to 4 rows: the one-row kernel's summation order, so a row's
+// result is bit for bit the same whatever the row count of its expert (1..4; tested). 5-8 rows keep
+// 2 chains (4 x R accumulators would not fit the 32 registers). PF: software prefetch on (a
+// template argument: with the test inside the loop gcc's register allocation adds moves).
+template <int R, int CH, bool PF>
+void blk_fp8_(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C, int64_t ldc) {
+  static_assert(CH == 2 || CH == 4, "one or two lines per iteration");
+  __m512 facc[R];
+  for (int t = 0; t < R; ++t) facc[t] = _mm512_setzero_ps();
+  const uint8_t* x[R];
+  for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
+  const uint8_t* wpf = wb + A.prefetch;
+  const int64_t ipg = 2 * G;  // activation bytes per group (G bf16 values)
   const Fp8Regs tab;
   for (int g = 0; g < Kd / G; ++g) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int s = g * spg; s < (g + 1) * spg; s += 4) {  // G % 32 == 0: whole iterations
-      const uint8_t* p = wb + s * 32;
-      if (pf) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + pf), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(p + 64 + pf), _MM_HINT_T0);
-      }
-      __m512i w0, w1, w2, w3;
-      fp8_line_to_bf16(tab, p, w0, w1);
-      fp8_line_to_bf16(tab, p + 64, w2, w3);
-      a0 = dot_pair(a0, w0, x + 4 * s);
-      a1 = dot_pair(a1, w1, x + 4 * s + 4);
-      a2 = dot_pair(a2, w2, x + 4 * s + 8);
-      a3 = dot_pair(a3, w3, x + 4 * s + 12);
+    __m512 acc[CH][R];
+    for (int c = 0; c < CH; ++c)
+      for (int t = 0; t < R; ++t) acc[c][t] = _mm512_setzero_ps();
+    // two iterations per trip (G % 32 == 0: a group is 4 or 8 of them): half the loop overhead
+    for (int64_t i = g * ipg; i < (g + 1) * ipg; i += 8 * CH) {
+      fp8_iter<R, CH, PF, 0>(tab, wb, wpf, acc, x, i);
+      fp8_iter<R, CH, PF, 4 * CH>(tab, wb, wpf, acc, x, i);
     }
-    facc = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), _mm512_set1_ps(sc[g]), facc);
+    const __m512 vs = _mm512_set1_ps(sc[g]);
+    for (int t = 0; t < R; ++t) {
+      __m512 sum = _mm512_add_ps(acc[0][t], acc[1][t]);
+      if constexpr (CH == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[2][t], acc[3][t]));
+      facc[t] = _mm512_fmadd_ps(sum, vs, facc[t]);
+    }
   }
-  _mm512_storeu_ps(C, facc);
+  for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, facc[t]);
 }
 
-// FP8 block, R rows: per K group (G values = G/2 steps) a bf16 dot into acc, then facc += acc * s[g].
-// Each widened line serves all R rows. CH dot chains per row, one per step of an iteration: 2 (one
-// line). 4 chains (two lines) for 2-3 rows measured 2-3% slower on Zen 4 (throughput-bound there);
-// on a core whose vdpbf16ps latency exceeds its per-line issue time they may pay: a build with
-// -DHM_FP8_CH4_MAXR=3 (HYBRIDMOE_CXXFLAGS) uses 4 chains up to 3 rows, to compare.
-#ifndef HM_FP8_CH4_MAXR
-#define HM_FP8_CH4_MAXR 1
-#endif
-template <int R>
+template <int R, int CH>
 void blk_fp8(const uint8_t* wb, int Kd, int G, const ActView& A, int m0, const float* sc, float* C, int64_t ldc) {
-  if constexpr (R == 1) {
-    blk_fp8_1(wb, Kd, G, A, m0, sc, C);
-  } else {
-    constexpr int CH = R <= HM_FP8_CH4_MAXR && R <= 4 ? 4 : 2;
-    __m512 facc[R];
-    for (int t = 0; t < R; ++t) facc[t] = _mm512_setzero_ps();
-    const uint8_t* x[R];
-    for (int t = 0; t < R; ++t) x[t] = A.data + (m0 + t) * A.ld;
-    const int spg = G / 2, pf = A.prefetch;
-    const Fp8Regs tab;
-    for (int g = 0; g < Kd / G; ++g) {
-      __m512 acc[CH][R];
-      for (int c = 0; c < CH; ++c)
-        for (int t = 0; t < R; ++t) acc[c][t] = _mm512_setzero_ps();
-      for (int s = g * spg; s < (g + 1) * spg; s += CH) {  // G % 32 == 0: whole iterations
-        __m512i w[CH];
-        for (int l = 0; l < CH / 2; ++l) {
-          if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + (s + 2 * l) * 32 + pf), _MM_HINT_T0);
-          fp8_line_to_bf16_i(tab, wb + (s + 2 * l) * 32, w[2 * l], w[2 * l + 1]);
-        }
-        for (int c = 0; c < CH; ++c)
-          for (int t = 0; t < R; ++t)
-            acc[c][t] = _mm512_dpbf16_ps(acc[c][t], (__m512bh)w[c], (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 4 * (s + c))));
-      }
-      const __m512 vs = _mm512_set1_ps(sc[g]);
-      for (int t = 0; t < R; ++t) {
-        __m512 sum = _mm512_add_ps(acc[0][t], acc[1][t]);
-        if (CH == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[2][t], acc[3][t]));
-        facc[t] = _mm512_fmadd_ps(sum, vs, facc[t]);
-      }
-    }
-    for (int t = 0; t < R; ++t) _mm512_storeu_ps(C + t * ldc, facc[t]);
-  }
+  if (A.prefetch)
+    blk_fp8_<R, CH, true>(wb, Kd, G, A, m0, sc, C, ldc);
+  else
+    blk_fp8_<R, CH, false>(wb, Kd, G, A, m0, sc, C, ldc);
 }
 
 #define HM_SWITCH_R(n, CALL) \
@@ -291,7 +288,7 @@ void fp8_to_bf16(const uint8_t* src, uint16_t* dst, int64_t steps) {
   const Fp8Regs tab;
   for (int64_t s = 0; s < steps; s += 2) {
     __m512i w0, w1;
-    fp8_line_to_bf16_i(tab, src + s * 32, w0, w1);
+    fp8_line_at<0>(tab, src, 4 * s, w0, w1);  // the line at src + 8 * (4 * s) = src + 32 * s
     _mm512_storeu_si512(dst + s * 32, w0);
     _mm512_storeu_si512(dst + s * 32 + 32, w1);
   }
@@ -366,7 +363,7 @@ void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb
       const uint8_t* wb = base + int64_t(nb) * 16 * Kd;
       const float* sc = W.scale + (int64_t(e) * NBT + nb) * (Kd / G);
       for (int m = 0; m < M; m += MT) {
-#define HM_CALL(r) blk_fp8<r>(wb, Kd, G, A, m, sc, Cb + m * ldc, ldc)
+#define HM_CALL(r) blk_fp8<r, (r <= 4 ? 4 : 2)>(wb, Kd, G, A, m, sc, Cb + m * ldc, ldc)
         HM_SWITCH_R(imin(MT, M - m), HM_CALL)
 #undef HM_CALL
       }
