@@ -51,9 +51,10 @@ void configure_tiles() {
 
 // pf > 0: software prefetch of both weight blocks ahead of their tile loads (each k step reads 1 KiB =
 // 16 lines of each block from DRAM; the blocks of a pair are adjacent, so the prefetch runs on into the
-// next pair): into L2 4 * pf ahead, into L1 pf ahead. Only for the first 32-row pass over a pair: later
-// passes find it in L2. (L1 prefetch alone, 2048 ahead, measured 4.69 TFLOP/s at T 1024 on the H200
-// host against 3.72 without; 8192 ahead 4.61: more lines in flight than L1's fill buffers hold.)
+// next pair), into L1, pf bytes ahead. Only for the first 32-row pass over a pair: later passes find it
+// in L2. On the H200 host at T 1024 (DeepSeek-V3 layer, session 12): 2048 ahead 4.69 TFLOP/s (0.71 of
+// the adjacent stream probe) against 3.72 without, 8192 ahead 4.61; adding an L2 prefetch 4 x pf ahead
+// measured 0.61 of its run's probe, and was dropped.
 template <bool INT8>
 void amx_pair(const uint8_t* b0, const uint8_t* b1, int Kd, const ActView& A, int m, int M, const float* sw0,
               const float* sw1, const int32_t* ws0, const int32_t* ws1, float* C, int64_t ldc, int pf) {
@@ -66,14 +67,12 @@ void amx_pair(const uint8_t* b0, const uint8_t* b1, int Kd, const ActView& A, in
   const uint8_t* a1 = a0 + 16 * A.ld;
   const int kt_n = INT8 ? Kd / 64 : Kd / 32;
   for (int kt = 0; kt < kt_n; ++kt) {
-    if (pf) {  // two levels: L2 4 * pf ahead (the DRAM latency), L1 pf ahead (from L2)
-      const char* p0 = reinterpret_cast<const char*>(b0 + kt * 1024);
-      const char* p1 = reinterpret_cast<const char*>(b1 + kt * 1024);
+    if (pf) {
+      const char* p0 = reinterpret_cast<const char*>(b0 + kt * 1024 + pf);
+      const char* p1 = reinterpret_cast<const char*>(b1 + kt * 1024 + pf);
       for (int l = 0; l < 1024; l += 64) {
-        _mm_prefetch(p0 + 4 * pf + l, _MM_HINT_T1);
-        _mm_prefetch(p1 + 4 * pf + l, _MM_HINT_T1);
-        _mm_prefetch(p0 + pf + l, _MM_HINT_T0);
-        _mm_prefetch(p1 + pf + l, _MM_HINT_T0);
+        _mm_prefetch(p0 + l, _MM_HINT_T0);
+        _mm_prefetch(p1 + l, _MM_HINT_T0);
       }
     }
     _tile_loadd(4, a0 + kt * 64, A.ld);
