@@ -4,6 +4,7 @@ the modes interleave, the summary is the median of the runs), not the numbers.""
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -18,14 +19,26 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_grammar import EOS, SCHEMA, synthetic_vocab  # noqa: E402
 
 
+def run_or_dump(cmd: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    """subprocess.run, but a child that outlives the timeout gets SIGABRT first: with PYTHONFAULTHANDLER its
+    threads' Python stacks land in stderr, and the failure shows them (it ran ~5 s here and once hung in CI)."""
+    child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGABRT)
+        out, err = child.communicate()
+        raise AssertionError(f"{cmd[1]} still ran after {timeout} s; its stacks:\n{err[-6000:]}\n{out[-2000:]}") from None
+    return subprocess.CompletedProcess(cmd, child.returncode, out, err)
+
+
 def test_bench_grammar_smoke(tmp_path):
     out = tmp_path / "g.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_grammar.py"), "--device", "cpu", "--layers", "1",
            "--experts", "4", "--topk", "2", "--hidden", "64", "--inter", "64", "--heads", "4", "--kv-heads", "2",
            "--head-dim", "16", "--vocab", "300", "--batch", "1", "3", "--steps", "3", "--warm", "12",
            "--repeat", "3", "--prompt-len", "8", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+    proc = run_or_dump(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = res["runs"]
