@@ -27,14 +27,29 @@ constexpr Ctl8x8 kscale_ctl() {
 }
 constexpr Ctl8x8 kKScaleCtl = kscale_ctl();
 
-// k_scales_vec (gguf_unpack.h) on both 128-bit lanes: lane j = the 16-byte head of a super-block
+// k_scales_vec (gguf_unpack.h) on both 128-bit lanes: lane j = the 16-byte head of a super-block.
+// Its constants as 32-byte tables (memory operands, no broadcast in the short-row tail groups).
+struct alignas(32) KScaleConsts {
+  int8_t v[5][32];
+};
+constexpr KScaleConsts kscale_consts() {
+  constexpr int8_t c[5][16] = {{4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15},
+                               {-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11},
+                               {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0},
+                               {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15},
+                               {0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48}};
+  KScaleConsts r{};
+  for (int k = 0; k < 5; ++k)
+    for (int i = 0; i < 32; ++i) r.v[k][i] = c[k][i % 16];
+  return r;
+}
+constexpr KScaleConsts kKSC = kscale_consts();
 inline __m256i k_scales_vec256(__m256i h) {
-  const auto c = [](__m128i x) { return _mm256_broadcastsi128_si256(x); };
-  const __m256i A = _mm256_shuffle_epi8(h, c(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
-  const __m256i B = _mm256_shuffle_epi8(h, c(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11)));
-  const __m256i lo = _mm256_and_si256(A, c(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)));
-  const __m256i a4 = _mm256_and_si256(_mm256_srli_epi16(A, 4), c(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
-  const __m256i b2 = _mm256_and_si256(_mm256_srli_epi16(B, 2), c(_mm_setr_epi8(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48)));
+  const __m256i A = _mm256_shuffle_epi8(h, ld256(kKSC.v[0]));
+  const __m256i B = _mm256_shuffle_epi8(h, ld256(kKSC.v[1]));
+  const __m256i lo = _mm256_and_si256(A, ld256(kKSC.v[2]));
+  const __m256i a4 = _mm256_and_si256(_mm256_srli_epi16(A, 4), ld256(kKSC.v[3]));
+  const __m256i b2 = _mm256_and_si256(_mm256_srli_epi16(B, 2), ld256(kKSC.v[4]));
   return _mm256_or_si256(_mm256_or_si256(lo, a4), b2);
 }
 

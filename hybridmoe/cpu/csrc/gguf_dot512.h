@@ -69,14 +69,30 @@ inline __m512i nibbles_2x16(__m256i x) {
   return _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(15));
 }
 
-// k_scales_vec (gguf_unpack.h) on every 128-bit lane: lane j = the 16-byte head of a super-block
+// k_scales_vec (gguf_unpack.h) on every 128-bit lane: lane j = the 16-byte head of a super-block.
+// Its constants as 64-byte tables (memory operands; broadcast from 16 bytes they cost a shuffle
+// each in the short-row tail groups, where the compiler does not keep them in registers).
+struct alignas(64) KScaleConsts {
+  int8_t v[5][64];
+};
+constexpr KScaleConsts kscale_consts() {
+  constexpr int8_t c[5][16] = {{4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15},
+                               {-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11},
+                               {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0},
+                               {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15},
+                               {0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48}};
+  KScaleConsts r{};
+  for (int k = 0; k < 5; ++k)
+    for (int i = 0; i < 64; ++i) r.v[k][i] = c[k][i % 16];
+  return r;
+}
+constexpr KScaleConsts kKSC = kscale_consts();
 inline __m512i k_scales_vec512(__m512i h) {
-  const auto c = [](__m128i x) { return _mm512_broadcast_i32x4(x); };
-  const __m512i A = _mm512_shuffle_epi8(h, c(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
-  const __m512i B = _mm512_shuffle_epi8(h, c(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11)));
-  const __m512i lo = _mm512_and_si512(A, c(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)));
-  const __m512i a4 = _mm512_and_si512(_mm512_srli_epi16(A, 4), c(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
-  const __m512i b2 = _mm512_and_si512(_mm512_srli_epi16(B, 2), c(_mm_setr_epi8(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48)));
+  const __m512i A = _mm512_shuffle_epi8(h, ld512(kKSC.v[0]));
+  const __m512i B = _mm512_shuffle_epi8(h, ld512(kKSC.v[1]));
+  const __m512i lo = _mm512_and_si512(A, ld512(kKSC.v[2]));
+  const __m512i a4 = _mm512_and_si512(_mm512_srli_epi16(A, 4), ld512(kKSC.v[3]));
+  const __m512i b2 = _mm512_and_si512(_mm512_srli_epi16(B, 2), ld512(kKSC.v[4]));
   return _mm512_or_si512(_mm512_or_si512(lo, a4), b2);
 }
 
@@ -95,22 +111,37 @@ template <bool Q5, int R, int NB>
 inline void kgroup45(const uint8_t* p, int b, const ActRows<R>& a, __m512* acc, int64_t pf) {
   constexpr int kBytes = Q5 ? 176 : 144;
   prefetch_sb<NB * kBytes>(p, pf);
-  __m512i H = _mm512_zextsi128_si512(ld128(p));
-  if (NB > 1) H = _mm512_inserti32x4(H, ld128(p + kBytes), 1);
-  if (NB > 2) H = _mm512_inserti32x4(H, ld128(p + 2 * kBytes), 2);
-  if (NB > 3) H = _mm512_inserti32x4(H, ld128(p + 3 * kBytes), 3);
-  const __m512i X = k_scales_vec512(H);  // lane j: super-block j's 8 scales, 8 mins
-  const __m512i mins = _mm512_unpackhi_epi8(X, _mm512_setzero_si512());  // int16, lane j
-  // [d_0 .. d_3, dmin_0 .. dmin_3] (zero heads give zero lanes)
-  const __m256 dd = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(ld512(kIdxDDmin), H)));
-  constexpr __mmask16 kM = __mmask16((1u << (4 * NB)) - 1);
-  __m256 f[R];
-  for (int t = 0; t < R; ++t) {  // [d_j * d_act_j, dmin_j * d_act_j]; mins: lanes 4j..4j+3 <- dmin_j * d_act_j
-    const __m128 da = NB == 4 ? _mm_loadu_ps(a.d[t] + b) : _mm_maskz_loadu_ps(__mmask8((1u << NB) - 1), a.d[t] + b);
-    f[t] = _mm256_mul_ps(dd, _mm256_insertf128_ps(_mm256_castps128_ps256(da), da, 1));
-    const __m512i ms = _mm512_madd_epi16(mins, _mm512_maskz_loadu_epi32(kM, a.b32[t] + 8 * b));
-    acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_permutexvar_ps(ld512(kIdxMinF), _mm512_castps256_ps512(f[t])),
-                              acc[t]);
+  __m512i X;  // lane j: super-block j's 8 scales, 8 mins
+  __m256 f[R];  // [d_j * d_act_j, dmin_j * d_act_j]
+  if constexpr (NB == 1) {  // one super-block: the scale work at 128 bits
+    const __m128i h = ld128(p);
+    const __m128i X1 = k_scales_vec(h);
+    X = _mm512_castsi128_si512(X1);
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(X1, 8));
+    const __m128 dd = _mm_cvtph_ps(h);  // lanes 0, 1: d, dmin
+    for (int t = 0; t < R; ++t) {
+      const __m128 f1 = _mm_mul_ps(dd, _mm_set1_ps(a.d[t][b]));
+      f[t] = _mm256_castps128_ps256(f1);
+      const __m128 m = _mm_mul_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, ld128(a.b32[t] + 8 * b))), _mm_permute_ps(f1, 0x55));
+      acc[t] = _mm512_sub_ps(acc[t], _mm512_zextps128_ps512(m));
+    }
+  } else {
+    __m512i H = _mm512_zextsi128_si512(ld128(p));
+    H = _mm512_inserti32x4(H, ld128(p + kBytes), 1);
+    if (NB > 2) H = _mm512_inserti32x4(H, ld128(p + 2 * kBytes), 2);
+    if (NB > 3) H = _mm512_inserti32x4(H, ld128(p + 3 * kBytes), 3);
+    X = k_scales_vec512(H);
+    const __m512i mins = _mm512_unpackhi_epi8(X, _mm512_setzero_si512());  // int16, lane j
+    // [d_0 .. d_3, dmin_0 .. dmin_3] (zero heads give zero lanes)
+    const __m256 dd = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(ld512(kIdxDDmin), H)));
+    constexpr __mmask16 kM = __mmask16((1u << (4 * NB)) - 1);
+    for (int t = 0; t < R; ++t) {  // mins: lanes 4j..4j+3 x dmin_j * d_act_j
+      const __m128 da = NB == 4 ? _mm_loadu_ps(a.d[t] + b) : _mm_maskz_loadu_ps(__mmask8((1u << NB) - 1), a.d[t] + b);
+      f[t] = _mm256_mul_ps(dd, _mm256_insertf128_ps(_mm256_castps128_ps256(da), da, 1));
+      const __m512i ms = _mm512_madd_epi16(mins, _mm512_maskz_loadu_epi32(kM, a.b32[t] + 8 * b));
+      acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_permutexvar_ps(ld512(kIdxMinF), _mm512_castps256_ps512(f[t])),
+                                acc[t]);
+    }
   }
   const __m512i m15 = _mm512_set1_epi8(15);
 #pragma GCC unroll 4
@@ -121,6 +152,7 @@ inline void kgroup45(const uint8_t* p, int b, const ActRows<R>& a, __m512* acc, 
                     _mm512_and_si512(x1, m15), _mm512_and_si512(_mm512_srli_epi16(x1, 4), m15)};
     if (Q5) {  // bit j of qh[l]: bit 4 of value l of sub-block j
       const __m512i qh2 = _mm512_broadcast_i64x4(ld256(p + j * kBytes + 16));
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const __m512i sel = join256(_mm256_set1_epi8(char(1 << kSubLo[c])), _mm256_set1_epi8(char(1 << kSubHi[c])));
         v[c] = _mm512_mask_add_epi8(v[c], _mm512_test_epi8_mask(qh2, sel), v[c], _mm512_set1_epi8(16));
@@ -131,6 +163,7 @@ inline void kgroup45(const uint8_t* p, int b, const ActRows<R>& a, __m512* acc, 
                        : j == 2 ? _mm512_shuffle_i32x4(X, X, 0xaa)
                                 : _mm512_shuffle_i32x4(X, X, 0xff);
     __m512i sc[4];
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) sc[c] = _mm512_shuffle_epi8(Sb, ld512(kKScaleCtl.v[c]));
     for (int t = 0; t < R; ++t) {
       const int8_t* qa = a.qp[t] + (b + j) * 256;
