@@ -221,56 +221,21 @@ struct DecQ6K {  // 210 B: ql 128, qh 64, int8 scales 16, d; u in [0, 63], w = d
   }
 };
 
-// Q4_0 / Q8_0: int16 word indices (vpermt2w, 2 x 32 words) of the fp16 scale of block g / 2 for
-// word g: Q4_0 block j at byte 18j (one table pair, bytes 0..127); Q8_0 at 34j, blocks 0-3 from
-// bytes 0..127 and blocks 4-7 from bytes 128..255 (two permutes, words 8..15 blended in).
-struct alignas(64) Idx16x2 {
-  int16_t v[2][32];
-};
-constexpr Idx16x2 f16_scale_idx(int stride) {
-  Idx16x2 r{};
-  for (int g = 0; g < 16; ++g) {
-    const int w = stride / 2 * (g / 2);
-    r.v[0][g] = int16_t(w < 64 ? w : w - 64);
-    r.v[1][g] = int16_t(w < 64 ? w : w - 64);
-  }
-  return r;
-}
-constexpr Idx16x2 kIdxQ40 = f16_scale_idx(18), kIdxQ80 = f16_scale_idx(34);
-constexpr Idx32x4 pair32x2() {  // lanes of a 16-lane (per-16) scale vector: lane l of register c <- 2 (2c + l / 8)
-  Idx32x4 r{};
-  for (int c = 0; c < 4; ++c)
-    for (int l = 0; l < 16; ++l) r.v[c][l] = 2 * (2 * c + l / 8);
-  return r;
-}
-constexpr Idx32x4 kIdxPair32x2 = pair32x2();
-
+// Q4_0 / Q8_0 / IQ4_XS. The fp16 block scales come through scalar word inserts (block_scales8):
+// two vpermt2w over the super-block's 64-byte lines take 6 instructions instead of 10, but the
+// lines' unaligned 64-byte loads made the DRAM stream 5-8 % slower (2-core Zen 4, one thread).
 template <int TYPE>
 struct DecF {  // Q4_0 (8 x 18 B), Q8_0 (8 x 34 B), IQ4_XS (136 B) per super-block
   static constexpr int kBytes = TYPE == GG_Q4_0 ? 144 : TYPE == GG_Q8_0 ? 272 : 136;
   static constexpr float kOff = TYPE == GG_Q4_0 ? 8.0f : 128.0f;
-  static constexpr bool kD16 = TYPE != GG_IQ4_XS;
-  // kD16: D lane g = scale of block g / 2 (the fp16 words permuted straight out of the block, no
-  // scalar gather); else D lanes 0..7 = block scales. corr: -kOff * scale of group g.
-  __m512 D, corr;
+  __m512 D, corr;  // D: block scales in lanes 0..7; corr: -kOff * scale of group g
   const uint8_t* p;
   void load(const uint8_t* blk) {
     p = blk;
-    if constexpr (TYPE == GG_Q4_0) {
-      const __m512i h = _mm512_permutex2var_epi16(ld512(p), ld512(kIdxQ40.v[0]), ld512(p + 64));
-      D = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-      corr = _mm512_mul_ps(D, _mm512_set1_ps(-kOff));
-    } else if constexpr (TYPE == GG_Q8_0) {
-      const __m512i lo = _mm512_permutex2var_epi16(ld512(p), ld512(kIdxQ80.v[0]), ld512(p + 64));
-      const __m512i hi = _mm512_permutex2var_epi16(ld512(p + 128), ld512(kIdxQ80.v[1]), ld512(p + 192));
-      D = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_mask_blend_epi16(0xff00, lo, hi)));
-      corr = _mm512_mul_ps(D, _mm512_set1_ps(-kOff));
-    } else {
-      D = _mm512_castps256_ps512(block_scales8<TYPE>(p));
-      corr = _mm512_mul_ps(_mm512_permutexvar_ps(ld512(kIdxHalf32), D), _mm512_set1_ps(-kOff));
-    }
+    D = _mm512_castps256_ps512(block_scales8<TYPE>(p));
+    corr = _mm512_mul_ps(_mm512_permutexvar_ps(ld512(kIdxHalf32), D), _mm512_set1_ps(-kOff));
   }
-  __m512 ds(int c) const { return _mm512_permutexvar_ps(ld512((kD16 ? kIdxPair32x2 : kIdxPair32).v[c]), D); }
+  __m512 ds(int c) const { return _mm512_permutexvar_ps(ld512(kIdxPair32.v[c]), D); }
   __m512i w(int c) const {  // blocks 2c, 2c + 1
     if (TYPE == GG_Q8_0)
       return _mm512_xor_si512(join256(ld256(p + 68 * c + 2), ld256(p + 68 * c + 36)), _mm512_set1_epi8(char(0x80)));
