@@ -3,7 +3,9 @@
 // called over and over) and DRAM-streaming GB/s (rows of a buffer far larger than L3, in 16-row
 // N-blocks as gemm() calls them), interleaved a, b, a, b ..., medians; the stream-read ceiling
 // (sum of 64-byte loads over the same buffer) measured interleaved too.
-//   ab TYPE K MR NROWS REPS MODE(cache|stream) PF
+//   ab TYPE K MR NROWS REPS MODE(cache|stream) PF [nocheck]
+// (nocheck: no bit-for-bit check, for instruction counts of the timed calls under callgrind:
+// benchmarks/gguf_ab/callgrind.sh)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -92,7 +94,7 @@ int main(int argc, char** argv) {
     if (!quant_a(x.data(), K, act_a + t * ld) || !quant_b(x.data(), K, act_b + t * ld)) return 3;
   }
   // correctness: 64 rows, every mr 1..mr, bit for bit
-  {
+  if (argc <= 8 || std::strcmp(argv[8], "nocheck") != 0) {
     const int n = 64;
     std::vector<uint8_t> w(n * rs + 64);
     fill(type, w.data(), n * rs, g);
