@@ -94,6 +94,15 @@ def test_random_blocks_decode_rows(types, isa, pool, t, e, k):
 
 
 @pytest.mark.parametrize("types", TRIPLES, ids=TRIPLE_IDS)
+@pytest.mark.parametrize("t,e,k,h,i", [(1, 4, 2, 1792, 1280), (6, 3, 2, 1024, 1536)], ids=["t1_b7_b5", "t6_b4_b6"])
+def test_random_blocks_decode_long_rows(types, isa, pool, t, e, k, h, i):
+    # 4 .. 7 super-blocks per row: the direct K-quant kernels share their scale decode over groups
+    # of 4 (AVX-512) / 2 (AVX2) super-blocks; every group length (full, 3, 2, 1 left) against the
+    # reference, random blocks (all scale and min patterns).
+    check(types, isa, pool, t, e, k, h, i, random_bytes=True, act_check=False)
+
+
+@pytest.mark.parametrize("types", TRIPLES, ids=TRIPLE_IDS)
 def test_every_row_count_per_expert(types, isa, pool):
     # Expert j gets exactly j + 1 rows (1..10, shuffled over the tokens; k=2 with a second, skipped
     # expert in every slot pair): every activation-row register block of the direct kernels (1..MR

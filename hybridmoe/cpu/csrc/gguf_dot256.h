@@ -27,34 +27,70 @@ constexpr Ctl8x8 kscale_ctl() {
 }
 constexpr Ctl8x8 kKScaleCtl = kscale_ctl();
 
+// k_scales_vec (gguf_unpack.h) on both 128-bit lanes: lane j = the 16-byte head of a super-block.
+// Its constants as 32-byte tables (memory operands, no broadcast in the short-row tail groups).
+struct alignas(32) KScaleConsts {
+  int8_t v[5][32];
+};
+constexpr KScaleConsts kscale_consts() {
+  constexpr int8_t c[5][16] = {{4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15},
+                               {-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11},
+                               {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0},
+                               {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15},
+                               {0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48}};
+  KScaleConsts r{};
+  for (int k = 0; k < 5; ++k)
+    for (int i = 0; i < 32; ++i) r.v[k][i] = c[k][i % 16];
+  return r;
+}
+constexpr KScaleConsts kKSC = kscale_consts();
+inline __m256i k_scales_vec256(__m256i h) {
+  const __m256i A = _mm256_shuffle_epi8(h, ld256(kKSC.v[0]));
+  const __m256i B = _mm256_shuffle_epi8(h, ld256(kKSC.v[1]));
+  const __m256i lo = _mm256_and_si256(A, ld256(kKSC.v[2]));
+  const __m256i a4 = _mm256_and_si256(_mm256_srli_epi16(A, 4), ld256(kKSC.v[3]));
+  const __m256i b2 = _mm256_and_si256(_mm256_srli_epi16(B, 2), ld256(kKSC.v[4]));
+  return _mm256_or_si256(_mm256_or_si256(lo, a4), b2);
+}
+
 // Q4_K (144 B: d, dmin, 12 scale bytes, qs 128) / Q5_K (176 B: the same with qh 32 before qs), one
-// weight row x R activation rows. Register c = sub-block c (the low or high nibbles of 32 bytes of
-// qs); its scale reaches the int16 lanes by one vpshufb of the broadcast scale bytes (decoded for
-// all 8 sub-blocks at once, k_scales_vec). Per sub-block and token maddubs, madd, add; per
-// super-block one conversion and fma; mins through the per-32 activation sums.
-template <bool Q5, int R>
-void kdot45(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+// weight row x R activation rows, NB (1 or 2) super-blocks b, b + 1 at p. Register c = sub-block c
+// (the low or high nibbles of 32 bytes of qs); its scale reaches the int16 lanes by one vpshufb of
+// the broadcast scale bytes. The scale work is shared by the pair, one 128-bit lane each: one
+// k_scales_vec, one unpack for the mins (int16, lane j = super-block j, as the activation's per-32
+// sums of 2 consecutive super-blocks load), one conversion of the d / dmin pairs. Per sub-block
+// and token maddubs, madd, add; per super-block one conversion and fma; per pair and token one
+// madd, conversion and fnmadd for the mins (into the same accumulator).
+template <bool Q5, int R, int NB>
+inline void kgroup45(const uint8_t* p, int b, const ActRows<R>& a, __m256* acc, int64_t pf) {
   constexpr int kBytes = Q5 ? 176 : 144;
-  __m256 acc[R];
-  __m128 accm[R];
-  for (int t = 0; t < R; ++t) {
-    acc[t] = _mm256_setzero_ps();
-    accm[t] = _mm_setzero_ps();
+  prefetch_sb<NB * kBytes>(p, pf);
+  const __m128i h0 = ld128(p);
+  const __m256i H = NB == 2 ? _mm256_inserti128_si256(_mm256_castsi128_si256(h0), ld128(p + kBytes), 1)
+                            : _mm256_zextsi128_si256(h0);
+  const __m256i X = k_scales_vec256(H);  // lane j: super-block j's 8 scales, 8 mins
+  const __m256i mins = _mm256_unpackhi_epi8(X, _mm256_setzero_si256());  // int16, lane j
+  // [d_0, dmin_0, d_1, dmin_1]
+  const __m128 dd = _mm_cvtph_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(H, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4))));
+  const __m256 dmin = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+  for (int t = 0; t < R; ++t) {  // mins: lanes 4j..4j+3 x dmin_j * d_act_j
+    const __m256 da = NB == 2 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(
+                                                             reinterpret_cast<const double*>(a.d[t] + b)))),
+                                                         _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))
+                              : _mm256_broadcast_ss(a.d[t] + b);
+    const __m256i s32 = NB == 2 ? ld256(a.b32[t] + 8 * b) : _mm256_zextsi128_si256(ld128(a.b32[t] + 8 * b));
+    const __m256i ms = _mm256_madd_epi16(mins, s32);
+    acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dmin, da), acc[t]);
   }
   const __m256i m15 = _mm256_set1_epi8(15);
-  for (int b = 0; b < B; ++b) {
-    const uint8_t* p = row + int64_t(b) * kBytes;
-    prefetch_sb<kBytes>(p, pf);
-    const __m128i h = ld128(p);
-    const __m128i X = k_scales_vec(h);
-    const __m256i Sb = _mm256_broadcastsi128_si256(X);
-    const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(X, 8));
-    const __m128 dd = _mm_cvtph_ps(h);  // lanes 0, 1: d, dmin
-    const uint8_t* qs = p + (Q5 ? 48 : 16);
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) {
+    const uint8_t* qs = p + j * kBytes + (Q5 ? 48 : 16);
     __m256i qh;
-    if (Q5) qh = ld256(p + 16);
+    if (Q5) qh = ld256(p + j * kBytes + 16);
+    const __m256i Sb = j == 0 ? _mm256_permute2x128_si256(X, X, 0x00) : _mm256_permute2x128_si256(X, X, 0x11);
     __m256i ai[R];
-    for (int t = 0; t < R; ++t) ai[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       const __m256i x = ld256(qs + 32 * (c >> 1));
       __m256i w = _mm256_and_si256(c & 1 ? _mm256_srli_epi16(x, 4) : x, m15);
@@ -63,17 +99,26 @@ void kdot45(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t 
         w = _mm256_or_si256(w, _mm256_and_si256(hb, _mm256_set1_epi8(16)));
       }
       const __m256i s = _mm256_shuffle_epi8(Sb, ld256(kKScaleCtl.v[c]));
-      for (int t = 0; t < R; ++t)
-        ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, ld256(a.q[t] + b * 256 + 32 * c)), s));
+      for (int t = 0; t < R; ++t) {
+        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, ld256(a.q[t] + (b + j) * 256 + 32 * c)), s);
+        ai[t] = c == 0 ? d : _mm256_add_epi32(ai[t], d);
+      }
     }
-    for (int t = 0; t < R; ++t) {
-      const __m128 f = _mm_mul_ps(dd, _mm_set1_ps(a.d[t][b]));  // d * d_act, dmin * d_act
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[t]), _mm256_broadcastss_ps(f), acc[t]);
-      const __m128i ms = _mm_madd_epi16(mins, ld128(a.b32[t] + 8 * b));
-      accm[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(ms), _mm_permute_ps(f, 0x55), accm[t]);
-    }
+    const __m256 dj = j == 0 ? _mm256_broadcastss_ps(dd) : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), _mm256_set1_epi32(2));
+    for (int t = 0; t < R; ++t)  // d_j * d_act_j
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[t]), _mm256_mul_ps(dj, _mm256_broadcast_ss(a.d[t] + b + j)), acc[t]);
   }
-  for (int t = 0; t < R; ++t) out[t * ldc] = hsum8(acc[t]) - hsum128(accm[t]);
+}
+
+template <bool Q5, int R>
+void kdot45(const uint8_t* row, int B, const ActRows<R>& a, float* out, int64_t ldc, int64_t pf) {
+  constexpr int kBytes = Q5 ? 176 : 144;
+  __m256 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+  int b = 0;
+  for (; b + 2 <= B; b += 2) kgroup45<Q5, R, 2>(row + int64_t(b) * kBytes, b, a, acc, pf);
+  if (b < B) kgroup45<Q5, R, 1>(row + int64_t(b) * kBytes, b, a, acc, pf);
+  for (int t = 0; t < R; ++t) out[t * ldc] = hsum8(acc[t]);
 }
 
 struct alignas(32) Ctl8x4 {
