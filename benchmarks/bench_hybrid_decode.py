@@ -254,8 +254,7 @@ def main() -> None:
             entry[f"median_extrapolated_tokens_per_s_{target}_moe_layers"] = ext
             entry["median_extrapolated_ratio_to_best_probe_bound"] = ext * bpt * target / n_moe / (best * 1e9)
             entry["median_extrapolated_ratio_to_adjacent_bound"] = statistics.median(
-                r["extrapolated_tokens_per_s"] * bpt * target / n_moe / (statistics.fmean(r["adjacent_probes_gbps"]) * 1e9)
-                for r in rows)
+                r["extrapolated_ratio_to_adjacent_bound"] for r in rows)
         if key[2] == 1:
             entry["median_ratio_to_best_probe_bound"] = med * bpt / (best * 1e9)
             entry["median_ratio_to_adjacent_bound"] = statistics.median(r["ratio_to_adjacent_bound"] for r in rows)
