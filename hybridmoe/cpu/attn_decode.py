@@ -46,6 +46,8 @@ def _lib():
     if _declared is not lb:
         lb.hm_attn_decode.restype = C.c_int
         lb.hm_attn_decode.argtypes = [C.POINTER(AttnDecode), C.c_char_p, C.c_int]
+        lb.hm_attn_decode_pool.restype = C.c_int
+        lb.hm_attn_decode_pool.argtypes = [C.c_void_p, C.POINTER(AttnDecode), C.c_char_p, C.c_int]
         lb.hm_add_rmsnorm_bf16.restype = C.c_int
         lb.hm_add_rmsnorm_bf16.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64, C.c_int64, C.c_float,
                                            C.c_void_p, C.c_void_p]
@@ -63,6 +65,7 @@ class AttnDecodeLayers:
     def __init__(self, model: nn.Module) -> None:
         self.enabled = True
         self.native_calls = 0  # decode steps run natively (tests check the path was taken)
+        self.pool = None  # a CPUThreadPool whose threads share the work (when idle); None: the calling thread
         self.modules: dict[str, Attention] = {}
         self.norms: dict[str, RMSNorm] = {}
         self._tables: dict[int, tuple] = {}  # id(rotary) -> (key, cos fp32, sin fp32)
@@ -139,7 +142,8 @@ class AttnDecodeLayers:
                            qkv.stride(0), bt.stride(0), out.stride(0), b, mod.num_heads, mod.num_kv_heads,
                            mod.head_dim, k_cache.shape[1], 0, mod.rms_eps, mod.scale)
             self.native_calls += 1
-            if lb.hm_attn_decode(C.byref(a), err, len(err)):
+            pool = self.pool.handle if self.pool is not None else None
+            if lb.hm_attn_decode_pool(pool, C.byref(a), err, len(err)):
                 raise RuntimeError(err.value.decode())
             return mod.o_proj(out)
 

@@ -24,7 +24,7 @@ from hybridmoe.layers.rotary import RotaryEmbedding
 def _setup(hq, hkv, d, qk_norm, bias, lens, page, seed):
     g = torch.Generator().manual_seed(seed)
     hidden = 48
-    rope = RotaryEmbedding(d, 512, 10000.0)
+    rope = RotaryEmbedding(d, 2048, 10000.0)
     attn = Attention(0, hidden, hq, hkv, d, rope, qkv_bias=bias, qk_norm=qk_norm).bfloat16()
     with torch.no_grad():
         for p in attn.parameters():
@@ -54,15 +54,25 @@ CASES = [  # Hq, Hkv, D, qk_norm, bias, seq lens, page size
     (6, 2, 30, True, True, [5], 4),
     (3, 3, 8, False, True, [33, 2], 8),
     (8, 1, 64, True, False, [100, 1, 64], 16),
+    # long sequences: on a pool, spans of positions merged by their softmax states (attn_pool.cpp)
+    (16, 2, 64, True, False, [1100, 3], 16),
+    (5, 1, 20, False, True, [700], 8),  # 5 heads a group, D % 8 = 4
+    (12, 1, 8, True, False, [530, 260], 4),  # 12 heads a group: blocks of 8 and 4
 ]
 
 
+@pytest.mark.parametrize("threads", [None, 2, 3])
 @pytest.mark.parametrize("hq,hkv,d,qk_norm,bias,lens,page", CASES)
-def test_matches_torch_path(hq, hkv, d, qk_norm, bias, lens, page):
+def test_matches_torch_path(hq, hkv, d, qk_norm, bias, lens, page, threads):
+    """On the calling thread (threads None) and spread over a pool's threads (units, spans)."""
+    from hybridmoe.cpu.engine import CPUThreadPool
+
     attn, kc, vc, meta, x, pos = _setup(hq, hkv, d, qk_norm, bias, lens, page, seed=hq * 100 + d)
     attn.o_proj = torch.nn.Identity()  # compare the attention output itself, not its projection
     backend = get_attention_backend("torch")
     ad = AttnDecodeLayers(attn)
+    if threads:
+        ad.pool = CPUThreadPool(threads)
     assert ad.modules == {"": attn}
     caches = {}
     outs = {}

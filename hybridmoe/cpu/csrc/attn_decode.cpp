@@ -44,55 +44,159 @@ void norm_rope(const uint16_t* x, const uint16_t* w, float eps, const float* c, 
   std::memcpy(out, tmp, sizeof(float) * size_t(D));
 }
 
-void run(const HmAttnDecode& a) {
-  const int D = a.D, Hq = a.Hq, Hkv = a.Hkv, G = Hq / Hkv, h = D / 2;
-  const size_t nd = static_cast<size_t>(D);
-  std::vector<float> q(static_cast<size_t>(Hq) * nd), kv(nd), sc, acc(nd);
-  for (int b = 0; b < a.B; ++b) {
-    const uint16_t* row = a.qkv + int64_t(b) * a.ld_qkv;
-    const int64_t pos = a.positions[b];
-    const float* c = a.cos + pos * h;
-    const float* s = a.sin + pos * h;
-    for (int hh = 0; hh < Hq; ++hh) norm_rope(row + hh * D, a.q_norm, a.eps, c, s, D, &q[size_t(hh) * D]);
-    const int64_t slot = a.slots[b];
-    for (int g = 0; g < Hkv; ++g) {
-      norm_rope(row + (Hq + g) * D, a.k_norm, a.eps, c, s, D, kv.data());
-      uint16_t* kd = a.k_cache + (slot * Hkv + g) * D;
-      for (int i = 0; i < D; ++i) kd[i] = dense_f32_to_bf16(kv[i]);  // exact: the values are bf16
-      std::memcpy(a.v_cache + (slot * Hkv + g) * D, row + (Hq + Hkv + g) * D, sizeof(uint16_t) * size_t(D));
+// 8 bf16 -> 8 fp32
+inline __m256 ld8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// exp of 8 lanes (inputs <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
+// a degree-6 polynomial: within ~2 fp32 ulps of std::exp; below -87 it is 0 (std::exp: denormals).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline const uint16_t* cache_row(const HmAttnDecode& a, const uint16_t* cache, const int32_t* pages, int64_t l, int g) {
+  return cache + ((int64_t(pages[l / a.S]) * a.S + l % a.S) * a.Hkv + g) * a.D;
+}
+
+// The G query heads of group g at sequence b, normed and rotated (fp32: bf16 values), into q [G][D]; the
+// new token's k (normed, rotated) and v of head g into the caches.
+void prep(const HmAttnDecode& a, int b, int g, float* q) {
+  const int D = a.D, G = a.Hq / a.Hkv, h = D / 2;
+  const uint16_t* row = a.qkv + int64_t(b) * a.ld_qkv;
+  const int64_t pos = a.positions[b];
+  const float* c = a.cos + pos * h;
+  const float* s = a.sin + pos * h;
+  for (int j = 0; j < G; ++j) norm_rope(row + (g * G + j) * D, a.q_norm, a.eps, c, s, D, q + size_t(j) * D);
+  float kv[1024];
+  norm_rope(row + (a.Hq + g) * D, a.k_norm, a.eps, c, s, D, kv);
+  const int64_t slot = a.slots[b];
+  uint16_t* kd = a.k_cache + (slot * a.Hkv + g) * D;
+  for (int i = 0; i < D; ++i) kd[i] = dense_f32_to_bf16(kv[i]);  // exact: the values are bf16
+  std::memcpy(a.v_cache + (slot * a.Hkv + g) * D, row + (a.Hq + a.Hkv + g) * D, sizeof(uint16_t) * size_t(D));
+}
+
+// Scores of NB (<= 8) query heads against cached keys [l0, l1), times scale, into sc [NB][n].
+template <int NB>
+void scores(const HmAttnDecode& a, const int32_t* pages, int g, const float* q, int64_t l0, int64_t l1, float* sc,
+            int64_t n) {
+  const int D = a.D, D8 = D / 8 * 8;
+  for (int64_t l = l0; l < l1; ++l) {
+    const uint16_t* kr = cache_row(a, a.k_cache, pages, l, g);
+    __m256 acc[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
+    for (int i = 0; i < D8; i += 8) {
+      const __m256 k8 = ld8(kr + i);
+      for (int j = 0; j < NB; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + size_t(j) * D + i), k8, acc[j]);
     }
-    const int L = a.seq_lens[b];
-    const int32_t* pages = a.block_table + int64_t(b) * a.ld_bt;
-    sc.resize(size_t(L));
-    for (int hh = 0; hh < Hq; ++hh) {
-      const int g = hh / G;
-      const float* qh = &q[size_t(hh) * D];
-      float mx = -INFINITY;
-      for (int l = 0; l < L; ++l) {
-        const uint16_t* kr = a.k_cache + ((int64_t(pages[l / a.S]) * a.S + l % a.S) * Hkv + g) * D;
-        float d = 0.f;
-        for (int i = 0; i < D; ++i) d += qh[i] * bf(kr[i]);
-        sc[l] = d * a.scale;
-        mx = std::max(mx, sc[l]);
-      }
-      float sum = 0.f;
-      for (int l = 0; l < L; ++l) sum += (sc[l] = std::exp(sc[l] - mx));
-      for (int i = 0; i < D; ++i) acc[i] = 0.f;
-      for (int l = 0; l < L; ++l) {
-        const float p = sc[l] / sum;
-        const uint16_t* vr = a.v_cache + ((int64_t(pages[l / a.S]) * a.S + l % a.S) * Hkv + g) * D;
-        for (int i = 0; i < D; ++i) acc[i] += p * bf(vr[i]);
-      }
-      uint16_t* o = a.out + int64_t(b) * a.ld_out + int64_t(hh) * D;
-      for (int i = 0; i < D; ++i) o[i] = dense_f32_to_bf16(acc[i]);
+    for (int j = 0; j < NB; ++j) {
+      float d = hsum(acc[j]);
+      for (int i = D8; i < D; ++i) d += q[size_t(j) * D + i] * bf(kr[i]);
+      sc[j * n + (l - l0)] = d * a.scale;
     }
   }
 }
 
+// Positions [l0, l1) of sequence b for the G query heads of group g (q from prep): st = [G] max of the
+// scores | [G] sum of exp(score - max) | [G][D] sum of exp(score - max) * v. sc: >= G * (l1 - l0) floats.
+void span(const HmAttnDecode& a, int b, int g, const float* q, int64_t l0, int64_t l1, float* st, float* sc) {
+  const int D = a.D, G = a.Hq / a.Hkv, D8 = D / 8 * 8;
+  const int32_t* pages = a.block_table + int64_t(b) * a.ld_bt;
+  const int64_t n = l1 - l0;
+  for (int j0 = 0; j0 < G; j0 += 8) {
+    const float* qj = q + size_t(j0) * D;
+    float* sj = sc + j0 * n;
+    switch (std::min(8, G - j0)) {
+      case 1: scores<1>(a, pages, g, qj, l0, l1, sj, n); break;
+      case 2: scores<2>(a, pages, g, qj, l0, l1, sj, n); break;
+      case 3: scores<3>(a, pages, g, qj, l0, l1, sj, n); break;
+      case 4: scores<4>(a, pages, g, qj, l0, l1, sj, n); break;
+      case 5: scores<5>(a, pages, g, qj, l0, l1, sj, n); break;
+      case 6: scores<6>(a, pages, g, qj, l0, l1, sj, n); break;
+      case 7: scores<7>(a, pages, g, qj, l0, l1, sj, n); break;
+      default: scores<8>(a, pages, g, qj, l0, l1, sj, n); break;
+    }
+  }
+  float* mx = st;
+  float* sum = st + G;
+  float* acc = st + 2 * G;
+  for (int j = 0; j < G; ++j) {
+    float* s = sc + j * n;
+    float m = -INFINITY;
+    for (int64_t l = 0; l < n; ++l) m = std::max(m, s[l]);
+    __m256 s8 = _mm256_setzero_ps();
+    const __m256 m8 = _mm256_set1_ps(m);
+    int64_t l = 0;
+    for (; l + 8 <= n; l += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), m8));
+      _mm256_storeu_ps(s + l, e);
+      s8 = _mm256_add_ps(s8, e);
+    }
+    float t = hsum(s8);
+    for (; l < n; ++l) t += (s[l] = std::exp(s[l] - m));
+    mx[j] = m;
+    sum[j] = t;
+    std::memset(acc + size_t(j) * D, 0, sizeof(float) * size_t(D));
+  }
+  for (int64_t l = l0; l < l1; ++l) {
+    const uint16_t* vr = cache_row(a, a.v_cache, pages, l, g);
+    for (int i = 0; i < D8; i += 8) {
+      const __m256 v8 = ld8(vr + i);
+      for (int j = 0; j < G; ++j) {
+        float* o = acc + size_t(j) * D + i;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(sc[j * n + (l - l0)]), v8, _mm256_loadu_ps(o)));
+      }
+    }
+    for (int i = D8; i < D; ++i)
+      for (int j = 0; j < G; ++j) acc[size_t(j) * D + i] += sc[j * n + (l - l0)] * bf(vr[i]);
+  }
+}
+
+// The bf16 output of group g's heads at sequence b from `ns` span states (span's layout, st_stride floats apart).
+void finish(const HmAttnDecode& a, int b, int g, const float* st, int ns, int64_t st_stride) {
+  const int D = a.D, G = a.Hq / a.Hkv;
+  for (int j = 0; j < G; ++j) {
+    float m = -INFINITY;
+    for (int c = 0; c < ns; ++c) m = std::max(m, st[c * st_stride + j]);
+    float out[1024] = {};
+    float tot = 0.f;
+    for (int c = 0; c < ns; ++c) {
+      const float* sc = st + c * st_stride;
+      const float w = ns == 1 ? 1.0f : std::exp(sc[j] - m);
+      tot += w * sc[G + j];
+      const float* acc = sc + 2 * G + size_t(j) * D;
+      for (int i = 0; i < D; ++i) out[i] += w * acc[i];
+    }
+    const float r = 1.0f / tot;
+    uint16_t* o = a.out + int64_t(b) * a.ld_out + int64_t(g * G + j) * D;
+    for (int i = 0; i < D; ++i) o[i] = dense_f32_to_bf16(out[i] * r);
+  }
+}
+
+const AttnDecodeKernels kAvx2{&prep, &span, &finish};
+
 }  // namespace
 }  // namespace hm
 
-extern "C" hm::AttnDecodeFn hm_attn_decode_avx2() { return &hm::run; }
+extern "C" const hm::AttnDecodeKernels* hm_attn_decode_kernels_avx2() { return &hm::kAvx2; }
+
 
 // Greedy sampling's argmax over bf16 rows with torch.argmax's answer: the first index of the
 // maximum, NaN counting as above everything (the first NaN wins), -0 equal to +0. Integer keys

@@ -131,29 +131,6 @@ void hm_wait_task(void* p, int64_t id, int64_t spin_us) {
 
 }  // extern "C"
 
-#include "attn_decode.h"
-
-extern "C" {
-
-// One decode attention step (attn_decode.h) on this thread. Returns 0, or 1 with what is wrong in err.
-int hm_attn_decode(const HmAttnDecode* a, char* err, int errlen) {
-  const char* bad = "";
-  if (!hm_isa_check(hm::ISA_AVX2, nullptr, 0) || !hm_attn_decode_avx2) bad = "needs AVX2 (or was not built)";
-  else if (a->B < 0 || a->Hkv < 1 || a->Hq % a->Hkv || a->D < 2 || a->D % 2 || a->D > 1024 || a->S < 1)
-    bad = "bad sizes";
-  else if (a->B > 0 && (!a->qkv || !a->cos || !a->sin || !a->positions || !a->k_cache || !a->v_cache || !a->slots ||
-                        !a->block_table || !a->seq_lens || !a->out))
-    bad = "null pointer";
-  if (*bad) {
-    if (err && errlen > 0) std::snprintf(err, size_t(errlen), "hm_attn_decode: %s", bad);
-    return 1;
-  }
-  hm_attn_decode_avx2()(*a);
-  return 0;
-}
-
-}  // extern "C"
-
 extern "C" void hm_argmax_bf16_avx2(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out)
     __attribute__((weak));
 

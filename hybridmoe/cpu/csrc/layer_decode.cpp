@@ -5,7 +5,7 @@
 #include <cstdio>
 
 extern "C" int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us, char* err, int errlen);
-extern "C" int hm_attn_decode(const HmAttnDecode* a, char* err, int errlen);
+extern "C" int hm_attn_decode_pool(void* pool, const HmAttnDecode* a, char* err, int errlen);
 extern "C" int hm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, int64_t rows, int64_t H,
                                    float eps, uint16_t* out, uint16_t* res_out);
 
@@ -22,7 +22,7 @@ int hm_layer_decode(void* pool, const HmLayerDecode* d, char* err, int errlen) {
   if (d->norm1_w && hm_add_rmsnorm_bf16(d->x, d->res_in, d->norm1_w, d->T, d->H, d->eps1, d->h1, d->res1))
     return fail("input norm");
   if (hm_dense(pool, &d->qkv, d->isa, 0, err, errlen)) return fail("qkv_proj");
-  if (hm_attn_decode(&d->attn, err, errlen)) return fail("attention");
+  if (hm_attn_decode_pool(pool, &d->attn, err, errlen)) return fail("attention");
   if (hm_dense(pool, &d->o, d->isa, 0, err, errlen)) return fail("o_proj");
   if (hm_add_rmsnorm_bf16(static_cast<const uint16_t*>(d->o.out), d->res2_in, d->norm2_w, d->T, d->H, d->eps2, d->h2,
                           d->res2))

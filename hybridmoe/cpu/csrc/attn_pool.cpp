@@ -1,0 +1,157 @@
+// hm_attn_decode / hm_attn_decode_pool: one decode attention step (attn_decode.h) on this thread or
+// spread over a pool's threads. Compiled for baseline x86-64: the ISA is checked before a kernel runs.
+//
+// Work units are (sequence b, kv head g): each normalizes and rotates its G query heads and its new k,
+// stores the new k/v, and attends over the sequence's cached positions (the G heads share every k/v
+// row read). A batch-1 step has only Hkv units, so when the positions to read are many against the
+// threads, each unit's positions are cut into spans attended separately and merged by their softmax
+// states (flash-decoding), in three phases: prep, spans, merge.
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <vector>
+
+#include "attn_decode.h"
+#include "common.h"
+#include "pool.h"
+
+extern "C" int hm_isa_check(int isa, char* msg, int len);
+
+namespace {
+
+constexpr int64_t kMinSpan = 256;  // positions: shorter spans cost more in merging than they share out
+
+struct Unit {
+  int b, g;
+  int64_t l0, l1;
+  int st;  // span state index
+};
+
+struct Run {
+  const HmAttnDecode* a;
+  const hm::AttnDecodeKernels* k;
+  int G;
+  int64_t st_stride;
+  std::vector<Unit> spans;        // every span (units with one span: l0 = 0, l1 = L)
+  std::vector<int> first;         // per (b, g): index of its first span; first[u + 1] - first[u] spans
+  std::vector<float> q, st;       // [B][Hq][D] prepared queries, span states
+  bool fused = true;              // one span per unit: prep, span and finish in one phase
+  std::atomic<int64_t> next{0};
+};
+
+thread_local std::vector<float> tl_scores;
+
+float* scores_for(int64_t n) {
+  if (int64_t(tl_scores.size()) < n) tl_scores.resize(size_t(n));
+  return tl_scores.data();
+}
+
+float* q_of(Run& r, int b, int g) { return r.q.data() + (int64_t(b) * r.a->Hq + int64_t(g) * r.G) * r.a->D; }
+
+void do_prep(Run& r, int u) {
+  const int b = u / r.a->Hkv, g = u % r.a->Hkv;
+  r.k->prep(*r.a, b, g, q_of(r, b, g));
+}
+void do_span(Run& r, int i) {
+  const Unit& s = r.spans[size_t(i)];
+  r.k->span(*r.a, s.b, s.g, q_of(r, s.b, s.g), s.l0, s.l1, r.st.data() + s.st * r.st_stride,
+            scores_for(int64_t(r.G) * (s.l1 - s.l0)));
+}
+void do_finish(Run& r, int u) {
+  const int b = u / r.a->Hkv, g = u % r.a->Hkv;
+  const int f = r.first[size_t(u)], n = r.first[size_t(u) + 1] - f;
+  r.k->finish(*r.a, b, g, r.st.data() + f * r.st_stride, n, r.st_stride);
+}
+void do_unit(Run& r, int u) {
+  do_prep(r, u);
+  do_span(r, r.first[size_t(u)]);
+  do_finish(r, u);
+}
+
+template <void (*F)(Run&, int)>
+void phase(int, void* p) {
+  Run& r = *static_cast<Run*>(p);
+  const int64_t n = F == do_span ? int64_t(r.spans.size()) : int64_t(r.first.size()) - 1;
+  for (int64_t i; (i = r.next.fetch_add(1, std::memory_order_relaxed)) < n;) F(r, int(i));
+}
+
+void run_all(hm::ThreadPool* tp, Run& r) {
+  auto go = [&](hm::ThreadPool::PhaseFn fn) {
+    r.next.store(0, std::memory_order_relaxed);
+    if (tp) tp->parallel(fn, &r);
+    else fn(0, &r);
+  };
+  if (r.fused) {
+    go(phase<do_unit>);
+    return;
+  }
+  go(phase<do_prep>);
+  go(phase<do_span>);
+  go(phase<do_finish>);
+}
+
+}  // namespace
+
+extern "C" {
+
+// One decode attention step; pool: a pool handle (its threads share the work when it is idle; busy,
+// or nullptr: all on this thread). Returns 0, or 1 with what is wrong in err.
+int hm_attn_decode_pool(void* pool, const HmAttnDecode* a, char* err, int errlen) {
+  const char* bad = "";
+  if (!hm_isa_check(hm::ISA_AVX2, nullptr, 0) || !hm_attn_decode_kernels_avx2) bad = "needs AVX2 (or was not built)";
+  else if (!a || a->B < 0 || a->Hkv < 1 || a->Hq < 1 || a->Hq % a->Hkv || a->D < 2 || a->D % 2 || a->D > 1024 ||
+           a->S < 1)
+    bad = "bad sizes";
+  else if (a->B > 0 && (!a->qkv || !a->cos || !a->sin || !a->positions || !a->k_cache || !a->v_cache || !a->slots ||
+                        !a->block_table || !a->seq_lens || !a->out))
+    bad = "null pointer";
+  else
+    for (int b = 0; b < a->B; ++b)
+      if (a->seq_lens[b] < 1) bad = "a sequence length below 1";
+  if (*bad) {
+    if (err && errlen > 0) std::snprintf(err, size_t(errlen), "hm_attn_decode: %s", bad);
+    return 1;
+  }
+  if (a->B == 0) return 0;
+  hm::Pool* p = static_cast<hm::Pool*>(pool);
+  const int nth = p ? p->tp.size() : 1;
+  Run r;
+  r.a = a;
+  r.k = hm_attn_decode_kernels_avx2();
+  r.G = a->Hq / a->Hkv;
+  r.st_stride = int64_t(r.G) * (2 + a->D);
+  int64_t work = 0;  // positions to read, summed over the units
+  for (int b = 0; b < a->B; ++b) work += int64_t(a->seq_lens[b]) * a->Hkv;
+  // ~2 spans a thread (a late thread leaves its share to the others), each >= kMinSpan positions
+  const int64_t span = nth == 1 ? INT64_MAX : std::max(kMinSpan, (work + 2 * nth - 1) / (2 * nth));
+  r.first.reserve(size_t(a->B) * a->Hkv + 1);
+  for (int b = 0; b < a->B; ++b)
+    for (int g = 0; g < a->Hkv; ++g) {
+      r.first.push_back(int(r.spans.size()));
+      const int64_t L = a->seq_lens[b];
+      for (int64_t l0 = 0; l0 < L; l0 += span) {
+        const int64_t l1 = L - l0 <= span ? L : l0 + span;
+        r.spans.push_back({b, g, l0, l1, int(r.spans.size())});
+        if (l1 == L) break;
+      }
+      if (r.spans.size() - size_t(r.first.back()) > 1) r.fused = false;
+    }
+  r.first.push_back(int(r.spans.size()));
+  r.q.resize(size_t(a->B) * a->Hq * a->D);
+  r.st.resize(r.spans.size() * size_t(r.st_stride));
+  struct Lead {
+    hm::ThreadPool* tp;
+    Run* r;
+  } lead{p ? &p->tp : nullptr, &r};
+  // with one unit, or the pool busy (run_inline false): all of it on this thread
+  if (p && nth > 1 && r.spans.size() > 1 &&
+      p->tp.run_inline([](void* l) { run_all(static_cast<Lead*>(l)->tp, *static_cast<Lead*>(l)->r); }, &lead))
+    return 0;
+  run_all(nullptr, r);
+  return 0;
+}
+
+// The same on this thread alone.
+int hm_attn_decode(const HmAttnDecode* a, char* err, int errlen) { return hm_attn_decode_pool(nullptr, a, err, errlen); }
+
+}  // extern "C"
