@@ -123,6 +123,14 @@ def test_many_rows_per_expert(method, group, sym, isa, pool):
 
 
 @pytest.mark.parametrize("method,group,sym", METHODS, ids=METHOD_IDS)
+@pytest.mark.parametrize("t", [1, 6, 63])
+def test_decode_items_of_many_blocks(method, group, sym, isa, pool, t):
+    # every token on all 8 experts, 64 w13 / 16 w2 N-blocks each: decode-sized items of up to 32 N-blocks
+    # (moe.cpp few_row_cw), 63 rows the most a few-row item holds
+    check(method, group, sym, isa, pool, t, 8, 8, 256, 512, fp_check=False)
+
+
+@pytest.mark.parametrize("method,group,sym", METHODS, ids=METHOD_IDS)
 def test_wide_routing(method, group, sym, isa, pool):
     # E=256, k=16, odd H and I
     check(method, group, sym, isa, pool, 40, 256, 16, 72, 40, fp_check=False)
