@@ -323,12 +323,13 @@ void light(ThreadPool& pool, Ctx& c, ThreadPool::PhaseFn fn, bool inline_) {
   }
 }
 
-// N-blocks per item of the experts with few rows (decode): ~4 items a thread over all of them, at most
+// N-blocks per item of the experts with few rows (decode): ~8 items a thread over all of them (a thread
+// that finishes late holds the phase up by a part of one item), at most
 // kFewItemBytes of weights (and CW_FEW blocks), at least cw; a power of two (a w13 item never straddles
 // a quant block). Each item is one linear read of its weights; a thread that moves on to another item
 // starts a new stream, which the hardware prefetchers take a while to follow. On the 2-core Zen 4
-// machine, T=1 on the Qwen3-30B-A3B layer read 0.55 of the stream bandwidth with 64 KB w13 / 48 KB w2
-// items and 0.77 with 1 MB / 384 KB ones (interleaved in one process).
+// machine, T=1 on the Qwen3-30B-A3B layer read 0.52-0.55 of the stream bandwidth with 64 KB w13 / 48 KB
+// w2 items and 0.77 with 1 MB / 384 KB ones (interleaved in one process; 16 threads would take 128 / 96 KB ones).
 int few_row_cw(const Ctx& c, const PackedMat& W, int NB, int cw) {
   int64_t blocks = 0;
   for (int e = 0; e < c.d->E; ++e) {
@@ -336,7 +337,7 @@ int few_row_cw(const Ctx& c, const PackedMat& W, int NB, int cw) {
     if (M > 0 && M < BIG_ROWS) blocks += NB;
   }
   const int64_t block_bytes = std::max<int64_t>(1, W.expert_stride / std::max(1, NB));
-  const int64_t want = std::min(blocks / (4 * int64_t(c.pool->size())), kFewItemBytes / block_bytes);
+  const int64_t want = std::min(blocks / (8 * int64_t(c.pool->size())), kFewItemBytes / block_bytes);
   while (cw * 2 <= want && cw * 2 <= CW_FEW) cw *= 2;
   return cw;
 }
