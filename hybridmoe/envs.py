@@ -11,6 +11,7 @@ working on hybridmoe itself:
 | `HYBRIDMOE_CXXFLAGS` | none | extra compiler flags for the native library's build (`-g`, `-fsanitize=address`, ...) |
 | `HYBRIDMOE_MOE_CONFIG_DIR` | `hybridmoe/moe/configs` | where the fused MoE kernel's tuned tiles are read (`sweep_moe_decode.py --write`) |
 | `HYBRIDMOE_TEST_THREADS` | 2 | threads of the CPU engine tests' shared pool (tests/cpu/conftest.py) |
+| `HYBRIDMOE_HUGEPAGES` | 1 | `0`: CPU weights on plain 4 KB pages, not advised for huge ones (hybridmoe/cpu/hugepages.py; A/B runs) |
 
 Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
 loads by file path before the package is importable, loads this file by path too.
@@ -26,6 +27,7 @@ CPU_ISA = "HYBRIDMOE_CPU_ISA"
 CXXFLAGS = "HYBRIDMOE_CXXFLAGS"
 MOE_CONFIG_DIR = "HYBRIDMOE_MOE_CONFIG_DIR"
 TEST_THREADS = "HYBRIDMOE_TEST_THREADS"
+HUGEPAGES = "HYBRIDMOE_HUGEPAGES"
 
 
 def _get(name: str) -> str | None:
@@ -69,3 +71,8 @@ def threads_for_tests(default: int = 2) -> int:
     if n < 1:
         raise ValueError(f"{TEST_THREADS}={v!r}: expected a positive integer")
     return n
+
+
+def hugepages() -> bool:
+    """$HYBRIDMOE_HUGEPAGES: False when "0" (CPU weights stay on 4 KB pages)."""
+    return _get(HUGEPAGES) != "0"

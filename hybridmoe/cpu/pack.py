@@ -18,9 +18,9 @@ import ctypes as C
 
 import torch
 
-from hybridmoe.cpu import native, quant
+from hybridmoe.cpu import hugepages, native, quant
 from hybridmoe.cpu.engine import CPUThreadPool, default_pool
-from hybridmoe.cpu.quant import ACTIVATIONS, PackedLayer, PackedMatrix, pad_sizes, page_aligned_empty
+from hybridmoe.cpu.quant import ACTIVATIONS, PackedLayer, PackedMatrix, owns_pages, pad_sizes, page_aligned_empty
 from hybridmoe.cpu.topology import physical_cores
 
 NATIVE_METHODS = ("AMXINT8", "AMXINT4", "BF16")
@@ -37,7 +37,8 @@ def empty_matrix(e: int, n: int, k: int, method: str, group_size: int, symmetric
                  page_align: bool = False) -> PackedMatrix:
     """Uninitialised packed tensors of an [E, N, K] matrix (N, K padded), as pack_matrix makes them."""
     def new(shape, dtype):
-        return page_aligned_empty(shape, dtype) if page_align else torch.empty(shape, dtype=dtype)
+        t = hugepages.empty(shape, dtype)  # big ones on huge pages (they own theirs: page-lockable in place)
+        return page_aligned_empty(shape, dtype) if page_align and not owns_pages(t) else t
 
     if method == "AMXINT8":
         return PackedMatrix(new((e, n * k), torch.uint8), n, k, scale=new((e, n), torch.float32),

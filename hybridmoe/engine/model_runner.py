@@ -91,10 +91,12 @@ class ModelRunner:
         # CPU-only bf16 decode: the dense linears on the expert engine's pool, attention in one native call
         self.dense_linears = self.attn_decode = self.layer_decode = None
         if self.device.type == "cpu" and self.moe.backend == "cpu" and self.dtype == torch.bfloat16:
+            from hybridmoe.cpu import hugepages
             from hybridmoe.cpu.attn_decode import install_attn_decode
             from hybridmoe.cpu.dense_linears import install_dense_linears
             from hybridmoe.cpu.layer_decode import install_layer_decode
 
+            hugepages.move_params(self.model)  # the matrices every token streams, on 2 MB pages
             self.dense_linears = install_dense_linears(self.model, self.moe.options.pool)
             self.attn_decode = install_attn_decode(self.model)
             # and each layer's attention half (+ router GEMV) in one native call

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe.cpu import hugepages
 from hybridmoe.cpu.quant import PackedLayer, pack_layer
 from hybridmoe.weights.loader import CheckpointError
 from hybridmoe.weights.shards import DTYPES, read_header  # noqa: F401 (re-exported for convert)
@@ -172,7 +173,7 @@ def read_verified(path: Path, size: int, sha256: str) -> tuple[torch.Tensor, dic
         if actual != size:
             raise CPUWeightsError(f"{path}: {actual} bytes, the manifest says {size}: the file is truncated or "
                                   f"was replaced; {_REDO}")
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = hugepages.empty(size, torch.uint8)  # the layer's tensors are views of it: streamed every token
         view = memoryview(buf.numpy())
         h = hashlib.sha256()
         hashed: Future | None = None
@@ -385,7 +386,8 @@ class CPUWeightDir:
                                   f"{self.expected_shapes()})")
         if experts is not None:
             ids = experts.to("cpu", torch.long)
-            tensors = {k: t.index_select(0, ids) for k, t in tensors.items()}
+            tensors = {k: torch.index_select(t, 0, ids, out=hugepages.empty((len(ids), *t.shape[1:]), t.dtype))
+                       for k, t in tensors.items()}
             meta = dict(meta, num_experts=len(ids))
         return PackedLayer.from_tensors(meta, tensors)
 
