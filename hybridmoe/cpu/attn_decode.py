@@ -6,7 +6,7 @@ decode layer's attention time on the 2-core machine).
     ad = install_attn_decode(model)   # on every standard-attention layer; None when none qualifies
     ad.enabled = False                # back to the torch path (benchmarks, tests)
 
-The same switch covers the decoder's residual RMSNorms (RMSNorm.add_norm) for decode-sized bf16
+The same switch covers the decoder's RMSNorms (RMSNorm.add_norm, and forward) for decode-sized bf16
 inputs: one native call instead of ~9 torch ops each, with the reference's roundings.
 
 Used only for decode batches with bf16 activations and a bf16 cache on the torch attention
@@ -76,12 +76,14 @@ class AttnDecodeLayers:
             elif isinstance(mod, RMSNorm):
                 self.norms[name] = mod
                 mod.add_norm = self._make_add_norm(mod)
+                mod.forward = self._make_norm(mod)
 
     def remove(self) -> None:
         for mod in self.modules.values():
             del mod.forward
         for mod in self.norms.values():
             del mod.add_norm
+            del mod.forward
         self.modules, self.norms = {}, {}
 
     def _make_add_norm(self, mod: RMSNorm):
@@ -103,6 +105,26 @@ class AttnDecodeLayers:
             return out, res
 
         return add_norm
+
+    def _make_norm(self, mod: RMSNorm):
+        """RMSNorm.forward (no residual: the first layer's input norm) natively, as add_norm."""
+        torch_forward = mod.forward
+        lb = _lib()
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            w = mod.weight
+            if (not self.enabled or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
+                    or x.dim() != 2 or not 0 < x.shape[0] <= MAX_NORM_ROWS or not x.is_contiguous()
+                    or x.shape[1] != w.shape[0] or not w.is_contiguous()):
+                return torch_forward(x)
+            out = torch.empty_like(x)
+            if lb.hm_add_rmsnorm_bf16(x.data_ptr(), None, w.data_ptr(), x.shape[0], x.shape[1], mod.eps, out.data_ptr(),
+                                      None):
+                return torch_forward(x)
+            self.native_calls += 1
+            return out
+
+        return forward
 
     def _rope_tables(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
         key = (rope.cos.data_ptr(), rope.cos.dtype, rope.cos.shape)

@@ -130,3 +130,12 @@ def test_add_norm_matches_reference(rows, h):
     big = torch.randn(5, h, generator=g).bfloat16()  # over MAX_NORM_ROWS: the torch ops, bit for bit
     assert all(torch.equal(a, b) for a, b in zip(norm.add_norm(big, big), add_rmsnorm_ref(big, big, norm.weight, 1e-6)))
     assert ad.native_calls == 1
+    # forward (no residual): the same, natively up to MAX_NORM_ROWS rows
+    ref1, _ = add_rmsnorm_ref(x, None, norm.weight, 1e-6)
+    got1 = norm(x)
+    assert ad.native_calls == 2
+    assert ((got1.float() - ref1.float()).abs() <= ref1.float().abs() * 2**-7).all()
+    assert torch.equal(norm(big), add_rmsnorm_ref(big, None, norm.weight, 1e-6)[0])
+    assert ad.native_calls == 2
+    ad.remove()
+    assert "forward" not in vars(norm) and "add_norm" not in vars(norm)
