@@ -60,6 +60,7 @@ UNITS: list[tuple[str, list[str], bool]] = [
     ("dense_avx512.cpp", AVX512, False),
     ("attn_decode.cpp", AVX2 + ["-ffp-contract=off"], True),  # CPU-only decode attention (attn_decode.h)
     ("layer_decode.cpp", [], True),  # a decoder layer's attention half in one call (layer_decode.h)
+    ("route_cpu.cpp", [], True),  # softmax top-k routing (fused_ops.topk_softmax on CPU, the one-call layer)
     ("lora.cpp", [], True),  # expert LoRA on the CPU experts (lora.h)
     ("lora_avx2.cpp", AVX2, True),
     ("lora_avx512.cpp", AVX512, False),
