@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         def set_mode(m: str) -> None:
             if dl is not None:
-                dl.enabled = m in ("on", "unfused", "queued", "dense")
+                dl.enabled = m in ("on", "nomoe", "unfused", "queued", "dense")
             if ad is not None:
-                ad.enabled = m in ("on", "unfused", "queued")
+                ad.enabled = m in ("on", "nomoe", "unfused", "queued")
             if ld is not None:
                 ld.enabled = m in ("on", "nomoe", "queued")
                 ld.moe_enabled = m != "nomoe"

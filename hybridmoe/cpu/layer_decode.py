@@ -131,7 +131,7 @@ class LayerDecodeLayers:
         self.dl, self.ad = dl, ad
         self.layers: dict[int, nn.Module] = {}
         self.moe_layers: set[int] = set()  # layers whose MoE block can run inside the call
-        self._step: tuple | None = None  # (meta, positions, pos, slots, block table, seq lens) of the current step
+        self._step: tuple | None = None  # the current step's metadata (_step_meta)
         self._scratch: dict[tuple, torch.Tensor] = {}  # (T, role, size, dtype) -> intermediate buffer (never returned)
         self._err = C.create_string_buffer(512)
         linears = {id(m) for m in dl.modules.values()}

@@ -33,7 +33,7 @@ int hm_layer_decode(void* pool, const HmLayerDecode* d, char* err, int errlen) {
     return fail("post-attention norm");
   if (d->router.N > 0 && hm_dense(pool, &d->router, d->isa, 0, err, errlen)) return fail("router");
   if (d->moe.layer) {
-    HmTask t = d->moe;  // ids / weights are this call's to write: the task only reads them
+    HmTask t = d->moe;  // (d is const here: the routing writes the buffers t.ids / t.weights point at)
     if (d->router.N <= 0 || d->router.out_dtype != 1 || t.ids_dtype != 0 || t.T != d->T)
       return fail("MoE set-up (needs the router GEMV's bf16 logits, int32 ids and T rows)");
     if (hm_topk_softmax(d->router.out, 1, d->T, d->router.N, d->router.ldo, t.K, d->moe_renorm,
