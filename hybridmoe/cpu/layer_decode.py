@@ -4,8 +4,9 @@ post-attention RMSNorm, the MoE block's router GEMV and, where the block allows,
 itself (native softmax top-k routing, cpu/route.py, then the layer's CPU expert task). The same
 native calls as the separate forwards (dense_linears.py, attn_decode.py, fused_ops.topk_softmax,
 CPUMoELayer.run) in the same order, so the same results bit for bit; what goes is ~8-12 Python ->
-native crossings and their wrappers per layer (~350 us a layer on the 2-core machine with the MoE
-block in Python), which at 16 threads is a large share of a layer's ~1 ms.
+native crossings and their wrappers per layer (on the 2-core machine, uninstrumented: ~100 us for the
+attention half, ~65 us more for the MoE block's routing, CPUExperts and task set-up; ~20 us of Python
+a call remain), which at 16 threads is a large share of a layer's ~1 ms.
 
     ld = install_layer_decode(model, dense_linears, attn_decode)   # None when no layer qualifies
     ld.enabled = False                                             # the separate forwards again
