@@ -191,7 +191,8 @@ class LayerDecodeLayers:
         moe = _moe_part(ffn, router, hidden, self.dl.pool)
         if moe is not None:
             self.moe_layers.add(attn.layer_idx)
-        calls: dict[tuple[int, bool], tuple] = {}  # (T, MoE inside) -> (LayerDecode, h1, res1 addresses)
+        # (T, MoE inside) -> (LayerDecode, h1, res1 addresses, [the rope cos its tables were made from])
+        calls: dict[tuple[int, bool], tuple] = {}
         bias32: list = [None, None]  # (key of the qkv bias it was made from, fp32 copy)
 
         def setup(t: int, fused: bool) -> tuple:
@@ -229,7 +230,7 @@ class LayerDecodeLayers:
                 m.ids, m.weights = self._buf(t, "ids", k, torch.int32), self._buf(t, "weights", k, torch.float32)
                 m.x_dtype, m.ids_dtype, m.out_dtype, m.accumulate = native.DT_BF16, 0, native.DT_BF16, 0
                 d.moe_renorm = int(bool(ffn.routing.renormalize))
-            return d, h1, res1
+            return d, h1, res1, [None]
 
         def forward(x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, ctx) -> tuple:
             meta = ctx.attn_meta
@@ -253,7 +254,7 @@ class LayerDecodeLayers:
             hit = calls.get((t, fused))
             if hit is None:
                 hit = calls[(t, fused)] = setup(t, fused)
-            d, h1, res1 = hit
+            d, h1, res1, seen = hit
             _, _, pos, slots, bt, ld_bt, lens, _ = self._step_meta(meta, positions)
             res2 = torch.empty(t, hidden, dtype=_BF16)
             d.res2 = res2.data_ptr()
@@ -271,11 +272,14 @@ class LayerDecodeLayers:
                 if bias32[0] != bkey:
                     bias32[0], bias32[1] = bkey, b.detach().float().contiguous()
                 d.qkv.bias = bias32[1].data_ptr()
-            cos, sin = self.ad._rope_tables(attn.rotary[0])
             a = d.attn
-            a.cos, a.sin, a.positions, a.slots, a.block_table, a.ld_bt, a.seq_lens = cos.data_ptr(), sin.data_ptr(), \
-                pos, slots, bt, ld_bt, lens
+            a.positions, a.slots, a.block_table, a.ld_bt, a.seq_lens = pos, slots, bt, ld_bt, lens
             a.k_cache, a.v_cache, a.S = k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1]
+            rope = attn.rotary[0]
+            if seen[0] is not rope.cos:  # the fp32 tables of this rope (once, normally)
+                cos, sin = self.ad._rope_tables(rope)
+                a.cos, a.sin = cos.data_ptr(), sin.data_ptr()
+                seen[0] = rope.cos
             if fused:
                 out = torch.empty(t, hidden, dtype=_BF16)
                 d.moe.out = out.data_ptr()
