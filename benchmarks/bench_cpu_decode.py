@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dense", default="on,off",
                    help="modes alternating per round, the first one reported: on (the CPU-only path's native dense "
                         "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py, each layer's "
-                        "attention half in one call, cpu/layer_decode.py, and greedy argmax), unfused (on without the "
-                        "one-call layers), queued (on, but every pool call handed to the pool's leader thread and "
+                        "attention half and MoE block in one call, cpu/layer_decode.py, and greedy argmax), nomoe (on "
+                        "with the MoE block in Python after the one-call layer: routing, CPUExperts, the task), "
+                        "unfused (on without the one-call layers), queued (on, but every pool call handed to the pool's leader thread and "
                         "waited for, not run on the caller), dense (the dense linears and argmax only), off (none: "
                         "torch's ops)")
     p.add_argument("--split", action="store_true",
@@ -126,11 +127,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         def set_mode(m: str) -> None:
             if dl is not None:
-                dl.enabled = m in ("on", "unfused", "queued", "dense")
+                dl.enabled = m in ("on", "nomoe", "unfused", "queued", "dense")
             if ad is not None:
-                ad.enabled = m in ("on", "unfused", "queued")
+                ad.enabled = m in ("on", "nomoe", "unfused", "queued")
             if ld is not None:
-                ld.enabled = m in ("on", "queued")
+                ld.enabled = m in ("on", "nomoe", "queued")
+                ld.moe_enabled = m != "nomoe"
             pool.run_inline = m != "queued"
             if native_argmax is not None:
                 native_argmax[0] = m != "off"
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
                 set_mode(m)
                 by_mode[m].append(decode_tps(llm, 1, a.prompt_len, a.steps, a.vocab))
                 line += f", hybridmoe ({m}) {by_mode[m][-1]:.2f} tok/s"
+            if len(modes) > 1:  # the same round's speeds side by side: this machine's bandwidth swings
+                line += " (" + ", ".join(f"{m}/{modes[0]} {by_mode[m][-1] / by_mode[modes[0]][-1]:.3f}"
+                                         for m in modes[1:]) + ")"
             hm.append(by_mode[modes[0]][-1])
             if llama is not None:
                 ll.append(llama.decode_tps(a.prompt_len, a.steps, a.vocab, seed=r))
@@ -167,6 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"mode {m}: {statistics.median(v):.2f} tok/s = {statistics.median(v) / bound:.2f} of the bound "
               f"(rounds {min(v):.2f}-{max(v):.2f}; per-round ratios {' '.join(f'{r:.2f}' for r in per)}, "
               f"median {statistics.median(per):.2f})")
+        if m != modes[0]:  # against the first mode round by round (both ran within the same minute)
+            vs = [x / y for x, y in zip(v, by_mode[modes[0]])]
+            res["by_dense_mode"][m]["vs_first_per_round"] = vs
+            print(f"  {m} / {modes[0]} per round: {' '.join(f'{x:.3f}' for x in vs)}, median {statistics.median(vs):.3f}")
     print(f"hybridmoe CPU-only decode: {hm_m:.2f} tok/s = {hm_m / bound:.2f} of the bound")
     if ll:
         res["llama_cpp_tokens_per_s"] = statistics.median(ll)

@@ -16,8 +16,9 @@ Categories (microseconds per decode step, exclusive):
   norms               RMSNorm / add_norm calls (the residual adds are fused into them)
   router_topk         softmax / top-k of the router logits (moe.routing.route)
   embedding, sampling, prepare (host lists -> tensors), engine (scheduler, token bookkeeping),
-  layer_native        the fused attention half of a layer (cpu/layer_decode.py: norms, qkv, attention, o_proj
-                      and the router GEMV in one native call; memory-bound: those matrices)
+  layer_native        the one-call layer (cpu/layer_decode.py: norms, qkv, attention, o_proj and the router GEMV in
+                      one native call; memory-bound: those matrices), and with its MoE block inside (moe_enabled) the
+                      routing: that block's expert task phases are moved from here to experts_native
   glue_model / glue_layer / glue_moe / glue_runner: Python and torch dispatch between the calls above.
 "Memory-bound" times (bytes / the stream-read bandwidth given to stop()) are printed beside the
 experts and dense rows. The wrappers cost ~1 us a call (~100 calls a step): compare step_us with the
@@ -163,6 +164,10 @@ class DecodeSplit:
         wait = t.pop("experts_wait", 0)
         t["experts_native"] = min(native_ns, wait)
         t["experts_handoff"] = wait - t["experts_native"]
+        inside = min(native_ns - t["experts_native"], t.get("layer_native", 0))  # tasks run inside the layer call
+        if inside > 0:
+            t["layer_native"] -= inside
+            t["experts_native"] += inside
         per = {k: v / steps / 1e3 for k, v in sorted(t.items(), key=lambda kv: -kv[1])}
         res = {"steps": steps, "step_us": wall / steps / 1e3, "sum_us": sum(per.values()), "per_step_us": per,
                "calls_per_step": {k: v / steps for k, v in sorted(self.n.items())},

@@ -61,6 +61,7 @@ UNITS: list[tuple[str, list[str], bool]] = [
     ("attn_decode.cpp", AVX2 + ["-ffp-contract=off"], True),  # CPU-only decode attention (attn_decode.h)
     ("attn_pool.cpp", [], True),  # its driver: units and spans over the pool's threads
     ("layer_decode.cpp", [], True),  # a decoder layer's attention half in one call (layer_decode.h)
+    ("route_cpu.cpp", [], True),  # softmax top-k routing (fused_ops.topk_softmax on CPU, the one-call layer)
     ("lora.cpp", [], True),  # expert LoRA on the CPU experts (lora.h)
     ("lora_avx2.cpp", AVX2, True),
     ("lora_avx512.cpp", AVX512, False),

@@ -1,23 +1,37 @@
-"""A decoder layer's attention half at decode in one native call (csrc/layer_decode.h), for the
-CPU-only bf16 path: residual add + input RMSNorm, qkv GEMV, decode attention, o_proj GEMV, residual
-add + post-attention RMSNorm, and the MoE block's router GEMV. The same native calls as the
-separate forwards (dense_linears.py, attn_decode.py) in the same order, so the same results bit for
-bit; what goes is ~8 Python -> native crossings and their wrappers per layer (~100 us a layer on the
-2-core machine), which at 16 threads is a large share of a layer's ~1 ms.
+"""A decoder layer at decode in one native call (csrc/layer_decode.h), for the CPU-only bf16 path:
+residual add + input RMSNorm, qkv GEMV, decode attention, o_proj GEMV, residual add +
+post-attention RMSNorm, the MoE block's router GEMV and, where the block allows, the MoE block
+itself (native softmax top-k routing, cpu/route.py, then the layer's CPU expert task). The same
+native calls as the separate forwards (dense_linears.py, attn_decode.py, fused_ops.topk_softmax,
+CPUMoELayer.run) in the same order, so the same results bit for bit; what goes is ~8-12 Python ->
+native crossings and their wrappers per layer (on the 2-core machine, uninstrumented: ~100 us for the
+attention half, ~65 us more for the MoE block's routing, CPUExperts and task set-up; ~20 us of Python
+a call remain), which at 16 threads is a large share of a layer's ~1 ms.
 
     ld = install_layer_decode(model, dense_linears, attn_decode)   # None when no layer qualifies
     ld.enabled = False                                             # the separate forwards again
+    ld.moe_enabled = False                                         # the MoE block in Python again
 
 Applies to a decode batch of <= MAX_ROWS bf16 rows when the dense linears and the native attention
 are both enabled and the layer's qkv_proj / o_proj are still the modules they were installed on
-(LoRA wraps replace them: then the layer's own forward runs).
+(LoRA wraps replace them: then the layer's own forward runs). The MoE block runs inside the call
+when its routing is plain softmax top-k (RoutingConfig.is_plain_softmax) with no score bias, it has
+no shared experts, its router is a bf16 dense linear, and its experts are still the CPUExperts they
+were installed on (GGUF layers included: the same task runner; the RecordingExperts around them is
+kept: the call adds its selections to the recorder's counts) with no LoRA attached, on the dense
+linears' pool; otherwise the block's forward_logits runs after the call, as before.
 
-Legend: T rows (decode sequences), H hidden, E experts.
+Each layer's call structure is built once per row count (weights, sizes, scratch buffers); a call
+sets only the inputs, this step's metadata and its fresh outputs. The returned tensors (the layer
+output and the residual) are new each call, never the scratch buffers a later call overwrites.
+
+Legend: T rows (decode sequences), H hidden, E experts, K top-k.
 """
 
 from __future__ import annotations
 
 import ctypes as C
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -26,6 +40,7 @@ from hybridmoe.cpu import native
 from hybridmoe.cpu.attn_decode import AttnDecode, AttnDecodeLayers
 from hybridmoe.cpu.dense import DenseTask
 from hybridmoe.cpu.dense_linears import DenseLinears
+from hybridmoe.cpu.engine import CPUMoELayer
 from hybridmoe.layers.norm import RMSNorm
 
 MAX_ROWS = 4  # the dense linears' decode limit (dense_linears.MAX_TOKENS)
@@ -39,7 +54,8 @@ class LayerDecode(C.Structure):
                                          "h2")] + \
         [("qkv", DenseTask), ("attn", AttnDecode), ("o", DenseTask), ("router", DenseTask)] + \
         [("T", C.c_int64), ("H", C.c_int64), ("eps1", C.c_float), ("eps2", C.c_float), ("isa", C.c_int32),
-         ("pad_", C.c_int32)]
+         ("pad_", C.c_int32), ("moe", native.Task), ("moe_counts", C.c_void_p), ("moe_renorm", C.c_int32),
+         ("pad2_", C.c_int32)]
 
 
 _declared = None
@@ -63,16 +79,61 @@ def _bf16_vec(w: torch.Tensor | None) -> bool:
     return w is not None and w.dtype == _BF16 and w.device.type == "cpu" and w.is_contiguous()
 
 
+class _MoEPart(NamedTuple):
+    """What a layer call needs to run its MoE block (module docstring)."""
+
+    experts: object  # ffn.experts as installed: a CPUExperts, or the RecordingExperts around one
+    cpu: object  # the CPUExperts (its .lora is checked per call)
+    layer: CPUMoELayer  # its task runner (GGUFMoELayer too)
+    recorder: object | None  # the ExpertDistributionRecorder counting this layer's selections, or None
+    index: int  # the recorder's key for this layer
+
+
+def _moe_part(ffn: nn.Module, router: nn.Linear | None, hidden: int, pool) -> _MoEPart | None:
+    """How the MoE block `ffn` runs inside the layer call, or None when it cannot (module docstring)."""
+    from hybridmoe.moe.cpu_experts import CPUExperts  # moe/ imports cpu/: only here, where it is needed
+    from hybridmoe.moe.recorder import RecordingExperts
+
+    routing = getattr(ffn, "routing", None)
+    experts = getattr(ffn, "experts", None)
+    rec = experts if isinstance(experts, RecordingExperts) else None  # always there: it counts the selections
+    cpu = rec.inner if rec is not None else experts
+    inner = getattr(cpu, "layer", None)
+    if (router is None or router.weight.dtype != _BF16 or routing is None or not routing.is_plain_softmax
+            or getattr(ffn, "score_bias", True) or getattr(ffn, "has_shared", True)
+            or not isinstance(cpu, CPUExperts) or not isinstance(inner, CPUMoELayer) or inner.pool is not pool):
+        return None
+    p = inner.packed
+    if p.hidden != hidden or router.weight.shape[0] != p.num_experts or not 1 <= routing.top_k <= min(256, p.num_experts):
+        return None
+    return _MoEPart(experts, cpu, inner, rec.recorder if rec is not None else None,
+                    rec.layer_idx if rec is not None else -1)
+
+
+def _counts(moe: _MoEPart, e: int) -> torch.Tensor | None:
+    """The recorder's int64 [E] counts of this layer (made as its record() would make them), or None
+    when they are not a CPU tensor the call can add to."""
+    counts = moe.recorder.counts
+    c = counts.get(moe.index)
+    if c is None:
+        c = counts[moe.index] = torch.zeros(e, dtype=torch.int64)
+    ok = c.dtype == torch.int64 and c.device.type == "cpu" and c.is_contiguous() and c.numel() == e
+    return c if ok else None
+
+
 class LayerDecodeLayers:
     """Fused decode forwards installed on a model's qualifying decoder layers (module docstring)."""
 
     def __init__(self, model: nn.Module, dl: DenseLinears, ad: AttnDecodeLayers) -> None:
         self.enabled = True
+        self.moe_enabled = True  # the MoE block inside the call where it qualifies
         self.native_calls = 0
+        self.moe_calls = 0  # calls that ran their MoE block too
         self.dl, self.ad = dl, ad
         self.layers: dict[int, nn.Module] = {}
-        self._step: tuple | None = None  # (meta, positions, pos, slots, block table, seq lens) of the current step
-        self._scratch: dict[tuple, tuple] = {}  # (T, qkv, attn, H) -> intermediate buffers (never returned)
+        self.moe_layers: set[int] = set()  # layers whose MoE block can run inside the call
+        self._step: tuple | None = None  # the current step's metadata (_step_meta)
+        self._scratch: dict[tuple, torch.Tensor] = {}  # (T, role, size, dtype) -> intermediate buffer (never returned)
         self._err = C.create_string_buffer(512)
         linears = {id(m) for m in dl.modules.values()}
         attns = {id(m) for m in ad.modules.values()}
@@ -88,21 +149,33 @@ class LayerDecodeLayers:
         for layer in self.layers.values():
             del layer.forward
         self.layers = {}
+        self.moe_layers = set()
 
     def _run(self, d: LayerDecode) -> None:
         """The native call (a method of its own: benchmarks/decode_split.py times it)."""
         if _lib().hm_layer_decode(self.dl.pool.handle, C.byref(d), self._err, len(self._err)):
             raise RuntimeError(self._err.value.decode())
 
+    def _buf(self, t: int, role: str, n: int, dtype: torch.dtype = _BF16) -> int:
+        """Address of a scratch buffer [t, n] shared by the layers' calls (they run one at a time)."""
+        key = (t, role, n, dtype)
+        b = self._scratch.get(key)
+        if b is None:
+            b = self._scratch[key] = torch.empty(t, n, dtype=dtype)
+        return b.data_ptr()
+
     def _step_meta(self, meta, positions: torch.Tensor) -> tuple:
-        """This step's positions, slots, block table and lengths in the kernel's dtypes (once per step)."""
+        """This step's (meta, positions, then the addresses of the positions, slots, block table, its row
+        stride and the lengths in the kernel's dtypes, then those tensors, kept alive), once per step."""
         st = self._step
         if st is None or st[0] is not meta or st[1] is not positions:
             bt = meta.block_table
             if bt.dtype != torch.int32 or bt.stride(-1) != 1:
                 bt = bt.to(torch.int32).contiguous()
-            st = self._step = (meta, positions, _i(positions, torch.int64), _i(meta.slot_mapping, torch.int64), bt,
-                               _i(meta.seq_lens, torch.int32))
+            pos, slots, lens = _i(positions, torch.int64), _i(meta.slot_mapping, torch.int64), _i(meta.seq_lens,
+                                                                                                    torch.int32)
+            st = self._step = (meta, positions, pos.data_ptr(), slots.data_ptr(), bt.data_ptr(), bt.stride(0),
+                               lens.data_ptr(), (pos, slots, bt, lens))
         return st
 
     def _make_forward(self, layer: nn.Module, linears: set[int]):
@@ -115,76 +188,115 @@ class LayerDecodeLayers:
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
         nq, nattn = qkv0.weight.shape[0], attn.num_heads * attn.head_dim
         hidden = o0.weight.shape[0]
-        d = LayerDecode()
-        d.isa, d.eps1, d.eps2, d.H = self.dl.isa_code, n1.eps, n2.eps, hidden
-        d.qkv.N, d.qkv.K, d.qkv.out_dtype, d.qkv.ldo = nq, qkv0.weight.shape[1], 1, nq
-        d.o.N, d.o.K, d.o.out_dtype, d.o.ldo = hidden, nattn, 1, hidden
-        a = d.attn
-        a.Hq, a.Hkv, a.D, a.eps, a.scale = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rms_eps, attn.scale
-        a.ld_qkv, a.ld_out = nq, nattn
+        moe = _moe_part(ffn, router, hidden, self.dl.pool)
+        if moe is not None:
+            self.moe_layers.add(attn.layer_idx)
+        # (T, MoE inside) -> (LayerDecode, h1, res1 addresses, [the rope cos its tables were made from])
+        calls: dict[tuple[int, bool], tuple] = {}
         bias32: list = [None, None]  # (key of the qkv bias it was made from, fp32 copy)
+
+        def setup(t: int, fused: bool) -> tuple:
+            """The call structure for t rows: every field that does not change between calls."""
+            d = LayerDecode()
+            d.isa, d.eps1, d.eps2, d.H, d.T = self.dl.isa_code, n1.eps, n2.eps, hidden, t
+            h1, res1, qkv, att, o = (self._buf(t, r, n) for r, n in (("h1", hidden), ("res1", hidden), ("qkv", nq),
+                                                                      ("attn", nattn), ("o", hidden)))
+            d.norm2_w = n2.weight.data_ptr()
+            wq, wo = qkv0.weight, o0.weight
+            q = d.qkv
+            q.w, q.ldw, q.ldx, q.out, q.T, q.N, q.K, q.out_dtype, q.ldo = wq.data_ptr(), wq.stride(0), hidden, qkv, t, \
+                nq, wq.shape[1], 1, nq
+            a = d.attn
+            a.Hq, a.Hkv, a.D, a.eps, a.scale = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rms_eps, attn.scale
+            a.ld_qkv, a.ld_out, a.qkv, a.out, a.B = nq, nattn, qkv, att, t
+            a.q_norm = attn.q_norm.weight.data_ptr() if attn.qk_norm else None
+            a.k_norm = attn.k_norm.weight.data_ptr() if attn.qk_norm else None
+            ow = d.o
+            ow.w, ow.ldw, ow.x, ow.ldx, ow.out, ow.ldo, ow.T = wo.data_ptr(), wo.stride(0), att, nattn, o, hidden, t
+            ow.N, ow.K, ow.out_dtype = hidden, nattn, 1
+            r = d.router
+            if router is not None and router.weight.dtype == _BF16:
+                wr = router.weight
+                r.w, r.ldw, r.ldx, r.ldo, r.T = wr.data_ptr(), wr.stride(0), hidden, wr.shape[0], t
+                r.N, r.K, r.out_dtype = wr.shape[0], wr.shape[1], 1
+            else:
+                r.N = 0
+            if fused:  # h2 and the logits stay inside the call: scratch; the output is new each call
+                k = ffn.routing.top_k
+                d.h2 = r.x = self._buf(t, "h2", hidden)
+                r.out = self._buf(t, "logits", r.N)
+                m = d.moe
+                m.layer, m.x, m.T, m.K = moe.layer._h, d.h2, t, k
+                m.ids, m.weights = self._buf(t, "ids", k, torch.int32), self._buf(t, "weights", k, torch.float32)
+                m.x_dtype, m.ids_dtype, m.out_dtype, m.accumulate = native.DT_BF16, 0, native.DT_BF16, 0
+                d.moe_renorm = int(bool(ffn.routing.renormalize))
+            return d, h1, res1, [None]
 
         def forward(x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, ctx) -> tuple:
             meta = ctx.attn_meta
             t = x.shape[0]
             if (not (self.enabled and self.dl.enabled and self.ad.enabled) or not meta.is_decode
                     or attn.qkv_proj is not qkv0 or attn.o_proj is not o0 or x.dtype != _BF16 or x.device.type != "cpu"
-                    or x.dim() != 2 or not 0 < t <= min(MAX_ROWS, self.dl.max_tokens) or not x.is_contiguous() or not self.dl.pool.handle
-                    or getattr(ctx.backend, "name", "") != "torch"
+                    or x.dim() != 2 or not 0 < t <= min(MAX_ROWS, self.dl.max_tokens) or not x.is_contiguous()
+                    or not self.dl.pool.handle or getattr(ctx.backend, "name", "") != "torch"
                     or (residual is not None and (residual.dtype != _BF16 or residual.shape != x.shape
                                                   or not residual.is_contiguous()))):
                 return torch_forward(x, residual, positions, ctx)
             k_cache, v_cache = ctx.kv_caches[attn.layer_idx]
             if k_cache.dtype != _BF16 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                 return torch_forward(x, residual, positions, ctx)
-            _, _, pos, slots, bt, lens = self._step_meta(meta, positions)
-            key = (t, nq, nattn, hidden)
-            scratch = self._scratch.get(key)
-            if scratch is None:
-                scratch = self._scratch[key] = tuple(torch.empty(t, n, dtype=_BF16)
-                                                     for n in (hidden, hidden, nq, nattn, hidden))
-            h1, res1, qkv, att, o = scratch
-            h2, res2 = torch.empty(t, hidden, dtype=_BF16), torch.empty(t, hidden, dtype=_BF16)
+            fused = (moe is not None and self.moe_enabled and ffn.experts is moe.experts and moe.cpu.lora is None
+                     and moe.layer._h is not None)
+            counts = None
+            if fused and moe.recorder is not None:
+                counts = _counts(moe, moe.layer.packed.num_experts)
+                fused = counts is not None
+            hit = calls.get((t, fused))
+            if hit is None:
+                hit = calls[(t, fused)] = setup(t, fused)
+            d, h1, res1, seen = hit
+            _, _, pos, slots, bt, ld_bt, lens, _ = self._step_meta(meta, positions)
+            res2 = torch.empty(t, hidden, dtype=_BF16)
+            d.res2 = res2.data_ptr()
             if residual is None:  # the first layer: its input norm as the layer's own forward does it
-                h1 = n1(x)
-                d.x, d.norm1_w, d.res2_in = h1.data_ptr(), None, x.data_ptr()
+                normed = n1(x)
+                d.x = d.h1 = d.qkv.x = normed.data_ptr()
+                d.norm1_w, d.res2_in = None, x.data_ptr()
             else:
-                d.x, d.res_in, d.norm1_w, d.res1 = x.data_ptr(), residual.data_ptr(), n1.weight.data_ptr(), res1.data_ptr()
-                d.res2_in = res1.data_ptr()
-            d.h1, d.norm2_w, d.res2, d.h2, d.T = h1.data_ptr(), n2.weight.data_ptr(), res2.data_ptr(), h2.data_ptr(), t
-            wq, wo = qkv0.weight, o0.weight
-            q = d.qkv
-            q.w, q.ldw, q.x, q.ldx, q.out, q.T = wq.data_ptr(), wq.stride(0), h1.data_ptr(), hidden, qkv.data_ptr(), t
+                d.x, d.res_in, d.norm1_w, d.res1, d.res2_in = x.data_ptr(), residual.data_ptr(), n1.weight.data_ptr(), \
+                    res1, res1
+                d.h1 = d.qkv.x = h1
             b = qkv0.bias
             if b is not None:
                 bkey = (b.data_ptr(), b._version)
                 if bias32[0] != bkey:
                     bias32[0], bias32[1] = bkey, b.detach().float().contiguous()
-                q.bias = bias32[1].data_ptr()
-            cos, sin = self.ad._rope_tables(attn.rotary[0])
-            a.qkv, a.cos, a.sin, a.positions, a.slots = qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), \
-                pos.data_ptr(), slots.data_ptr()
-            a.q_norm = attn.q_norm.weight.data_ptr() if attn.qk_norm else None
-            a.k_norm = attn.k_norm.weight.data_ptr() if attn.qk_norm else None
-            a.k_cache, a.v_cache, a.block_table, a.ld_bt = k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), \
-                bt.stride(0)
-            a.seq_lens, a.out, a.B, a.S = lens.data_ptr(), att.data_ptr(), t, k_cache.shape[1]
-            ow = d.o
-            ow.w, ow.ldw, ow.x, ow.ldx, ow.out, ow.T = wo.data_ptr(), wo.stride(0), att.data_ptr(), nattn, o.data_ptr(), t
+                d.qkv.bias = bias32[1].data_ptr()
+            a = d.attn
+            a.positions, a.slots, a.block_table, a.ld_bt, a.seq_lens = pos, slots, bt, ld_bt, lens
+            a.k_cache, a.v_cache, a.S = k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1]
+            rope = attn.rotary[0]
+            if seen[0] is not rope.cos:  # the fp32 tables of this rope (once, normally)
+                cos, sin = self.ad._rope_tables(rope)
+                a.cos, a.sin = cos.data_ptr(), sin.data_ptr()
+                seen[0] = rope.cos
+            if fused:
+                out = torch.empty(t, hidden, dtype=_BF16)
+                d.moe.out = out.data_ptr()
+                d.moe_counts = counts.data_ptr() if counts is not None else None
+                self._run(d)
+                self.native_calls += 1
+                self.moe_calls += 1
+                return out, res2
+            h2 = torch.empty(t, hidden, dtype=_BF16)
+            d.h2 = h2.data_ptr()
             logits = None
-            r = d.router
-            if router is not None and router.weight.dtype == _BF16:
-                wr = router.weight
-                logits = torch.empty(t, wr.shape[0], dtype=_BF16)
-                r.w, r.ldw, r.x, r.ldx, r.out, r.ldo, r.T = wr.data_ptr(), wr.stride(0), h2.data_ptr(), hidden, \
-                    logits.data_ptr(), wr.shape[0], t
-                r.N, r.K, r.out_dtype = wr.shape[0], wr.shape[1], 1
-            else:
-                r.N = 0
+            if d.router.N > 0:
+                logits = torch.empty(t, d.router.N, dtype=_BF16)
+                d.router.x, d.router.out = d.h2, logits.data_ptr()
             self._run(d)
             self.native_calls += 1
-            out = ffn.forward_logits(h2, logits) if logits is not None else ffn(h2)
-            return out, res2
+            return (ffn.forward_logits(h2, logits) if logits is not None else ffn(h2)), res2
 
         return forward
 

@@ -278,9 +278,33 @@ def qkv_rope_store(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, s
 _qkv_fused_failed = False
 
 
+_route_mod: list = []  # [hybridmoe.cpu.route, or None where the native library does not load]
+
+
+def _native_route():
+    """hybridmoe.cpu.route when the CPU engine's library loads here, else None (decided once)."""
+    if not _route_mod:
+        try:
+            from hybridmoe.cpu import route
+
+            route._lib()
+            _route_mod.append(route)
+        except Exception as e:  # not x86-64 Linux, no compiler for a source checkout, ...
+            log.info("native CPU routing unavailable (%s: %s); using torch's ops", type(e).__name__, e)
+            _route_mod.append(None)
+    return _route_mod[0]
+
+
 def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing weights [T, K] float32 and expert ids [T, K] int32."""
+    """Routing weights [T, K] float32 and expert ids [T, K] int32. CPU tensors: one native call
+    (hybridmoe/cpu/route.py: topk_softmax_ref's ids, weights within a few fp32 ulps), the same routing
+    as the one-call decoder layer's (cpu/layer_decode.py)."""
     t, e = logits.shape
+    if logits.device.type == "cpu" and not use_triton(logits):
+        route = _native_route()
+        if route is not None and route.supports(logits, k):  # the CPU-only path: one native call, not 4 torch ops
+            return route.topk_softmax_cpu(logits, k, renormalize)
+        return topk_softmax_ref(logits, k, renormalize)
     if not use_triton(logits) or t == 0 or e > 4096:
         return topk_softmax_ref(logits, k, renormalize)
     logits = logits.contiguous()

@@ -8,10 +8,14 @@ extern "C" int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us,
 extern "C" int hm_attn_decode_pool(void* pool, const HmAttnDecode* a, char* err, int errlen);
 extern "C" int hm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, int64_t rows, int64_t H,
                                    float eps, uint16_t* out, uint16_t* res_out);
+extern "C" int hm_topk_softmax(const void* logits, int32_t dtype, int64_t T, int64_t E, int64_t ld, int32_t K,
+                               int32_t renorm, float* w, int32_t* ids);
+extern "C" int hm_run_task(void* p, const HmTask* task, int64_t spin_us, char* err, int errlen);
 
 extern "C" {
 
-// Runs the layer's attention half on `pool` (dense GEMVs led by this thread when the pool is idle).
+// Runs the layer's attention half on `pool` (dense GEMVs led by this thread when the pool is idle),
+// then (d->moe.layer) its MoE block.
 // Returns 0, or 1 with what failed in err.
 int hm_layer_decode(void* pool, const HmLayerDecode* d, char* err, int errlen) {
   auto fail = [&](const char* what) {
@@ -28,6 +32,18 @@ int hm_layer_decode(void* pool, const HmLayerDecode* d, char* err, int errlen) {
                           d->res2))
     return fail("post-attention norm");
   if (d->router.N > 0 && hm_dense(pool, &d->router, d->isa, 0, err, errlen)) return fail("router");
+  if (d->moe.layer) {
+    HmTask t = d->moe;  // (d is const here: the routing writes the buffers t.ids / t.weights point at)
+    if (d->router.N <= 0 || d->router.out_dtype != 1 || t.ids_dtype != 0 || t.T != d->T)
+      return fail("MoE set-up (needs the router GEMV's bf16 logits, int32 ids and T rows)");
+    if (hm_topk_softmax(d->router.out, 1, d->T, d->router.N, d->router.ldo, t.K, d->moe_renorm,
+                        const_cast<float*>(t.weights), static_cast<int32_t*>(const_cast<void*>(t.ids))))
+      return fail("routing");
+    if (d->moe_counts)  // ids are in [0, E): the routing wrote them
+      for (int64_t i = 0; i < d->T * t.K; ++i) d->moe_counts[static_cast<const int32_t*>(t.ids)[i]] += 1;
+    // as CPUMoELayer.run: inline on this thread when the pool is idle (AMX layers: on the pool's threads)
+    if (hm_run_task(pool, &t, -1, err, errlen)) return fail("MoE task");
+  }
   return 0;
 }
 

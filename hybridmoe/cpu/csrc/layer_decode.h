@@ -1,14 +1,16 @@
 // The attention half of a decoder layer at decode in one native call (the CPU-only model path,
 // hybridmoe/cpu/layer_decode.py): residual add + RMSNorm, the qkv GEMV, decode attention, the o_proj
-// GEMV, residual add + RMSNorm, and optionally the router GEMV of the MoE block that follows. It only
-// sequences the existing calls (hm_add_rmsnorm_bf16, hm_dense, hm_attn_decode), so the results are
-// those of the separate calls bit for bit; what it saves is ~8 Python -> native crossings and their
-// wrappers a layer.
+// GEMV, residual add + RMSNorm, optionally the router GEMV of the MoE block that follows, and
+// optionally that MoE block itself (plain softmax top-k routing of the router's logits, then the
+// layer's MoE task). It only sequences the existing calls (hm_add_rmsnorm_bf16, hm_dense,
+// hm_attn_decode, hm_topk_softmax, hm_run_task), so the results are those of the separate calls bit
+// for bit; what it saves is ~8-12 Python -> native crossings and their wrappers a layer.
 #pragma once
 #include <cstdint>
 
 #include "attn_decode.h"
 #include "dense.h"
+#include "moe.h"
 
 extern "C" {
 struct HmLayerDecode {           // mirrored by hybridmoe/cpu/layer_decode.py LayerDecode
@@ -28,5 +30,13 @@ struct HmLayerDecode {           // mirrored by hybridmoe/cpu/layer_decode.py La
   int64_t T, H;
   float eps1, eps2;
   int32_t isa, pad_;
+  // The MoE block (moe.layer == nullptr: none, the caller runs it; needs the router GEMV with bf16
+  // out): the router's logits [T][router.ldo] routed by hm_topk_softmax (softmax, top moe.K,
+  // renormalized when moe_renorm) into moe.ids (int32, ids_dtype 0) and moe.weights, then moe run
+  // as hm_run_task runs it (x = h2, out = the layer's output). moe_counts: int64 [E] per-expert
+  // selection counts to add this call's ids to (the expert-distribution recorder's), or nullptr.
+  HmTask moe;
+  int64_t* moe_counts;
+  int32_t moe_renorm, pad2_;
 };
 }
