@@ -7,7 +7,7 @@ from the hybrid configuration; benchmarks and tests build their own. No torch im
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 MAX_PREFETCH_BYTES = 1 << 20
 MAX_SPIN_US = 1_000_000
@@ -19,11 +19,14 @@ class CPUEngineSettings:
     """Settings of one CPU thread pool (hybridmoe.cpu.engine.CPUThreadPool). Out-of-range values
     raise ValueError naming the field."""
 
-    prefetch_bytes: int = 2048
-    """Software prefetch distance of the decode-sized (few-row) kernels, bytes ahead of the weight
-    stream, in [0, 1 MiB]; 0: the hardware prefetchers alone. 2048 (32 lines) read 10-30% faster
-    than none on the H200 host (benchmarks/results/README_cpu_moe.md, session 4). The AMX tile
-    kernels (many rows) prefetch each weight block this far ahead too. Results do not depend on it."""
+    prefetch_bytes: int = field(default_factory=lambda: default_prefetch_bytes())
+    """Software prefetch distance of the decode-sized (few-row) kernels and the dense GEMVs, bytes
+    ahead of the weight stream, in [0, 1 MiB]; 0: the hardware prefetchers alone. Default by CPU
+    vendor (default_prefetch_bytes): 2048 (32 lines) on Intel, where it read 10-30% faster than none
+    on the H200 host (benchmarks/results/README_cpu_moe.md, session 4); 0 on AMD, where none read
+    about 5% faster than 2048 on a Zen 4 machine (AMXINT8 / AMXINT4 / BF16 layers at T = 1, 4, 16,
+    interleaved, session 13). The AMX tile kernels (many rows) prefetch each weight block this far
+    ahead too. Results do not depend on it."""
 
     spin_us: int = 1000
     """How long idle pool threads (and Python's waits) spin before they sleep, microseconds, in
@@ -53,3 +56,20 @@ class CPUEngineSettings:
                 rng = f"an integer in [{lo}, {hi}]"
             if not ok:
                 raise ValueError(f"CPUEngineSettings.{f.name}={v!r}: expected {rng}")
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...), "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def default_prefetch_bytes() -> int:
+    """CPUEngineSettings.prefetch_bytes' default here: 0 on AMD, 2048 elsewhere (see that field)."""
+    return 0 if cpu_vendor() == "AuthenticAMD" else 2048

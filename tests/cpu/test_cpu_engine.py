@@ -218,6 +218,19 @@ def test_settings_are_validated_and_reach_the_pool():
         assert field in err.value.decode()
 
 
+def test_prefetch_default_follows_the_cpu_vendor(monkeypatch):
+    """0 on AMD, 2048 elsewhere (CPUEngineSettings.prefetch_bytes' measurements); explicit values win."""
+    from hybridmoe.cpu import settings
+
+    for vendor, want in (("AuthenticAMD", 0), ("GenuineIntel", 2048), ("", 2048)):
+        monkeypatch.setattr(settings, "cpu_vendor", lambda v=vendor: v)
+        assert settings.default_prefetch_bytes() == want
+        assert CPUEngineSettings().prefetch_bytes == want
+        assert CPUEngineSettings(prefetch_bytes=512).prefetch_bytes == 512
+    monkeypatch.undo()
+    assert settings.cpu_vendor() in open("/proc/cpuinfo").read()
+
+
 def test_threads_for_tests_variable(monkeypatch):
     monkeypatch.delenv(envs.TEST_THREADS, raising=False)
     assert envs.threads_for_tests() == 2
