@@ -61,8 +61,10 @@ void block(const HmDenseTask& t, int n, int64_t tok0, int pf) {
     }
 }
 
-// One row for one token (decode): see dense_avx512.cpp's row1 (one linear stream, four dot chains).
-void row1(const HmDenseTask& t, int n, int pf) {
+// One row for one token (decode): see dense_avx512.cpp's row1_ (one linear stream, four dot chains, PF a
+// template argument).
+template <bool PF>
+void row1_(const HmDenseTask& t, int n, int pf) {
   const uint16_t* w = t.w + int64_t(n) * t.ldw;
   const uint16_t* x = t.x;
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -70,7 +72,7 @@ void row1(const HmDenseTask& t, int n, int pf) {
   const int64_t ahead = pf / 2;  // elements
   int k = 0;
   for (; k + 32 <= K; k += 32) {
-    if (pf) _mm_prefetch(reinterpret_cast<const char*>(w + k + ahead), _MM_HINT_T0);
+    if (PF) _mm_prefetch(reinterpret_cast<const char*>(w + k + ahead), _MM_HINT_T0);
     a0 = _mm256_fmadd_ps(widen8(w + k), widen8(x + k), a0);
     a1 = _mm256_fmadd_ps(widen8(w + k + 8), widen8(x + k + 8), a1);
     a2 = _mm256_fmadd_ps(widen8(w + k + 16), widen8(x + k + 16), a2);

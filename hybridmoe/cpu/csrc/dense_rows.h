@@ -1,6 +1,6 @@
 // The row walk shared by the dense kernel units (dense_avx512.cpp, dense_avx2.cpp): each unit
 // defines kRows, kTT, block<R, TT>(t, n, tok0, pf) (rows n..n+R-1 for tokens tok0..tok0+TT-1) and
-// row1(t, n, pf) (one row, one token) and includes this inside its anonymous namespace. One token
+// row1_<PF>(t, n, pf) (one row, one token; PF: pf > 0) and includes this inside its anonymous namespace. One token
 // (decode): row1 row after row, one linear stream. More: rows in blocks of kRows (a row tail one at
 // a time); for each block, tokens go in tiles of kTT, so the block's weights come from memory
 // once and from cache for the further tiles.
@@ -24,7 +24,10 @@ void row_block(const HmDenseTask& t, int n, int pf) {
 void rows(const HmDenseTask& t, int n0, int n1, int pf) {
   if (t.T <= 0) return;
   if (t.T == 1) {
-    for (int n = n0; n < n1; ++n) row1(t, n, pf);
+    if (pf)
+      for (int n = n0; n < n1; ++n) row1_<true>(t, n, pf);
+    else
+      for (int n = n0; n < n1; ++n) row1_<false>(t, n, pf);
     return;
   }
   int n = n0;
