@@ -64,6 +64,24 @@ def test_against_reference(isa, pool, t, n, k, out_dtype):
         _check(dense_linear(x, w, b, out_dtype=out_dtype, pool=pool, isa=isa), x, w, b, out_dtype)
 
 
+@pytest.mark.parametrize("t,n,k", [(1, 1000, 1100), (1, 37, 45), (3, 100, 33)])
+def test_prefetch_changes_nothing_but_speed(isa, t, n, k):
+    """Software prefetch on (a template path of its own in the one-token kernel) and off: bit-identical."""
+    from hybridmoe.cpu.engine import CPUThreadPool
+    from hybridmoe.cpu.settings import CPUEngineSettings
+
+    x, w, b = _data(t, n, k, seed=n + k, bias=True)
+    outs = []
+    for pf in (0, 2048, 64):
+        pool = CPUThreadPool(threads=2, settings=CPUEngineSettings(prefetch_bytes=pf))
+        try:
+            outs.append(dense_linear(x, w, b, out_dtype=torch.float32, pool=pool, isa=isa))
+        finally:
+            pool.close()
+    _check(outs[0], x, w, b, torch.float32)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def test_zero_tokens_and_rows(isa, pool):
     x, w, _ = _data(0, 8, 16, 0, False)
     assert dense_linear(x, w, pool=pool, isa=isa).shape == (0, 8)
