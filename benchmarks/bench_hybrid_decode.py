@@ -112,6 +112,22 @@ def extrapolate(row: dict, n_moe: int, target: int) -> dict:
     return out
 
 
+def gguf_experts(a, where: Path) -> str:
+    """The GGUF of --gguf TYPE experts for this shape (written unless `where` has it already)."""
+    from gguf_experts_file import write_experts_gguf
+
+    cfg = getattr(a, "dummy_config", None)
+    moe_layers = list(range(cfg["first_k_dense_replace"] if cfg else 0, a.layers))
+    path = where / f"experts-{a.gguf}-L{a.layers}-E{a.experts}-H{a.hidden}-I{a.inter}.gguf"
+    if not path.exists():
+        where.mkdir(parents=True, exist_ok=True)
+        arch = "deepseek2" if cfg else "qwen3moe"
+        write_experts_gguf(path.with_suffix(".part"), a.gguf, a.layers, moe_layers, a.experts, a.hidden, a.inter,
+                           arch=arch)
+        path.with_suffix(".part").rename(path)
+    return str(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(p)
@@ -142,6 +158,13 @@ def main() -> None:
                         "published model's with --dummy-*, e.g. 58 for DeepSeek-V3): the measured step plus the "
                         "missing layers at the median period of a layer within a step (the CPU trace's interval "
                         "between stream releases), and its ratio to the bound of that many layers")
+    p.add_argument("--gguf", default=None, metavar="TYPE",
+                   help="serve the routed experts from a GGUF file of random TYPE blocks (Q4_K, Q8_0, ...: "
+                        "--kt-method LLAMAFILE --kt-weight-path, written to --gguf-dir first; "
+                        "gguf_experts_file.py); --method is then ignored")
+    p.add_argument("--gguf-dir", default=None,
+                   help="where --gguf writes its file (default: the run's temporary directory); an existing file "
+                        "of the same name is reused")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tests), not a measurement")
     p.add_argument("--out", default=None)
     a = parse_shape_args(p)
@@ -154,10 +177,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         write_config(Path(d), a)
         max_bs = max(a.batch)
+        method, weight_path = a.method, None
+        if a.gguf:
+            method, weight_path = "LLAMAFILE", gguf_experts(a, Path(a.gguf_dir or d))
         t = time.perf_counter()
         cuda = a.device == "cuda"
         llm = LLM(d, device=a.device, dtype="bfloat16" if cuda else "float32", load_format="dummy", progress=False,
-                  skip_tokenizer_init=True, kt_method=a.method, kt_num_gpu_experts=a.gpu_experts,
+                  skip_tokenizer_init=True, kt_method=method, kt_weight_path=weight_path,
+                  kt_num_gpu_experts=a.gpu_experts,
                   kt_cpuinfer=a.cpuinfer, kt_max_deferred_experts_per_token=a.deferred[0],
                   cpu_engine=CPUEngineSettings(hostfn_spin_us=a.hostfn_spin_us),
                   hybrid_blocking_sync=a.blocking_sync == "on",

@@ -3,7 +3,9 @@
 # Usage there (OUT is the folder whose files come back):
 #   bash benchmarks/run_device_suite.sh "$OUT" [part...]
 # Parts (default: all; they run in this order): check gpu-tests cpu-isa-tests sweep decode serving
-# hybrid prefill profile cpu-moe server. `sweep` tunes the MoE decode tiles and writes the table the engine reads
+# hybrid prefill profile cpu-moe server. Not in the default (each takes minutes; name them): cpu-decode
+# (issue 21: CPU-only decode on all cores against the stream bound), gguf (issue 18: GGUF experts per
+# layer, then hybrid decode of the 48-layer shape from a Q4_K GGUF), lora (issue 17: bench_lora_decode). `sweep` tunes the MoE decode tiles and writes the table the engine reads
 # (moe_sweep.json in OUT holds it), so `decode` after it runs with the tuned tiles. At most 8 files
 # come back from OUT: logs that the output tail shows anyway stay in /tmp. Server tests and bench_serving need fastapi/uvicorn/pydantic wheels carried in .whl (see
 # the device README); they run only when `python -c "import fastapi"` works.
@@ -92,5 +94,27 @@ fi
 if want server && [ $has_fastapi = 1 ]; then
   log server-tests
   timeout 240 $PY -m pytest -q -p no:cacheprovider tests/server -x 2>&1 | tee "$out/server_tests.log" | tail -5
+fi
+if want cpu-decode; then
+  log bench-cpu-decode
+  # device="cpu", every physical core; the split says where a step goes (llama.cpp is not on the device)
+  timeout "${CPU_DECODE_TIMEOUT:-420}" $PY benchmarks/bench_cpu_decode.py --layers "${CPU_DECODE_LAYERS:-12}" \
+    --repeats 5 --dense on,nomoe --split --no-llama --out "$out/cpu_decode.json" 2>&1 | grep -v Warning \
+    | tee "$out/bench_cpu_decode.log" | tail -30
+fi
+if want gguf; then
+  log bench-gguf-moe
+  timeout 240 $PY benchmarks/bench_gguf_moe.py --types Q4_K,Q8_0 --T 1,4,16,1024,4096 --profile \
+    --json "$out/gguf_moe.json" 2>&1 | grep -v Warning | tee "$out/bench_gguf_moe.log" | tail -20
+  log bench-hybrid-decode-gguf
+  # the file (~16 GB at 48 layers) goes to /tmp, not $OUT
+  timeout "${GGUF_HYBRID_TIMEOUT:-420}" $PY benchmarks/bench_hybrid_decode.py --gguf "${GGUF_TYPE:-Q4_K}" \
+    --gguf-dir /tmp/hm_gguf --deferred 0 --batch 1 4 --graphs on ${GGUF_HYBRID_ARGS:-} \
+    --out "$out/hybrid_decode_gguf.json" 2>&1 | grep -v Warning | tee "$out/bench_hybrid_decode_gguf.log" | tail -12
+fi
+if want lora; then
+  log bench-lora-decode
+  timeout "${LORA_TIMEOUT:-420}" $PY benchmarks/bench_lora_decode.py ${LORA_ARGS:-} --out "$out/lora_decode.json" \
+    2>&1 | grep -v Warning | tee "$out/bench_lora_decode.log" | tail -20
 fi
 log done

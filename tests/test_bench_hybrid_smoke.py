@@ -61,6 +61,49 @@ def test_bench_hybrid_decode_smoke(tmp_path):
     assert "median" in proc.stdout
 
 
+def test_bench_hybrid_decode_from_gguf_experts(tmp_path):
+    """--gguf Q8_0: the experts come from a GGUF file the script writes (random Q8_0 blocks,
+    gguf_experts_file.py) and run as --kt-method LLAMAFILE: the bytes a token reads are the GGUF
+    blocks' (AMXINT8's packing would give other bytes); a second run reuses the file."""
+    out, where = tmp_path / "hb.json", tmp_path / "g"
+    h, i, e, k, gpu, layers = 256, 256, 8, 2, 3, 2  # the GGUF kernels take multiples of 256
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_hybrid_decode.py"), "--device", "cpu",
+           "--layers", str(layers), "--experts", str(e), "--topk", str(k), "--hidden", str(h), "--inter", str(i),
+           "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "128", "--gpu-experts", str(gpu),
+           "--deferred", "0", "--batch", "1", "--graphs", "off", "--off-steps", "3", "--prompt-len", "8",
+           "--gguf", "Q8_0", "--gguf-dir", str(where), "--out", str(out)]
+    for run in range(2):
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert ("gguf experts:" in proc.stdout) == (run == 0)
+    files = list(where.glob("*.gguf"))
+    assert len(files) == 1 and not list(where.glob("*.part"))
+    per_expert = 3 * h * i // 32 * 34  # Q8_0: 34 bytes per 32 values, three matrices of H x I
+    row = json.loads(out.read_text())["runs"][0]
+    assert row["tokens_per_s"] > 0 and row["cpu_tasks_per_step"] > 0
+    assert row["cpu_expert_bytes_per_token"] == pytest.approx(layers * k * (e - gpu) / e * per_expert)
+
+
+def test_gguf_experts_file_reads_back(tmp_path):
+    """gguf_experts_file.write_experts_gguf: llama.cpp's names and torch-order shapes, the given block
+    count, only the MoE layers, and each tensor's blocks valid for the CPU kernels' reader."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gguf_experts_file import write_experts_gguf
+
+    from hybridmoe.gguf.experts import layer_experts
+    from hybridmoe.gguf.reader import GGUFModel
+
+    path = write_experts_gguf(tmp_path / "x.gguf", "Q4_K", 3, [1, 2], 4, 256, 512, log=None)
+    m = GGUFModel.open(str(path))
+    assert m.meta("qwen3moe.block_count") == 3
+    assert sorted(n for n in m.tensors) == sorted(f"blk.{layer}.ffn_{p}_exps.weight" for layer in (1, 2)
+                                                  for p in ("gate", "up", "down"))
+    assert m.tensor("blk.1.ffn_down_exps.weight").shape == (4, 256, 512)
+    assert layer_experts(m, 2, 4, 256, 512).num_experts == 4
+    with pytest.raises(ValueError, match="multiple of 256"):
+        write_experts_gguf(tmp_path / "y.gguf", "Q4_K", 1, [0], 4, 256, 96, log=None)
+
+
 # ---- --dummy-deepseek-v3 / --dummy-kimi-k2 (benchmarks/shapes.py) ------------------------------------
 SHAPE_SCRIPTS = ["bench_cpu_moe.py", "bench_decode.py", "bench_hybrid_decode.py", "bench_hybrid_prefill.py",
                  "profile_decode.py"]
