@@ -33,11 +33,16 @@ TINY = ["--layers", "2", "--experts", "8", "--topk", "2", "--hidden", "128", "--
         "--kv-heads", "2", "--head-dim", "32", "--vocab", "512"]
 
 
-def token_bytes(model, topk: int) -> int:
-    """Weight bytes one decode token reads (see the module docstring)."""
+def token_bytes(model, topk: int, dense_linears=None) -> int:
+    """Weight bytes one decode token reads (see the module docstring); a linear with an int8 copy
+    (--dense-weights int8) counts that copy's bytes instead of its bf16 weight's."""
     total = 0
     for name, p in model.named_parameters():
         total += p.shape[1] * p.element_size() if "embed_tokens" in name else p.numel() * p.element_size()
+    for mod in model.modules():
+        q8 = dense_linears.int8_of(mod) if dense_linears is not None and hasattr(dense_linears, "int8_of") else None
+        if q8 is not None:
+            total += q8.nbytes - mod.weight.nbytes
     for block in model.moe_blocks():
         experts = block.experts
         packed = getattr(getattr(experts, "layer", None), "packed", None)
@@ -62,13 +67,18 @@ def main(argv: list[str] | None = None) -> dict:
                         "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py, each layer's "
                         "attention half and MoE block in one call, cpu/layer_decode.py, and greedy argmax), nomoe (on "
                         "with the MoE block in Python after the one-call layer: routing, CPUExperts, the task), "
-                        "unfused (on without the one-call layers), queued (on, but every pool call handed to the pool's leader thread and "
+                        "bf16 (on, with --dense-weights int8: the bf16 weights, for an A/B in one process; the bound "
+                        "still counts the int8 bytes), unfused (on without the one-call layers), queued (on, but every pool call handed to the pool's leader thread and "
                         "waited for, not run on the caller), dense (the dense linears and argmax only), off (none: "
                         "torch's ops)")
     p.add_argument("--split", action="store_true",
                    help="after the rounds, one instrumented run per mode: where a decode step's time goes "
                         "(decode_split.py; JSON key 'split')")
-    p.add_argument("--gguf", default=None, help="reuse / keep the GGUF at this path")
+    p.add_argument("--dense-weights", default="bf16", choices=["bf16", "int8"],
+                   help="--cpu-dense-weights: the attention projections and LM head as bf16 or int8 copies (then the "
+                        "bound counts the int8 bytes, and llama.cpp's GGUF holds those matrices in Q8_0 too)")
+    p.add_argument("--gguf", default=None, help="reuse / keep the GGUF at this path (written to match --dense-weights "
+                                                "when missing; an existing one is used as it is)")
     p.add_argument("--tiny", action="store_true", help="a tiny shape, 1 repeat of 4 steps (smoke test)")
     p.add_argument("--out", default=None)
     raw = sys.argv[1:] if argv is None else argv
@@ -88,11 +98,12 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         llm = LLM(d, device="cpu", dtype="bfloat16", load_format="dummy", progress=False, skip_tokenizer_init=True,
                   kt_method=a.method, kt_num_gpu_experts=0, kt_cpuinfer=threads, max_running_requests=1,
-                  max_total_tokens=4 * (a.prompt_len + a.steps + 64), context_length=4096)
+                  max_total_tokens=4 * (a.prompt_len + a.steps + 64), context_length=4096,
+                  **({"cpu_dense_weights": a.dense_weights} if a.dense_weights != "bf16" else {}))
         res["load_s"] = time.perf_counter() - t0
         print(f"hybridmoe: model ready in {res['load_s']:.1f} s ({a.layers} layers, {a.method}, {threads} threads)",
               flush=True)
-        bpt = token_bytes(llm.engine.runner.model, a.topk)
+        bpt = token_bytes(llm.engine.runner.model, a.topk, getattr(llm.engine.runner, "dense_linears", None))
         pool = default_pool()
         llama = None
         if not a.no_llama:
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                 gg = Path(a.gguf) if a.gguf else Path(d) / "model.gguf"
                 if not gg.exists():
                     t0 = time.perf_counter()
-                    write_gguf(gg, a)
+                    write_gguf(gg, a, dense_q8=a.dense_weights == "int8")
                     print(f"GGUF written in {time.perf_counter() - t0:.1f} s ({gg.stat().st_size / 1e9:.2f} GB)")
                 llama = LlamaCpp(gg, threads)
         dl = getattr(llm.engine.runner, "dense_linears", None)  # None: no native dense linears in this build
@@ -127,11 +138,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         def set_mode(m: str) -> None:
             if dl is not None:
-                dl.enabled = m in ("on", "nomoe", "unfused", "queued", "dense")
+                dl.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "dense")
+                if hasattr(dl, "int8_enabled"):
+                    dl.int8_enabled = m != "bf16"
             if ad is not None:
-                ad.enabled = m in ("on", "nomoe", "unfused", "queued")
+                ad.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued")
             if ld is not None:
-                ld.enabled = m in ("on", "nomoe", "queued")
+                ld.enabled = m in ("on", "bf16", "nomoe", "queued")
                 ld.moe_enabled = m != "nomoe"
             pool.run_inline = m != "queued"
             if native_argmax is not None:

@@ -24,16 +24,18 @@ def available() -> str:
     return ""
 
 
-def _tensors(a) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, numpy-order shape, kind) of the Qwen3-MoE GGUF: kind f16 | f32 | q8 (shape in values)."""
+def _tensors(a, dense_q8: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, numpy-order shape, kind) of the Qwen3-MoE GGUF: kind f16 | f32 | q8 (shape in values).
+    dense_q8: the attention projections and the output matrix in Q8_0 too (as --cpu-dense-weights int8)."""
     h, q, kv = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    dk = "q8" if dense_q8 else "f16"
     out = [("token_embd.weight", (a.vocab, h), "f16"), ("output_norm.weight", (h,), "f32"),
-           ("output.weight", (a.vocab, h), "f16")]
+           ("output.weight", (a.vocab, h), dk)]
     for b in range(a.layers):
         p = f"blk.{b}."
         out += [(p + "attn_norm.weight", (h,), "f32"), (p + "ffn_norm.weight", (h,), "f32"),
-                (p + "attn_q.weight", (q, h), "f16"), (p + "attn_k.weight", (kv, h), "f16"),
-                (p + "attn_v.weight", (kv, h), "f16"), (p + "attn_output.weight", (h, q), "f16"),
+                (p + "attn_q.weight", (q, h), dk), (p + "attn_k.weight", (kv, h), dk),
+                (p + "attn_v.weight", (kv, h), dk), (p + "attn_output.weight", (h, q), dk),
                 (p + "attn_q_norm.weight", (a.head_dim,), "f32"), (p + "attn_k_norm.weight", (a.head_dim,), "f32"),
                 (p + "ffn_gate_inp.weight", (a.experts, h), "f32"),
                 (p + "ffn_gate_exps.weight", (a.experts, a.inter, h), "q8"),
@@ -55,8 +57,9 @@ def _make(shape: tuple[int, ...], kind: str, rng: np.random.Generator, std: floa
     return blocks.reshape(*lead, k // 32 * 34)
 
 
-def write_gguf(path: Path, a, seed: int = 0) -> Path:
-    """The GGUF of the shape namespace `a` (bench_decode.add_shape_args), one tensor in memory at a time."""
+def write_gguf(path: Path, a, seed: int = 0, dense_q8: bool = False) -> Path:
+    """The GGUF of the shape namespace `a` (bench_decode.add_shape_args), one tensor in memory at a time
+    (dense_q8: see _tensors)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch="qwen3moe")
@@ -75,7 +78,7 @@ def write_gguf(path: Path, a, seed: int = 0) -> Path:
     w.add_expert_feed_forward_length(a.inter)
     w.add_vocab_size(a.vocab)
     w.add_tokenizer_model("none")
-    specs = _tensors(a)
+    specs = _tensors(a, dense_q8)
     q8 = gguf.GGMLQuantizationType.Q8_0
     for name, shape, kind in specs:
         if kind == "q8":

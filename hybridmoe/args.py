@@ -9,7 +9,7 @@ import sys
 from typing import NoReturn
 
 from hybridmoe.chat_templates import BUILTIN_TEMPLATES
-from hybridmoe.config import DEMO_MODEL_PATH, DTYPES, KT_METHODS, PLACEMENT_STRATEGIES, EngineArgs
+from hybridmoe.config import CPU_DENSE_WEIGHTS, DEMO_MODEL_PATH, DTYPES, KT_METHODS, PLACEMENT_STRATEGIES, EngineArgs
 from hybridmoe.sglang_compat import ATTENTION_BACKEND_ALIASES, KV_CACHE_DTYPES, SCHEDULE_POLICIES, add_compat_args
 
 
@@ -71,6 +71,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="auto: the model dtype; fp8_e4m3/fp8_e5m2 store K/V as unscaled FP8 (half the memory), "
                         "upcast in the attention kernels (not for MLA models)")
+    r.add_argument("--cpu-dense-weights", default=d.cpu_dense_weights, choices=CPU_DENSE_WEIGHTS,
+                   help="CPU-only decode (--device cpu, every expert on the CPU, bf16): the attention projections' and "
+                        "LM head's weights as each token reads them; int8 keeps a per-row int8 copy beside the bf16 "
+                        "weights (prefill) and quantizes the activations per token, as the INT8 experts do: half the "
+                        "bytes of those matrices, logits ~1%% off bf16")
     r.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (SGLang's default is 1)")
     r.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help="most prompt tokens per step; -1: no chunking")

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 DEMO_MODEL_PATH = str(Path(__file__).parent / "demo_model")
 
+CPU_DENSE_WEIGHTS = ("bf16", "int8")
 KT_METHODS = ("AMXINT8", "AMXINT4", "BF16", "LLAMAFILE", "FP8")
 PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
@@ -114,6 +115,9 @@ class EngineArgs:
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks)
     fp8_dequantize: bool = False  # block-scaled fp8 checkpoints: every fp8 weight in --dtype at load
     kv_cache_dtype: str = "auto"  # auto (= the model dtype) | bf16 | fp8_e4m3 | fp8_e5m2 (unscaled fp8 K/V)
+    # CPU-only decode (--device cpu, every expert on the CPU engine, bf16): the dense linears' weights as
+    # a decode step reads them: bf16 (torch's values) | int8 (per-row int8 copies: half the bytes)
+    cpu_dense_weights: str = "bf16"
     schedule_policy: str = "fcfs"  # fcfs | lpm (waiting requests with the longest cached prefix first)
     chat_template: str | None = None  # a Jinja file or a built-in name (chat_templates.py); None: the tokenizer's
     revision: str | None = None  # of a Hugging Face Hub id given as --model-path (hub.py)
@@ -207,6 +211,7 @@ class EngineArgs:
              f"one of {tuple(ATTENTION_BACKEND_ALIASES)}")
         self._map_attention_backend()
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv-cache-dtype", f"one of {KV_CACHE_DTYPES}")
+        need(self.cpu_dense_weights in CPU_DENSE_WEIGHTS, "cpu-dense-weights", f"one of {CPU_DENSE_WEIGHTS}")
         need(self.schedule_policy in SCHEDULE_POLICIES, "schedule-policy", f"one of {SCHEDULE_POLICIES}")
         need(self.stream_interval >= 1, "stream-interval", "a positive integer (tokens per streamed update)")
         need(isinstance(self.watchdog_timeout, (int, float)) and not isinstance(self.watchdog_timeout, bool)

@@ -13,6 +13,7 @@ beside them. `dense_linear_reference` is the plain torch definition the tests co
 from __future__ import annotations
 
 import ctypes as C
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +27,9 @@ class DenseTask(C.Structure):
 
     _fields_ = [("w", C.c_void_p), ("x", C.c_void_p), ("bias", C.c_void_p), ("out", C.c_void_p),
                 ("T", C.c_int64), ("ldw", C.c_int64), ("ldx", C.c_int64), ("ldo", C.c_int64),
-                ("N", C.c_int32), ("K", C.c_int32), ("out_dtype", C.c_int32), ("pad_", C.c_int32)]
+                ("N", C.c_int32), ("K", C.c_int32), ("out_dtype", C.c_int32), ("pad_", C.c_int32),
+                ("q8", C.c_void_p), ("q8_scale", C.c_void_p), ("q8_wsum", C.c_void_p), ("q8_N", C.c_int32),
+                ("q8_Kd", C.c_int32)]
 
 
 _declared = None
@@ -107,6 +110,99 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                        len(err)):
         raise native.CpuIsaError(err.value.decode())
     return out
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A [N, K] weight in the int8 experts' packed layout (csrc/common.h) for the dense kernels:
+    symmetric per-row int8 (quant.quantize_int8's values), N and K padded to multiples of 64."""
+
+    data: torch.Tensor   # uint8 [1, n_pad * k_pad]
+    scale: torch.Tensor  # f32 [1, n_pad]
+    wsum: torch.Tensor   # i32 [1, n_pad] row sums of the int8 values
+    n: int
+    k: int
+
+    @property
+    def n_pad(self) -> int:
+        return self.scale.shape[1]
+
+    @property
+    def k_pad(self) -> int:
+        return self.data.shape[1] // self.n_pad
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes + self.wsum.nbytes
+
+
+def pack_int8(weight: torch.Tensor, pool=None) -> Int8Weight:
+    """weight [N, K] (bf16/f16/f32, CPU) -> Int8Weight, quantized by the native packer on `pool`."""
+    from hybridmoe.cpu import pack
+
+    if weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"pack_int8 takes a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
+    n, k = weight.shape
+    m = pack.empty_matrix(1, -(-n // 64) * 64, -(-k // 64) * 64, "AMXINT8", 128, True)
+    pack.quantize_into(weight.detach()[None], m, "AMXINT8", 128, True, pool=pool)
+    return Int8Weight(m.data, m.scale, m.wsum, n, k)
+
+
+def dense_linear_int8_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The definition of the int8 path: per-row int8 weights (quant.quantize_int8), per-token int8
+    activations (quant.quantize_act_int8), exact integer dot products, times both scales in fp32."""
+    from hybridmoe.cpu.quant import quantize_act_int8, quantize_int8
+
+    qw, sw = quantize_int8(weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    qx, sx = quantize_act_int8(x2)
+    acc = (qx.double() @ qw.double().t()).float()  # exact: |sums| < 2^53
+    y = acc * sx[:, None] * sw[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype or x.dtype)
+
+
+def dense_linear_int8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None, *,
+                      out_dtype: torch.dtype | None = None, pool=None, isa: str | None = None,
+                      spin_us: int = 0) -> torch.Tensor:
+    """dense_linear with int8 weights (pack_int8): x [..., K] bf16 with at most 16 rows -> [..., N]."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != w.k:
+        raise ValueError(f"dense_linear_int8 needs bf16 CPU x [..., {w.k}], got {x.dtype} {tuple(x.shape)}")
+    x2 = x.reshape(-1, w.k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out_dtype = out_dtype or torch.bfloat16
+    if out_dtype not in _DT:
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    out = torch.empty(*x.shape[:-1], w.n, dtype=out_dtype)
+    if bias is not None:
+        if bias.shape != (w.n,):
+            raise ValueError(f"bias must be [{w.n}], got {tuple(bias.shape)}")
+        bias = bias.detach().to("cpu", torch.float32).contiguous()
+    if pool is None:
+        from hybridmoe.cpu.engine import default_pool
+
+        pool = default_pool()
+    task = DenseTask(None, x2.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                     x2.shape[0], 0, x2.stride(0), w.n, w.n, w.k, _DT[out_dtype], 0)
+    set_int8(task, w)
+    err = C.create_string_buffer(512)
+    if _lib().hm_dense(pool.handle, C.byref(task), native.ISAS[native.resolve_isa(isa)], int(spin_us), err,
+                       len(err)):
+        raise RuntimeError(err.value.decode())
+    return out
+
+
+def set_int8(task: DenseTask, w: Int8Weight | None) -> None:
+    """Points `task` at int8 weights (None: back to its bf16 `w`)."""
+    if w is None:
+        task.q8 = task.q8_scale = task.q8_wsum = None
+        task.q8_N = task.q8_Kd = 0
+        return
+    task.q8, task.q8_scale, task.q8_wsum = w.data.data_ptr(), w.scale.data_ptr(), w.wsum.data_ptr()
+    task.q8_N, task.q8_Kd = w.n_pad, w.k_pad
 
 
 NATIVE_ARGMAX = [True]  # benchmarks switch it off to time the torch path (bench_cpu_decode.py --dense off)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.cpu import native
-from hybridmoe.cpu.dense import DenseTask, _lib, dense_isa
+from hybridmoe.cpu.dense import DenseTask, Int8Weight, _lib, dense_isa, pack_int8, set_int8
 
 MAX_TOKENS = 4  # rows of x above which torch's GEMM is faster (benchmarks/bench_cpu_dense.py)
 MIN_BYTES = 0  # every size: small weights are read by the calling thread itself (csrc/dense_api.cpp)
@@ -34,18 +34,30 @@ class DenseLinears:
     """Native forwards installed on a model's qualifying nn.Linear modules (see the module docstring)."""
 
     def __init__(self, model: nn.Module, pool, isa: str | None = None, max_tokens: int = MAX_TOKENS,
-                 min_bytes: int = MIN_BYTES) -> None:
+                 min_bytes: int = MIN_BYTES, int8: bool = False) -> None:
         self.pool, self.max_tokens = pool, max_tokens
         self.isa_code = native.ISAS[dense_isa(isa)]
         self.enabled = True
         self.spin_us = 0  # the caller sleeps at once: spinning, it would take a core from the pool's threads
         self.modules: dict[str, nn.Linear] = {}
+        # int8: decode reads per-row int8 copies (dense.pack_int8) of every linear but the MoE routers
+        # (their logits pick the experts; 0.5 MB a layer); prefill keeps torch's GEMM on the bf16 weights
+        self.int8: dict[int, Int8Weight] = {}
+        self.int8_enabled = True  # False: the bf16 weights again (benchmarks compare both in one process)
+        routers = {id(getattr(b, b.gate_name)) for b in getattr(model, "moe_blocks", list)()
+                   if isinstance(getattr(b, "gate_name", None), str)}
         for name, mod in model.named_modules():
             w = getattr(mod, "weight", None)
             if (isinstance(mod, nn.Linear) and w is not None and w.dtype == torch.bfloat16 and w.device.type == "cpu"
                     and w.dim() == 2 and w.stride(1) == 1 and w.nbytes >= min_bytes):
                 self.modules[name] = mod
+                if int8 and id(mod) not in routers:
+                    self.int8[id(mod)] = pack_int8(w.data, pool=pool)
                 mod.forward = self._make_forward(mod)  # an instance attribute: nn.Linear.forward stays
+
+    def int8_of(self, mod: nn.Module) -> Int8Weight | None:
+        """The int8 copy a decode call of `mod` reads (None: its bf16 weight)."""
+        return self.int8.get(id(mod)) if self.int8_enabled else None
 
     def remove(self) -> None:
         """Puts torch's forward back on every module."""
@@ -56,6 +68,7 @@ class DenseLinears:
     def _make_forward(self, mod: nn.Linear):
         n, k = mod.weight.shape
         task = DenseTask(None, None, None, None, 0, 0, 0, n, n, k, 1, 0)
+        q8 = self.int8.get(id(mod))
         err = C.create_string_buffer(512)
         bias32: list = [None, None]  # (key of the bias it was made from, fp32 copy)
         lb = _lib()
@@ -77,6 +90,7 @@ class DenseLinears:
                     bias32[0], bias32[1] = key, b.detach().float().contiguous()
                 task.bias = bias32[1].data_ptr()
             task.w, task.ldw = w.data_ptr(), w.stride(0)
+            set_int8(task, q8 if self.int8_enabled else None)
             task.x, task.ldx, task.T, task.out = x2.data_ptr(), x2.stride(0), rows, out.data_ptr()
             if lb.hm_dense(self.pool.handle, C.byref(task), self.isa_code, self.spin_us, err, len(err)):
                 raise RuntimeError(err.value.decode())

@@ -38,7 +38,7 @@ from torch import nn
 
 from hybridmoe.cpu import native
 from hybridmoe.cpu.attn_decode import AttnDecode, AttnDecodeLayers
-from hybridmoe.cpu.dense import DenseTask
+from hybridmoe.cpu.dense import DenseTask, set_int8
 from hybridmoe.cpu.dense_linears import DenseLinears
 from hybridmoe.cpu.engine import CPUMoELayer
 from hybridmoe.layers.norm import RMSNorm
@@ -191,7 +191,7 @@ class LayerDecodeLayers:
         moe = _moe_part(ffn, router, hidden, self.dl.pool)
         if moe is not None:
             self.moe_layers.add(attn.layer_idx)
-        # (T, MoE inside) -> (LayerDecode, h1, res1 addresses, [the rope cos its tables were made from])
+        # (T, MoE inside, int8 linears) -> (LayerDecode, h1, res1 addresses, [the rope cos its tables were made from])
         calls: dict[tuple[int, bool], tuple] = {}
         bias32: list = [None, None]  # (key of the qkv bias it was made from, fp32 copy)
 
@@ -214,6 +214,8 @@ class LayerDecodeLayers:
             ow = d.o
             ow.w, ow.ldw, ow.x, ow.ldx, ow.out, ow.ldo, ow.T = wo.data_ptr(), wo.stride(0), att, nattn, o, hidden, t
             ow.N, ow.K, ow.out_dtype = hidden, nattn, 1
+            set_int8(q, self.dl.int8_of(qkv0))  # --cpu-dense-weights int8: the same copies as the separate calls
+            set_int8(ow, self.dl.int8_of(o0))
             r = d.router
             if router is not None and router.weight.dtype == _BF16:
                 wr = router.weight
@@ -251,9 +253,10 @@ class LayerDecodeLayers:
             if fused and moe.recorder is not None:
                 counts = _counts(moe, moe.layer.packed.num_experts)
                 fused = counts is not None
-            hit = calls.get((t, fused))
+            key = (t, fused, self.dl.int8_enabled)
+            hit = calls.get(key)
             if hit is None:
-                hit = calls[(t, fused)] = setup(t, fused)
+                hit = calls[key] = setup(t, fused)
             d, h1, res1, seen = hit
             _, _, pos, slots, bt, ld_bt, lens, _ = self._step_meta(meta, positions)
             res2 = torch.empty(t, hidden, dtype=_BF16)

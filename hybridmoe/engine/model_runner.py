@@ -97,10 +97,18 @@ class ModelRunner:
             from hybridmoe.cpu.layer_decode import install_layer_decode
 
             hugepages.move_params(self.model)  # the matrices every token streams, on 2 MB pages
-            self.dense_linears = install_dense_linears(self.model, self.moe.options.pool)
+            self.dense_linears = install_dense_linears(self.model, self.moe.options.pool,
+                                                      int8=args.cpu_dense_weights == "int8")
+            if self.dense_linears is not None and self.dense_linears.int8:
+                log.info("--cpu-dense-weights int8: %d linears read as int8 at decode (%.2f GB beside the bf16 "
+                         "weights prefill uses)", len(self.dense_linears.int8),
+                         sum(w.nbytes for w in self.dense_linears.int8.values()) / 1e9)
             self.attn_decode = install_attn_decode(self.model)
             # and each layer's attention half (+ router GEMV) in one native call
             self.layer_decode = install_layer_decode(self.model, self.dense_linears, self.attn_decode)
+        if args.cpu_dense_weights != "bf16" and self.dense_linears is None:
+            log.warning("--cpu-dense-weights %s applies to CPU-only bf16 decode (--device cpu, every expert on "
+                        "the CPU engine, --dtype bfloat16); ignored here", args.cpu_dense_weights)
         from hybridmoe.lora.setup import build_manager, note_memory
 
         # LoRA slot buffers (None when LoRA is off): wrapped linears and experts, before graphs are captured

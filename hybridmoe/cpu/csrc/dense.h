@@ -12,14 +12,21 @@
 #include <cstdint>
 
 extern "C" {
-// One dense call (mirrored by hybridmoe/cpu/native_dense.py DenseTask).
+// One dense call (mirrored by hybridmoe/cpu/dense.py DenseTask).
 struct HmDenseTask {
-  const uint16_t* w;   // bf16 [N][ldw]
+  const uint16_t* w;   // bf16 [N][ldw] (unused when q8 is set)
   const uint16_t* x;   // bf16 [T][ldx]
   const float* bias;   // [N] fp32, or nullptr
   void* out;           // [T][ldo], out_dtype (0 fp32, 1 bf16)
   int64_t T, ldw, ldx, ldo;
   int32_t N, K, out_dtype, pad_;
+  // INT8 weights instead of w (null: bf16 w): the MoE engine's int8 layout (common.h) of one
+  // "expert" of q8_N x q8_Kd (N, K padded to multiples of 64), per-row scales and row sums; the
+  // activations are quantized per token as for the int8 experts (dense_api.cpp).
+  const uint8_t* q8;
+  const float* q8_scale;   // [q8_N]
+  const int32_t* q8_wsum;  // [q8_N]
+  int32_t q8_N, q8_Kd;
 };
 }
 

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "dense.h"
@@ -23,6 +24,7 @@ namespace {
 // costs a few us).
 constexpr int64_t kInlineBytes = 1 << 20;
 constexpr int64_t kAloneBytes = 64 << 10;
+constexpr int64_t kQ8MaxRows = 16;  // rows of one call with int8 weights (decode sizes)
 
 struct DenseCtx {
   const HmDenseTask* t;
@@ -49,10 +51,105 @@ void ph_dense(int, void* p) {
 std::string check(const HmDenseTask& t) {
   if (t.T < 0 || t.N < 0 || t.K < 1) return "T and N must be >= 0 and K >= 1";
   if (t.out_dtype != 0 && t.out_dtype != 1) return "out_dtype must be 0 (fp32) or 1 (bf16)";
+  if (t.q8 && (t.q8_N < t.N || t.q8_N % 64 || t.q8_Kd < t.K || t.q8_Kd % 64 || !t.q8_scale || !t.q8_wsum))
+    return "int8 weights need q8_N >= N and q8_Kd >= K, both multiples of 64, with scales and row sums";
+  if (t.q8 && t.T > kQ8MaxRows) return "int8 weights take at most " + std::to_string(kQ8MaxRows) + " rows";
   if (t.T == 0 || t.N == 0) return "";
-  if (!t.w || !t.x || !t.out) return "null weight, input or output pointer";
-  if (t.ldw < t.K || t.ldx < t.K || t.ldo < t.N) return "a row stride is smaller than its row";
+  if (!(t.w || t.q8) || !t.x || !t.out) return "null weight, input or output pointer";
+  if ((!t.q8 && t.ldw < t.K) || t.ldx < t.K || t.ldo < t.N) return "a row stride is smaller than its row";
   return "";
+}
+
+// ---- INT8 weights (HmDenseTask.q8): the MoE engine's int8 kernels on one "expert" ----
+
+struct Q8Ctx {
+  const HmDenseTask* t;
+  const hm::Kernels* k;
+  hm::PackedMat W;
+  hm::ActView A;
+  int64_t chunk;                 // rows per work item (a multiple of 32: whole pairs of N-blocks)
+  std::atomic<int64_t> next{0};
+};
+
+// Rows [n0, n1) of the output (n1 - n0 a multiple of 32, within q8_N): the int8 GEMM into a
+// thread-local fp32 tile, then bias and the store of the rows < N.
+void q8_rows(const Q8Ctx& c, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> tile;
+  const HmDenseTask& t = *c.t;
+  const int64_t w = n1 - n0;
+  if (tile.size() < size_t(t.T * w)) tile.resize(size_t(t.T * w));
+  c.k->gemm(hm::M_INT8, c.W, 0, c.A, int(t.T), int(n0 / 16), int(n1 / 16), tile.data(), w, 0);
+  const int64_t end = std::min<int64_t>(n1, t.N);
+  for (int64_t tok = 0; tok < t.T; ++tok)
+    for (int64_t n = n0; n < end; ++n) hm::dense_store(t, tok, int(n), tile[size_t(tok * w + (n - n0))]);
+}
+
+void ph_q8(int, void* p) {
+  Q8Ctx& c = *static_cast<Q8Ctx*>(p);
+  const int64_t N = c.t->q8_N;
+  for (;;) {
+    const int64_t n0 = c.next.fetch_add(c.chunk, std::memory_order_relaxed);
+    if (n0 >= N) return;
+    q8_rows(c, n0, std::min(n0 + c.chunk, N));
+  }
+}
+
+}  // namespace
+
+extern "C" int hm_dense_isa(int isa, char* err, int errlen);
+
+namespace {
+
+// hm_dense with int8 weights (see HmDenseTask.q8): the activation rows quantized per token on this
+// thread (as the int8 experts' are: round(x * 127 / amax), u8 offset 128), then the rows in chunks
+// of ~2 MB of weights on the pool, led by this thread when the pool is idle.
+int q8_dense(hm::Pool* pool, const HmDenseTask& t, int run, int64_t spin_us, char* err, int errlen) {
+  const hm::Kernels* k = run == hm::ISA_AVX512 && hm_kernels_avx512 ? hm_kernels_avx512()
+                         : hm_kernels_avx2 ? hm_kernels_avx2() : nullptr;
+  if (!k || !k->gemm) {
+    if (err && errlen > 0) std::snprintf(err, size_t(errlen), "hm_dense: the library was built without int8 kernels");
+    return 1;
+  }
+  thread_local std::vector<uint8_t> act;
+  thread_local std::vector<float> ascale;
+  const int64_t rb = k->act_row_bytes(hm::M_INT8, t.q8_Kd);
+  // spare bytes past the last row: the few-row kernels may read a little ahead of a row
+  act.resize(size_t(rb * (t.T + 1) + 64));
+  ascale.resize(size_t(t.T));
+  for (int64_t r = 0; r < t.T; ++r)
+    if (!k->quant_row(hm::M_INT8, t.x + r * t.ldx, hm::DT_BF16, t.K, t.q8_Kd, 0, act.data() + r * rb,
+                      ascale.data() + r, nullptr)) {
+      if (err && errlen > 0) std::snprintf(err, size_t(errlen), "hm_dense: row %lld of the input holds NaN or Inf",
+                                           static_cast<long long>(r));
+      return 1;
+    }
+  Q8Ctx c;
+  c.t = &t;
+  c.k = k;
+  c.W = hm::PackedMat{t.q8, int64_t(t.q8_N) * t.q8_Kd, t.q8_scale, nullptr, t.q8_wsum, t.q8_N, t.q8_Kd};
+  c.A = hm::ActView{act.data(), rb, ascale.data(), nullptr, 0, int(pool->settings.prefetch_bytes)};
+  const int64_t bytes = int64_t(t.q8_N) * t.q8_Kd;
+  if (bytes <= kAloneBytes || pool->tp.size() == 1) {
+    q8_rows(c, 0, t.q8_N);
+    return 0;
+  }
+  // as the bf16 rows: ~4 chunks a thread, at most 2 MB of weights, whole pairs of 16-row blocks
+  const int64_t cap = std::max<int64_t>(32, (int64_t(2) << 20) / t.q8_Kd / 32 * 32);
+  c.chunk = std::min(cap, std::max<int64_t>(32, int64_t(t.q8_N) / (4 * int64_t(pool->tp.size())) / 32 * 32));
+  struct Lead {
+    hm::Pool* pool;
+    Q8Ctx* c;
+  } lead{pool, &c};
+  if (pool->tp.run_inline([](void* l) { static_cast<Lead*>(l)->pool->tp.parallel(ph_q8, static_cast<Lead*>(l)->c); },
+                          &lead))
+    return 0;
+  if (bytes <= kInlineBytes) {
+    q8_rows(c, 0, t.q8_N);
+    return 0;
+  }
+  const int64_t id = pool->tp.submit([pool, &c] { pool->tp.parallel(ph_q8, &c); });
+  pool->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
+  return 0;
 }
 
 }  // namespace
@@ -87,6 +184,7 @@ int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us, char* err,
   if (run < 0) return 1;
   if (t->T == 0 || t->N == 0) return 0;
   hm::Pool* pool = static_cast<hm::Pool*>(p);
+  if (t->q8) return q8_dense(pool, *t, run, spin_us, err, errlen);
   const hm::DenseRowsFn fn = run == hm::ISA_AVX512 ? hm_dense_rows_avx512() : hm_dense_rows_avx2();
   const int64_t bytes = int64_t(t->N) * t->K * 2;
   if (bytes <= kAloneBytes || pool->tp.size() == 1) {  // tiny: on this thread alone, no phase
