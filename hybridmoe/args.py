@@ -72,8 +72,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the model dtype; fp8_e4m3/fp8_e5m2 store K/V as unscaled FP8 (half the memory), "
                         "upcast in the attention kernels (not for MLA models)")
     r.add_argument("--cpu-dense-weights", default=d.cpu_dense_weights, choices=CPU_DENSE_WEIGHTS,
-                   help="CPU-only decode (--device cpu, every expert on the CPU, bf16): the attention projections' and "
-                        "LM head's weights as each token reads them; int8 keeps a per-row int8 copy beside the bf16 "
+                   help="CPU-only decode (--device cpu, every expert on the CPU, bf16): the dense linears' weights (all but "
+                        "the MoE routers) as each token reads them; int8 keeps a per-row int8 copy beside the bf16 "
                         "weights (prefill) and quantizes the activations per token, as the INT8 experts do: half the "
                         "bytes of those matrices, logits ~1%% off bf16")
     r.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (SGLang's default is 1)")
