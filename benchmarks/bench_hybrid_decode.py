@@ -168,6 +168,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tests), not a measurement")
     p.add_argument("--out", default=None)
     a = parse_shape_args(p)
+    if a.gguf:
+        from hybridmoe.cpu.gguf_quant import TYPE_IDS
+
+        if a.gguf.upper() not in TYPE_IDS:
+            p.error(f"--gguf {a.gguf}: not a type the GGUF kernels compute ({', '.join(sorted(TYPE_IDS))})")
+        a.gguf = a.gguf.upper()
 
     from hybridmoe import LLM
     from hybridmoe.cpu.engine import default_pool

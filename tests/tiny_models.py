@@ -98,3 +98,17 @@ def greedy_margins(prompt_logits, prompt: list[int], tokens: list[int]) -> torch
     logits = prompt_logits(prompt + tokens[:-1])[len(prompt) - 1:].float()  # [len(tokens), V]
     top = logits.topk(2, dim=-1).values
     return top[:, 0] - top[:, 1]
+
+
+def lm_head_inputs(llm, prompt: list[int], sampling_params: dict) -> tuple[list[int], list[torch.Tensor]]:
+    """CPU-only decode (the native dense linears installed): the greedy tokens and the LM head's
+    one-row inputs (the prompt's last row, then each decode step's)."""
+    lm = llm.engine.runner.dense_linears.modules["lm_head"]
+    native_fwd = lm.forward
+    seen: list[torch.Tensor] = []
+    lm.forward = lambda x: (seen.append(x.clone()) if x.shape[0] == 1 else None) or native_fwd(x)
+    try:
+        out = llm.generate(input_ids=prompt, sampling_params=sampling_params)["output_ids"]
+    finally:
+        lm.forward = native_fwd
+    return out, seen

@@ -69,6 +69,8 @@ class DenseLinears:
         n, k = mod.weight.shape
         task = DenseTask(None, None, None, None, 0, 0, 0, n, n, k, 1, 0)
         q8 = self.int8.get(id(mod))
+        set_int8(task, q8)
+        int8_on = [q8 is not None]  # what the task points at (set_int8 again only when int8_enabled flips)
         err = C.create_string_buffer(512)
         bias32: list = [None, None]  # (key of the bias it was made from, fp32 copy)
         lb = _lib()
@@ -90,7 +92,9 @@ class DenseLinears:
                     bias32[0], bias32[1] = key, b.detach().float().contiguous()
                 task.bias = bias32[1].data_ptr()
             task.w, task.ldw = w.data_ptr(), w.stride(0)
-            set_int8(task, q8 if self.int8_enabled else None)
+            if q8 is not None and int8_on[0] != self.int8_enabled:
+                set_int8(task, q8 if self.int8_enabled else None)
+                int8_on[0] = self.int8_enabled
             task.x, task.ldx, task.T, task.out = x2.data_ptr(), x2.stride(0), rows, out.data_ptr()
             if lb.hm_dense(self.pool.handle, C.byref(task), self.isa_code, self.spin_us, err, len(err)):
                 raise RuntimeError(err.value.decode())

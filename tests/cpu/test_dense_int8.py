@@ -68,24 +68,11 @@ def test_int8_dense_edges(pool):
         dense.dense_linear_int8(torch.randn(1, 64).bfloat16(), q, pool=pool)
 
 
-def _lm_inputs(llm, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and the LM head's one-row inputs (the prompt's last row, then each decode step's)."""
-    lm = llm.engine.runner.dense_linears.modules["lm_head"]
-    native_fwd = lm.forward
-    seen: list[torch.Tensor] = []
-    lm.forward = lambda x: (seen.append(x.clone()) if x.shape[0] == 1 else None) or native_fwd(x)
-    try:
-        out = llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
-    finally:
-        lm.forward = native_fwd
-    return out, seen
-
-
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
 def test_cpu_only_decode_with_int8_linears(tmp_path, kind):
     from hybridmoe import LLM
 
-    from tiny_models import make_tiny_model
+    from tiny_models import lm_head_inputs, make_tiny_model
 
     path = make_tiny_model(kind, tmp_path / kind)
     prompt = torch.randint(0, 150, (19,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -94,7 +81,7 @@ def test_cpu_only_decode_with_int8_linears(tmp_path, kind):
               disable_radix_cache=True)
     base = LLM(str(path), **kw)
     try:
-        ref_tokens, ref_h = _lm_inputs(base, prompt)
+        ref_tokens, ref_h = lm_head_inputs(base, prompt, GREEDY)
     finally:
         base.shutdown()
     llm = LLM(str(path), **kw, cpu_dense_weights="int8")
@@ -106,7 +93,7 @@ def test_cpu_only_decode_with_int8_linears(tmp_path, kind):
         assert routers and all(dl.int8_of(m) is None for m in dl.modules.values() if id(m) in routers)
         assert dl.int8_of(dl.modules["lm_head"]) is not None
         assert all(dl.int8_of(layer.self_attn.qkv_proj) is not None for layer in model.model.layers)
-        tokens, h = _lm_inputs(llm, prompt)
+        tokens, h = lm_head_inputs(llm, prompt, GREEDY)
         assert ld is not None and ld.native_calls > 0
         # prefill is torch's bf16 GEMM in both: the first token and the prompt's last row are the same
         assert tokens[0] == ref_tokens[0] and torch.equal(h[0], ref_h[0])
@@ -114,11 +101,11 @@ def test_cpu_only_decode_with_int8_linears(tmp_path, kind):
         assert 0 < rel < 0.1, rel  # int8 was read (not 0), within the stated tolerance
         # the one-call layers and the separate calls read the same int8 copies: bit-identical
         ld.enabled = False
-        tokens2, h2 = _lm_inputs(llm, prompt)
+        tokens2, h2 = lm_head_inputs(llm, prompt, GREEDY)
         assert tokens2 == tokens and all(torch.equal(a, b) for a, b in zip(h, h2))
         # int8 switched off (benchmarks' A/B): the bf16 path's values again
         ld.enabled, dl.int8_enabled = True, False
-        tokens3, h3 = _lm_inputs(llm, prompt)
+        tokens3, h3 = lm_head_inputs(llm, prompt, GREEDY)
         assert tokens3 == ref_tokens and all(torch.equal(a, b) for a, b in zip(h3, ref_h))
     finally:
         llm.shutdown()

@@ -13,24 +13,11 @@ from torch import nn
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
-def _decode_hidden(llm, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and the LM head's one-row inputs (the prompt's last row, then each decode step's)."""
-    lm = llm.engine.runner.dense_linears.modules["lm_head"]
-    native_fwd = lm.forward
-    seen: list[torch.Tensor] = []
-    lm.forward = lambda x: (seen.append(x.clone()) if x.shape[0] == 1 else None) or native_fwd(x)
-    try:
-        out = llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
-    finally:
-        lm.forward = native_fwd
-    return out, seen
-
-
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
 def test_fused_layers_equal_the_separate_calls(tmp_path, kind):
     from hybridmoe import LLM
 
-    from tiny_models import make_tiny_model
+    from tiny_models import lm_head_inputs, make_tiny_model
 
     path = make_tiny_model(kind, tmp_path / kind)
     llm = LLM(str(path), device="cpu", dtype="bfloat16", progress=False, kt_num_gpu_experts=0, kt_method="BF16")
@@ -39,11 +26,11 @@ def test_fused_layers_equal_the_separate_calls(tmp_path, kind):
         ld = runner.layer_decode
         assert ld is not None and len(ld.layers) == len(runner.model.model.layers)
         prompt = torch.randint(0, 150, (19,), generator=torch.Generator().manual_seed(3)).tolist()
-        ours, h_ours = _decode_hidden(llm, prompt)
+        ours, h_ours = lm_head_inputs(llm, prompt, GREEDY)
         calls = ld.native_calls
         assert calls >= (GREEDY["max_new_tokens"] - 1) * len(ld.layers)  # every decode step, every layer
         ld.enabled = False
-        ref, h_ref = _decode_hidden(llm, prompt)
+        ref, h_ref = lm_head_inputs(llm, prompt, GREEDY)
         assert ld.native_calls == calls  # switched off: not called
         assert ours == ref
         assert len(h_ours) == len(h_ref) == GREEDY["max_new_tokens"]
@@ -56,7 +43,7 @@ def test_fused_layers_equal_the_separate_calls(tmp_path, kind):
         attn.qkv_proj = nn.Linear(orig.in_features, orig.out_features, bias=orig.bias is not None).bfloat16()
         attn.qkv_proj.load_state_dict(orig.state_dict())
         before = ld.native_calls
-        again, _ = _decode_hidden(llm, prompt)
+        again, _ = lm_head_inputs(llm, prompt, GREEDY)
         per_step = (ld.native_calls - before) / (GREEDY["max_new_tokens"] - 1)
         assert per_step == len(ld.layers) - 1
         attn.qkv_proj = orig

@@ -26,6 +26,29 @@ constexpr int64_t kInlineBytes = 1 << 20;
 constexpr int64_t kAloneBytes = 64 << 10;
 constexpr int64_t kQ8MaxRows = 16;  // rows of one call with int8 weights (decode sizes)
 
+// Runs `phase` (which takes the rows in chunks from ctx) on the pool and returns when it is done:
+// tiny weights (or a 1-thread pool) by `serial` on this thread alone; the pool idle: a phase this
+// thread leads itself (no hand-off to the leader, no wake-up after); the pool busy: `serial` on this
+// thread up to kInlineBytes (no round trip through the pool), else a task of the pool, waited for
+// (spin_us: as hm_dense's).
+template <class Serial>
+void run_rows(hm::Pool* pool, void (*phase)(int, void*), void* ctx, int64_t bytes, int64_t spin_us, Serial serial) {
+  if (bytes <= kAloneBytes || pool->tp.size() == 1) return serial();
+  struct Lead {
+    hm::Pool* pool;
+    void (*phase)(int, void*);
+    void* ctx;
+  } lead{pool, phase, ctx};
+  if (pool->tp.run_inline([](void* l) {
+        auto& ld = *static_cast<Lead*>(l);
+        ld.pool->tp.parallel(ld.phase, ld.ctx);
+      }, &lead))
+    return;
+  if (bytes <= kInlineBytes) return serial();
+  const int64_t id = pool->tp.submit([pool, phase, ctx] { pool->tp.parallel(phase, ctx); });
+  pool->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
+}
+
 struct DenseCtx {
   const HmDenseTask* t;
   hm::DenseRowsFn fn;
@@ -128,27 +151,10 @@ int q8_dense(hm::Pool* pool, const HmDenseTask& t, int run, int64_t spin_us, cha
   c.k = k;
   c.W = hm::PackedMat{t.q8, int64_t(t.q8_N) * t.q8_Kd, t.q8_scale, nullptr, t.q8_wsum, t.q8_N, t.q8_Kd};
   c.A = hm::ActView{act.data(), rb, ascale.data(), nullptr, 0, int(pool->settings.prefetch_bytes)};
-  const int64_t bytes = int64_t(t.q8_N) * t.q8_Kd;
-  if (bytes <= kAloneBytes || pool->tp.size() == 1) {
-    q8_rows(c, 0, t.q8_N);
-    return 0;
-  }
   // as the bf16 rows: ~4 chunks a thread, at most 2 MB of weights, whole pairs of 16-row blocks
   const int64_t cap = std::max<int64_t>(32, (int64_t(2) << 20) / t.q8_Kd / 32 * 32);
   c.chunk = std::min(cap, std::max<int64_t>(32, int64_t(t.q8_N) / (4 * int64_t(pool->tp.size())) / 32 * 32));
-  struct Lead {
-    hm::Pool* pool;
-    Q8Ctx* c;
-  } lead{pool, &c};
-  if (pool->tp.run_inline([](void* l) { static_cast<Lead*>(l)->pool->tp.parallel(ph_q8, static_cast<Lead*>(l)->c); },
-                          &lead))
-    return 0;
-  if (bytes <= kInlineBytes) {
-    q8_rows(c, 0, t.q8_N);
-    return 0;
-  }
-  const int64_t id = pool->tp.submit([pool, &c] { pool->tp.parallel(ph_q8, &c); });
-  pool->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
+  run_rows(pool, ph_q8, &c, int64_t(t.q8_N) * t.q8_Kd, spin_us, [&] { q8_rows(c, 0, t.q8_N); });
   return 0;
 }
 
@@ -186,11 +192,6 @@ int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us, char* err,
   hm::Pool* pool = static_cast<hm::Pool*>(p);
   if (t->q8) return q8_dense(pool, *t, run, spin_us, err, errlen);
   const hm::DenseRowsFn fn = run == hm::ISA_AVX512 ? hm_dense_rows_avx512() : hm_dense_rows_avx2();
-  const int64_t bytes = int64_t(t->N) * t->K * 2;
-  if (bytes <= kAloneBytes || pool->tp.size() == 1) {  // tiny: on this thread alone, no phase
-    fn(*t, 0, t->N, int(pool->settings.prefetch_bytes));
-    return 0;
-  }
   DenseCtx c;
   c.t = t;
   c.fn = fn;
@@ -202,20 +203,7 @@ int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us, char* err,
   // ones (4 KB pages; 60 and 68 on 2 MB pages; the stream probe 62 / 73).
   const int64_t cap = std::max<int64_t>(16, (int64_t(2) << 20) / row_bytes / 16 * 16);
   c.chunk = std::min(cap, std::max<int64_t>(16, t->N / (4 * int64_t(pool->tp.size())) / 16 * 16));
-  struct Lead {
-    hm::Pool* pool;
-    DenseCtx* c;
-  } lead{pool, &c};
-  // the pool idle: this thread leads the phase itself (no hand-off to the leader, no wake-up after)
-  if (pool->tp.run_inline([](void* l) { static_cast<Lead*>(l)->pool->tp.parallel(ph_dense, static_cast<Lead*>(l)->c); },
-                          &lead))
-    return 0;
-  if (bytes <= kInlineBytes) {  // small, the pool busy: on this thread, no round trip through the pool
-    fn(*t, 0, t->N, int(pool->settings.prefetch_bytes));
-    return 0;
-  }
-  const int64_t id = pool->tp.submit([pool, &c] { pool->tp.parallel(ph_dense, &c); });
-  pool->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
+  run_rows(pool, ph_dense, &c, int64_t(t->N) * t->K * 2, spin_us, [&] { fn(*t, 0, t->N, c.prefetch); });
   return 0;
 }
 
