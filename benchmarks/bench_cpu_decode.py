@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dense", default="on,off",
                    help="modes alternating per round, the first one reported: on (the CPU-only path's native dense "
                         "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py, each layer's "
-                        "attention half and MoE block in one call, cpu/layer_decode.py, and greedy argmax), nomoe (on "
+                        "attention half and MoE block in one call, cpu/layer_decode.py, every layer in one stacked call where the "
+                        "model allows, and greedy argmax), layers (on with one call per layer, not stacked), nomoe (on "
                         "with the MoE block in Python after the one-call layer: routing, CPUExperts, the task), "
                         "bf16 (on, with --dense-weights int8: the bf16 weights, for an A/B in one process; the bound "
                         "still counts the int8 bytes), unfused (on without the one-call layers), queued (on, but every pool call handed to the pool's leader thread and "
@@ -138,14 +139,15 @@ def main(argv: list[str] | None = None) -> dict:
 
         def set_mode(m: str) -> None:
             if dl is not None:
-                dl.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "dense")
+                dl.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "dense", "layers")
                 if hasattr(dl, "int8_enabled"):
                     dl.int8_enabled = m != "bf16"
             if ad is not None:
-                ad.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued")
+                ad.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "layers")
             if ld is not None:
-                ld.enabled = m in ("on", "bf16", "nomoe", "queued")
+                ld.enabled = m in ("on", "bf16", "nomoe", "queued", "layers")
                 ld.moe_enabled = m != "nomoe"
+                ld.stack_enabled = m != "layers"
             pool.run_inline = m != "queued"
             if native_argmax is not None:
                 native_argmax[0] = m != "off"

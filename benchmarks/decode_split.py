@@ -18,7 +18,8 @@ Categories (microseconds per decode step, exclusive):
   embedding, sampling, prepare (host lists -> tensors), engine (scheduler, token bookkeeping),
   layer_native        the one-call layer (cpu/layer_decode.py: norms, qkv, attention, o_proj and the router GEMV in
                       one native call; memory-bound: those matrices), and with its MoE block inside (moe_enabled) the
-                      routing: that block's expert task phases are moved from here to experts_native
+                      routing: that block's expert task phases are moved from here to experts_native; the
+                      stacked call (every layer in one call, with layer 0's input norm and the final norm) too
   glue_model / glue_layer / glue_moe / glue_runner: Python and torch dispatch between the calls above.
 "Memory-bound" times (bytes / the stream-read bandwidth given to stop()) are printed beside the
 experts and dense rows. The wrappers cost ~1 us a call (~100 calls a step): compare step_us with the
@@ -58,6 +59,7 @@ class DecodeSplit:
         ld = getattr(runner, "layer_decode", None)
         if ld is not None:  # the fused attention half: norms, qkv, attention, o_proj, router in one native call
             self._wrap(ld, "_run", "layer_native")
+            self._wrap(ld, "_run_stack", "layer_native")  # every layer in one call (+ layer 0's and the final norm)
         self._linear(model.lm_head, "lm_head")
         self._norm(model.model.norm)
         import hybridmoe.moe.layer as moe_layer

@@ -21,6 +21,17 @@ were installed on (GGUF layers included: the same task runner; the RecordingExpe
 kept: the call adds its selections to the recorder's counts) with no LoRA attached, on the dense
 linears' pool; otherwise the block's forward_logits runs after the call, as before.
 
+When every decoder layer qualifies with its MoE block inside (Qwen3-MoE, Mixtral: all layers sparse,
+plain softmax routing, no qkv bias, one rotary table), the model's decode step runs all of them in ONE
+native call (csrc/layer_decode.h hm_layers_decode): layer 0's input norm, every layer's call chained
+through one pair of buffers, the final norm; the model's forward then costs one embedding lookup and
+one call instead of a Python layer loop (~110 us a layer on the 2-core machine, ~5 ms a token at 48
+layers). The same calls in the same order: bit-identical to the per-layer calls (tests). Whenever
+one layer does not qualify at a step (switched off, LoRA, a replaced module, more rows), the step
+runs the per-layer forwards.
+
+    ld.stack_enabled = False                                       # the per-layer calls again
+
 Each layer's call structure is built once per row count (weights, sizes, scratch buffers); a call
 sets only the inputs, this step's metadata and its fresh outputs. The returned tensors (the layer
 output and the residual) are new each call, never the scratch buffers a later call overwrites.
@@ -58,6 +69,15 @@ class LayerDecode(C.Structure):
          ("pad2_", C.c_int32)]
 
 
+class DecodeStack(C.Structure):
+    """HmDecodeStack (csrc/layer_decode.h)."""
+
+    _fields_ = [(n, C.c_void_p) for n in ("x", "norm0_w", "h0", "normf_w", "res_f", "out", "positions", "slots",
+                                         "block_table", "seq_lens")] + \
+        [(n, C.c_int64) for n in ("ld_bt", "T", "H")] + [("eps0", C.c_float), ("epsf", C.c_float)] + \
+        [("n", C.c_int32), ("pad_", C.c_int32)]
+
+
 _declared = None
 
 
@@ -67,6 +87,8 @@ def _lib():
     if _declared is not lb:
         lb.hm_layer_decode.restype = C.c_int
         lb.hm_layer_decode.argtypes = [C.c_void_p, C.POINTER(LayerDecode), C.c_char_p, C.c_int]
+        lb.hm_layers_decode.restype = C.c_int
+        lb.hm_layers_decode.argtypes = [C.c_void_p, C.c_void_p, C.POINTER(DecodeStack), C.c_char_p, C.c_int]
         _declared = lb
     return lb
 
@@ -110,6 +132,29 @@ def _moe_part(ffn: nn.Module, router: nn.Linear | None, hidden: int, pool) -> _M
                     rec.layer_idx if rec is not None else -1)
 
 
+class _Part(NamedTuple):
+    """An installed layer, as the stacked call needs it."""
+
+    layer: nn.Module
+    attn: nn.Module
+    qkv0: nn.Module  # the projections the call was installed on
+    o0: nn.Module
+    ffn: nn.Module
+    moe: _MoEPart | None
+    setup: object  # setup(t, fused) -> (LayerDecode, h1, res1, [rope cos seen]): a fresh call structure
+
+
+class _Plan(NamedTuple):
+    """The stacked call for one (rows, int8 linears) key: each layer's structure, chained."""
+
+    structs: list  # LayerDecode per layer, in order
+    ptrs: object  # C array of their addresses
+    stack: DecodeStack  # the per-step fields are set on it before each call
+    kv: list  # [the KV cache list this plan's cache addresses came from, its per-layer entries]
+    counts: list  # per layer: the recorder's counts tensor its struct points at (None: no recorder)
+    rope: list  # [the rope cos its tables were made from]
+
+
 def _counts(moe: _MoEPart, e: int) -> torch.Tensor | None:
     """The recorder's int64 [E] counts of this layer (made as its record() would make them), or None
     when they are not a CPU tensor the call can add to."""
@@ -127,14 +172,19 @@ class LayerDecodeLayers:
     def __init__(self, model: nn.Module, dl: DenseLinears, ad: AttnDecodeLayers) -> None:
         self.enabled = True
         self.moe_enabled = True  # the MoE block inside the call where it qualifies
+        self.stack_enabled = True  # every layer in one call where the whole model qualifies (module docstring)
         self.native_calls = 0
         self.moe_calls = 0  # calls that ran their MoE block too
+        self.stack_calls = 0  # decode steps whose layers ran in one stacked call
         self.dl, self.ad = dl, ad
         self.layers: dict[int, nn.Module] = {}
         self.moe_layers: set[int] = set()  # layers whose MoE block can run inside the call
         self._step: tuple | None = None  # the current step's metadata (_step_meta)
         self._scratch: dict[tuple, torch.Tensor] = {}  # (T, role, size, dtype) -> intermediate buffer (never returned)
         self._err = C.create_string_buffer(512)
+        self._parts: dict[int, _Part] = {}
+        self._plans: dict[tuple, _Plan] = {}
+        self._order: list[_Part] = []  # the model's layers in order, when it is stackable
         linears = {id(m) for m in dl.modules.values()}
         attns = {id(m) for m in ad.modules.values()}
         for layer in getattr(getattr(model, "model", None), "layers", []):
@@ -144,17 +194,150 @@ class LayerDecodeLayers:
                     and all(isinstance(n, RMSNorm) and _bf16_vec(n.weight) for n in norms)):
                 self.layers[attn.layer_idx] = layer
                 layer.forward = self._make_forward(layer, linears)
+        self.model = model if self._stackable(model) else None
+        if self.model is not None:
+            torch_forward = model.forward
+
+            def model_forward(input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+                out = self._stack_step(input_ids, positions, ctx)
+                return out if out is not None else torch_forward(input_ids, positions, ctx)
+
+            model.forward = model_forward
 
     def remove(self) -> None:
         for layer in self.layers.values():
             del layer.forward
+        if self.model is not None:
+            del self.model.forward
+            self.model = None
         self.layers = {}
         self.moe_layers = set()
+        self._parts, self._plans = {}, {}
 
     def _run(self, d: LayerDecode) -> None:
         """The native call (a method of its own: benchmarks/decode_split.py times it)."""
         if _lib().hm_layer_decode(self.dl.pool.handle, C.byref(d), self._err, len(self._err)):
             raise RuntimeError(self._err.value.decode())
+
+    def _run_stack(self, plan: _Plan) -> None:
+        """The stacked native call (timed by benchmarks/decode_split.py as layer_native)."""
+        if _lib().hm_layers_decode(self.dl.pool.handle, plan.ptrs, C.byref(plan.stack), self._err, len(self._err)):
+            raise RuntimeError(self._err.value.decode())
+
+    # ---- every layer in one call ----
+    def _stackable(self, model: nn.Module) -> bool:
+        """Whether `model`'s decode steps can run as one stacked call (module docstring): the standard
+        forward, every layer installed here with its MoE block able to run inside, no qkv bias, one rope."""
+        from hybridmoe.models.base import MoECausalLM  # models/ imports layers/ and cpu/: only here
+
+        inner = getattr(model, "model", None)
+        layers = list(getattr(inner, "layers", []))
+        norm = getattr(inner, "norm", None)
+        if (not isinstance(model, MoECausalLM) or type(model).forward is not MoECausalLM.forward or not layers
+                or not isinstance(norm, RMSNorm) or not _bf16_vec(norm.weight)
+                or not isinstance(getattr(inner, "embed_tokens", None), nn.Embedding)):
+            return False
+        order, ropes = [], set()
+        for layer in layers:
+            part = self._parts.get(getattr(getattr(layer, "self_attn", None), "layer_idx", -1))
+            if part is None or part.layer is not layer or part.moe is None or part.qkv0.bias is not None:
+                return False
+            order.append(part)
+            ropes.add(id(part.attn.rotary[0]))
+        self._order = order
+        return len(ropes) == 1
+
+    def _plan(self, t: int) -> _Plan:
+        """The stacked call's structures for t rows (built once per key, then only patched)."""
+        key = (t, self.dl.int8_enabled)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        inner = self.model.model
+        hidden = inner.norm.weight.shape[0]
+        sout, sres, h0 = (self._buf(t, r, hidden) for r in ("stack_out", "stack_res", "stack_h0"))
+        structs = []
+        for i, part in enumerate(self._order):
+            d, h1, res1, _ = part.setup(t, True)
+            if i == 0:  # reads the normed embeddings the stacked call writes to h0 (res2_in: patched to them)
+                d.x = d.h1 = d.qkv.x = h0
+                d.norm1_w = None
+            else:  # reads what the layer before wrote (module docstring of layer_decode.h: one pair of buffers)
+                d.x, d.res_in, d.res1, d.res2_in = sout, sres, res1, res1
+                d.norm1_w = part.layer.input_layernorm.weight.data_ptr()
+                d.h1 = d.qkv.x = h1
+            d.res2, d.moe.out, d.moe_counts = sres, sout, None
+            structs.append(d)
+        st = DecodeStack()
+        n0 = self._order[0].layer.input_layernorm
+        st.norm0_w, st.eps0, st.h0 = n0.weight.data_ptr(), n0.eps, h0
+        st.normf_w, st.epsf, st.res_f = inner.norm.weight.data_ptr(), inner.norm.eps, self._buf(t, "stack_resf",
+                                                                                                 hidden)
+        st.T, st.H, st.n = t, hidden, len(structs)
+        ptrs = (C.c_void_p * len(structs))(*[C.addressof(d) for d in structs])
+        plan = self._plans[key] = _Plan(structs, ptrs, st, [None, []], [None] * len(structs), [None])
+        return plan
+
+    def _stack_step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor | None:
+        """The model's final hidden states [T, H] from one stacked call, or None: the step runs the
+        per-layer forwards (some layer or input does not qualify now)."""
+        meta = ctx.attn_meta
+        t = input_ids.shape[0]
+        if (not (self.stack_enabled and self.enabled and self.moe_enabled and self.dl.enabled and self.ad.enabled)
+                or not meta.is_decode or input_ids.dim() != 1 or not 0 < t <= min(MAX_ROWS, self.dl.max_tokens)
+                or not self.dl.pool.handle or getattr(ctx.backend, "name", "") != "torch"
+                or input_ids.device.type != "cpu"):
+            return None
+        plan = self._plan(t)
+        structs = plan.structs
+        kv = ctx.kv_caches
+        if plan.kv[0] is not kv or len(kv) != len(plan.kv[1]) or any(a is not b for a, b in zip(kv, plan.kv[1])):
+            if not self._set_caches(plan, kv):
+                return None
+        rope = self._order[0].attn.rotary[0]
+        if plan.rope[0] is not rope.cos:  # the fp32 tables of the model's rope (once, normally)
+            cos, sin = self.ad._rope_tables(rope)
+            for d in structs:
+                d.attn.cos, d.attn.sin = cos.data_ptr(), sin.data_ptr()
+            plan.rope[0] = rope.cos
+        counts = plan.counts
+        for i, part in enumerate(self._order):
+            attn, moe = part.attn, part.moe
+            if (attn.qkv_proj is not part.qkv0 or attn.o_proj is not part.o0 or part.ffn.experts is not moe.experts
+                    or moe.cpu.lora is not None or moe.layer._h is None):
+                return None
+            if moe.recorder is not None and moe.recorder.counts.get(moe.index) is not counts[i]:
+                c = _counts(moe, moe.layer.packed.num_experts)
+                if c is None:
+                    return None
+                counts[i] = c
+                structs[i].moe_counts = c.data_ptr()
+        x = self.model.model.embed_tokens(input_ids)
+        if x.dtype != _BF16 or not x.is_contiguous():
+            return None
+        _, _, pos, slots, bt, ld_bt, lens, _ = self._step_meta(meta, positions)
+        out = torch.empty(t, x.shape[1], dtype=_BF16)
+        st = plan.stack
+        st.x, st.out, st.positions, st.slots, st.block_table, st.ld_bt, st.seq_lens = x.data_ptr(), out.data_ptr(), \
+            pos, slots, bt, ld_bt, lens
+        self._run_stack(plan)
+        n = len(structs)
+        self.stack_calls += 1
+        self.native_calls += n
+        self.moe_calls += n
+        return out
+
+    def _set_caches(self, plan: _Plan, kv: list) -> bool:
+        """Point the plan's layers at the KV caches of `kv` (bf16, contiguous: else False)."""
+        if len(kv) <= max(p.attn.layer_idx for p in self._order):
+            return False
+        for part, d in zip(self._order, plan.structs):
+            k_cache, v_cache = kv[part.attn.layer_idx][:2]
+            if k_cache.dtype != _BF16 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                return False
+            d.attn.k_cache, d.attn.v_cache, d.attn.S = k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1]
+        plan.kv[0], plan.kv[1] = kv, list(kv)
+        return True
 
     def _buf(self, t: int, role: str, n: int, dtype: torch.dtype = _BF16) -> int:
         """Address of a scratch buffer [t, n] shared by the layers' calls (they run one at a time)."""
@@ -233,6 +416,8 @@ class LayerDecodeLayers:
                 m.x_dtype, m.ids_dtype, m.out_dtype, m.accumulate = native.DT_BF16, 0, native.DT_BF16, 0
                 d.moe_renorm = int(bool(ffn.routing.renormalize))
             return d, h1, res1, [None]
+
+        self._parts[attn.layer_idx] = _Part(layer, attn, qkv0, o0, ffn, moe, setup)
 
         def forward(x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, ctx) -> tuple:
             meta = ctx.attn_meta

@@ -47,4 +47,48 @@ int hm_layer_decode(void* pool, const HmLayerDecode* d, char* err, int errlen) {
   return 0;
 }
 
+// The n layers of s in order (HmDecodeStack), then the final norm; 0, or 1 with what failed in err
+// (naming the layer).
+int hm_layers_decode(void* pool, const HmLayerDecode* const* layers, const HmDecodeStack* s, char* err, int errlen) {
+  if (err && errlen > 0) err[0] = 0;
+  if (!s || !layers || s->n < 1 || s->T < 1 || s->H < 1) {
+    if (err && errlen > 0) std::snprintf(err, size_t(errlen), "hm_layers_decode: no layers or rows");
+    return 1;
+  }
+  for (int32_t i = 0; i < s->n; ++i)  // before anything is written: the buffers are sized for them
+    if (!layers[i] || layers[i]->T != s->T || layers[i]->H != s->H) {
+      if (err && errlen > 0)
+        std::snprintf(err, size_t(errlen), "hm_layers_decode: layer %d was set up for other sizes", int(i));
+      return 1;
+    }
+  if (hm_add_rmsnorm_bf16(s->x, nullptr, s->norm0_w, s->T, s->H, s->eps0, s->h0, nullptr)) {
+    if (err && errlen > 0) std::snprintf(err, size_t(errlen), "hm_layers_decode: layer 0's input norm failed");
+    return 1;
+  }
+  for (int32_t i = 0; i < s->n; ++i) {
+    HmLayerDecode d = *layers[i];  // (small: the step's metadata patched into a copy)
+    d.attn.positions = s->positions;
+    d.attn.slots = s->slots;
+    d.attn.block_table = s->block_table;
+    d.attn.ld_bt = s->ld_bt;
+    d.attn.seq_lens = s->seq_lens;
+    if (i == 0) d.res2_in = s->x;
+    if (hm_layer_decode(pool, &d, err, errlen)) {
+      if (err && errlen > 0) {  // the layer's message, prefixed with its index
+        char inner[512];
+        std::snprintf(inner, sizeof(inner), "%s", err);
+        std::snprintf(err, size_t(errlen), "layer %d: %s", i, inner);
+      }
+      return 1;
+    }
+  }
+  const HmLayerDecode& last = *layers[s->n - 1];
+  if (hm_add_rmsnorm_bf16(static_cast<const uint16_t*>(last.moe.out), last.res2, s->normf_w, s->T, s->H, s->epsf,
+                          s->out, s->res_f)) {
+    if (err && errlen > 0) std::snprintf(err, size_t(errlen), "hm_layers_decode: the final norm failed");
+    return 1;
+  }
+  return 0;
+}
+
 }  // extern "C"

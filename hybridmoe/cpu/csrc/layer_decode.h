@@ -39,4 +39,28 @@ struct HmLayerDecode {           // mirrored by hybridmoe/cpu/layer_decode.py La
   int64_t* moe_counts;
   int32_t moe_renorm, pad2_;
 };
+
+// A run of decoder layers at decode in one call (hm_layers_decode): the embeddings x, layer 0's input
+// norm into h0 (layer 0's struct reads its x / h1 / qkv.x there, norm1_w nullptr, res2_in patched to
+// x), each layer's struct as hm_layer_decode runs it with this step's attention metadata patched in
+// (every layer of one model shares it), then the final norm of the last layer's output and residual
+// (its moe.out and res2) into out. The layers' structs are chained by the caller once: layer i + 1
+// reads the buffers layer i writes (its x = layer i's moe.out, res_in = res2), which it consumes in
+// its input norm before it writes them again, so one pair of buffers serves every layer.
+struct HmDecodeStack {           // mirrored by hybridmoe/cpu/layer_decode.py DecodeStack
+  const uint16_t* x;             // bf16 [T][H] this step's embeddings
+  const uint16_t* norm0_w;       // bf16 [H] layer 0's input_layernorm
+  uint16_t* h0;                  // bf16 [T][H] layer 0's normed input
+  const uint16_t* normf_w;       // bf16 [H] the final norm
+  uint16_t* res_f;               // bf16 [T][H] the final residual (scratch)
+  uint16_t* out;                 // bf16 [T][H] the final norm's output
+  const int64_t* positions;      // the attention metadata of HmAttnDecode, for every layer
+  const int64_t* slots;
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  int64_t ld_bt, T, H;
+  float eps0, epsf;
+  int32_t n, pad_;               // n layers
+};
 }
+
