@@ -50,6 +50,7 @@ class DecodeSplit:
         self._stack: list[int] = []
         self._undo: list[Callable[[], None]] = []
         self.bytes: dict[str, int] = collections.defaultdict(int)  # weight bytes a step reads per category
+        self.part_bytes: dict[str, int] = collections.defaultdict(int)  # ... per one-call layer part (bf16 weights)
         self._wrap(eng, "step", "engine")
         self._wrap(eng, "_sample", "sampling")
         self._wrap(runner, "prepare", "prepare")
@@ -76,6 +77,7 @@ class DecodeSplit:
             for name in ("qkv_proj", "o_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj"):
                 if isinstance(getattr(attn, name, None), torch.nn.Linear):
                     self._linear(getattr(attn, name), "dense_attn_proj")
+                    self.part_bytes[name] += getattr(attn, name).weight.nbytes
             ffn = getattr(layer, layer.ffn_name)
             if not layer.is_moe:
                 self._mlp(ffn)
@@ -85,6 +87,7 @@ class DecodeSplit:
             gate = getattr(ffn, ffn.gate_name)
             self._wrap(gate, "forward", "dense_router")
             self.bytes["dense_router"] += gate.weight.nbytes
+            self.part_bytes["router"] += gate.weight.nbytes
             if ffn.has_shared:
                 self._mlp(getattr(ffn, ffn.shared_name))
             ex = ffn.experts
@@ -151,6 +154,8 @@ class DecodeSplit:
         self.t.clear()
         self.n.clear()
         native.profile(reset=True)
+        if hasattr(native, "layer_profile"):
+            native.layer_profile(reset=True)
         self.on = True
         self._t0 = _ns()
 
@@ -161,6 +166,7 @@ class DecodeSplit:
         wall = _ns() - self._t0
         self.on = False
         prof = native.profile(reset=True)
+        parts = native.layer_profile(reset=True) if hasattr(native, "layer_profile") else {}
         t = dict(self.t)
         native_ns = int(1e9 * sum(v for k, v in prof.items() if k != "tasks"))
         wait = t.pop("experts_wait", 0)
@@ -175,9 +181,13 @@ class DecodeSplit:
                "calls_per_step": {k: v / steps for k, v in sorted(self.n.items())},
                "native_tasks_per_step": prof["tasks"] / steps,
                "native_phases_us": {k: 1e6 * v / steps for k, v in prof.items() if k != "tasks"},
-               "bytes_per_step": dict(self.bytes)}
+               "bytes_per_step": dict(self.bytes),
+               # inside the one-call layers (csrc/layer_decode.cpp): each part with its pool phase's start and barrier
+               "layer_parts_us": {k: 1e6 * v / steps for k, v in parts.items() if k != "calls"},
+               "layer_calls_per_step": parts.get("calls", 0) / steps}
         if stream_read_bps:
             res["memory_bound_us"] = {k: b / stream_read_bps * 1e6 for k, b in self.bytes.items()}
+            res["layer_parts_memory_bound_us"] = {k: b / stream_read_bps * 1e6 for k, b in self.part_bytes.items()}
         return res
 
 
@@ -195,3 +205,10 @@ def print_split(res: dict, label: str = "") -> None:
         calls = res["calls_per_step"].get(k, res["calls_per_step"].get("experts_wait", 0) if k.startswith("experts_")
                                           else 0)
         print(f"  {k:<18} {v:>9.1f} us {100 * v / res['step_us']:>5.1f}%  {calls:>5.1f} calls{extra}")
+        if k == "layer_native" and res.get("layer_calls_per_step"):
+            pmb = res.get("layer_parts_memory_bound_us", {})
+            names = {"qkv": "qkv_proj", "o_proj": "o_proj", "router": "router"}
+            for part, us in res["layer_parts_us"].items():
+                b = pmb.get(names.get(part, ""))
+                extra = f"  (memory-bound {b:.0f} us, bf16 weights)" if b else ""
+                print(f"    {part:<16} {us:>9.1f} us{extra}")

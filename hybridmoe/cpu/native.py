@@ -195,6 +195,7 @@ def _declare(lib) -> None:
         "hm_pending": (i64, [vp]),
         "hm_completed": (i64, [vp]),
         "hm_profile": (None, [C.POINTER(C.c_double), i32]),
+        "hm_layer_profile": (None, [C.POINTER(C.c_double), i32]),
         "hm_sync_hostfn": (None, [vp]),
         "hm_sync2_hostfn": (None, [vp]),
         "hm_submit_gated": (None, [C.POINTER(HostCall), vp]),
@@ -266,6 +267,19 @@ def profile(reset: bool = True) -> dict[str, float]:
     lib().hm_profile(buf, int(reset))
     res = dict(zip(PROFILE_PHASES, buf[:6] + [buf[7]]))
     res["tasks"] = buf[6]
+    return res
+
+
+LAYER_PARTS = ("norms", "qkv", "attention", "o_proj", "router", "routing", "moe_task")
+
+
+def layer_profile(reset: bool = True) -> dict[str, float]:
+    """Seconds spent in each part of the one-call decoder layers (csrc/layer_decode.cpp) since the last
+    reset, each part with its pool phase's start and barrier, and the call count ("calls")."""
+    buf = (C.c_double * 8)()
+    lib().hm_layer_profile(buf, int(reset))
+    res = dict(zip(LAYER_PARTS, buf[:7]))
+    res["calls"] = buf[7]
     return res
 
 

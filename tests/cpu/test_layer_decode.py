@@ -53,3 +53,28 @@ def test_fused_layers_equal_the_separate_calls(tmp_path, kind):
         assert all("forward" not in vars(layer) for layer in runner.model.model.layers)
     finally:
         llm.shutdown()
+
+
+def test_layer_profile_counts_the_calls_and_parts(tmp_path):
+    """native.layer_profile: one count per layer call, time in every part a call runs, zeroed by reset."""
+    from hybridmoe import LLM
+    from hybridmoe.cpu import native
+
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "m")  # layer 1 dense: its MoE parts stay out
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", progress=False, kt_num_gpu_experts=0, kt_method="BF16")
+    try:
+        ld = llm.engine.runner.layer_decode
+        native.layer_profile(reset=True)
+        calls, moe = ld.native_calls, ld.moe_calls
+        llm.generate(input_ids=list(range(5, 20)), sampling_params=GREEDY)
+        prof = native.layer_profile(reset=True)
+        assert prof["calls"] == ld.native_calls - calls > 0
+        assert set(prof) == set(native.LAYER_PARTS) | {"calls"}
+        assert all(prof[k] > 0 for k in ("qkv", "attention", "o_proj", "router", "routing", "moe_task"))
+        assert moe < ld.moe_calls < ld.native_calls
+        again = native.layer_profile(reset=False)
+        assert again["calls"] == 0 and all(v == 0 for v in again.values())
+    finally:
+        llm.shutdown()

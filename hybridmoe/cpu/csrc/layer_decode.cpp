@@ -2,6 +2,7 @@
 // Compiled for baseline x86-64: every callee checks the ISA itself.
 #include "layer_decode.h"
 
+#include <chrono>
 #include <cstdio>
 
 extern "C" int hm_dense(void* p, const HmDenseTask* t, int isa, int64_t spin_us, char* err, int errlen);
@@ -12,7 +13,33 @@ extern "C" int hm_topk_softmax(const void* logits, int32_t dtype, int64_t T, int
                                int32_t renorm, float* w, int32_t* ids);
 extern "C" int hm_run_task(void* p, const HmTask* task, int64_t spin_us, char* err, int errlen);
 
+namespace {
+// Wall seconds in each part of the layer calls since the last reset (hm_layer_profile): the norms,
+// qkv GEMV, attention, o_proj GEMV, router GEMV, routing, the MoE task, and the call count. Unlike the
+// pool's task phases these parts are not memory-bound work alone: each includes its phase's start and
+// barrier on the pool, which is what bench_cpu_decode --split compares against the bytes.
+enum { P_NORMS, P_QKV, P_ATTN, P_O, P_ROUTER, P_ROUTE, P_MOE, P_CALLS, P_N };
+double g_layer_profile[P_N] = {0};
+struct Lap {
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void operator()(int i) {
+    const auto n = std::chrono::steady_clock::now();
+    g_layer_profile[i] += std::chrono::duration<double>(n - t).count();
+    t = n;
+  }
+};
+}  // namespace
+
 extern "C" {
+
+// Copies the layer calls' part times (seconds: norms, qkv, attention, o_proj, router, routing, MoE task)
+// and their count into out8, then zeroes them when reset.
+void hm_layer_profile(double* out8, int reset) {
+  for (int i = 0; i < P_N; ++i) {
+    out8[i] = g_layer_profile[i];
+    if (reset) g_layer_profile[i] = 0;
+  }
+}
 
 // Runs the layer's attention half on `pool` (dense GEMVs led by this thread when the pool is idle),
 // then (d->moe.layer) its MoE block.
@@ -23,15 +50,23 @@ int hm_layer_decode(void* pool, const HmLayerDecode* d, char* err, int errlen) {
     return 1;
   };
   if (err && errlen > 0) err[0] = 0;
+  Lap lap;
   if (d->norm1_w && hm_add_rmsnorm_bf16(d->x, d->res_in, d->norm1_w, d->T, d->H, d->eps1, d->h1, d->res1))
     return fail("input norm");
+  lap(P_NORMS);
   if (hm_dense(pool, &d->qkv, d->isa, 0, err, errlen)) return fail("qkv_proj");
+  lap(P_QKV);
   if (hm_attn_decode_pool(pool, &d->attn, err, errlen)) return fail("attention");
+  lap(P_ATTN);
   if (hm_dense(pool, &d->o, d->isa, 0, err, errlen)) return fail("o_proj");
+  lap(P_O);
   if (hm_add_rmsnorm_bf16(static_cast<const uint16_t*>(d->o.out), d->res2_in, d->norm2_w, d->T, d->H, d->eps2, d->h2,
                           d->res2))
     return fail("post-attention norm");
+  lap(P_NORMS);
   if (d->router.N > 0 && hm_dense(pool, &d->router, d->isa, 0, err, errlen)) return fail("router");
+  lap(P_ROUTER);
+  g_layer_profile[P_CALLS] += 1;
   if (d->moe.layer) {
     HmTask t = d->moe;  // (d is const here: the routing writes the buffers t.ids / t.weights point at)
     if (d->router.N <= 0 || d->router.out_dtype != 1 || t.ids_dtype != 0 || t.T != d->T)
@@ -41,8 +76,10 @@ int hm_layer_decode(void* pool, const HmLayerDecode* d, char* err, int errlen) {
       return fail("routing");
     if (d->moe_counts)  // ids are in [0, E): the routing wrote them
       for (int64_t i = 0; i < d->T * t.K; ++i) d->moe_counts[static_cast<const int32_t*>(t.ids)[i]] += 1;
+    lap(P_ROUTE);
     // as CPUMoELayer.run: inline on this thread when the pool is idle (AMX layers: on the pool's threads)
     if (hm_run_task(pool, &t, -1, err, errlen)) return fail("MoE task");
+    lap(P_MOE);
   }
   return 0;
 }
