@@ -1,7 +1,8 @@
 """The native CPU decode attention (hybridmoe.cpu.attn_decode, csrc/attn_decode.cpp) against the
 layer's own torch path (q/k norm + RoPE reference, store_kv, the torch backend's decode), with
 fresh random inputs: GQA ratios 1 and > 1, with and without q/k norm and qkv bias, odd head dims,
-sequences of 1 token, of a partly filled last page and of many pages, pages in random order.
+sequences of 1 token, of a partly filled last page and of many pages, pages in random order; both span
+kernels (G < 4: each kv head in turn; 4 <= G <= 16: heads in lanes, one and two lane vectors).
 
 Tolerance, justified: the new k (normed, rotated) and v are the same bf16 values as torch's up to
 the norm's sum order (its rsqrt may round differently: at most one bf16 ulp on a few values); the
@@ -57,7 +58,11 @@ CASES = [  # Hq, Hkv, D, qk_norm, bias, seq lens, page size
     # long sequences: on a pool, spans of positions merged by their softmax states (attn_pool.cpp)
     (16, 2, 64, True, False, [1100, 3], 16),
     (5, 1, 20, False, True, [700], 8),  # 5 heads a group, D % 8 = 4
-    (12, 1, 8, True, False, [530, 260], 4),  # 12 heads a group: blocks of 8 and 4
+    (12, 1, 8, True, False, [530, 260], 4),  # 12 heads a group: two lane vectors (span_lanes<2>)
+    # heads in lanes (4 <= G <= 16), every kv head of a span in turn: 16 and 4 heads a group, D % 16 == 0
+    # (the vectorized q/k norm and RoPE), positions in blocks of 32 with tails
+    (64, 4, 32, True, False, [300, 2, 77], 16),
+    (8, 2, 48, False, True, [129, 33], 8),
 ]
 
 

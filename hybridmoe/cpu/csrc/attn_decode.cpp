@@ -22,10 +22,54 @@ inline float bf(uint16_t h) {
 }
 inline float rb(float f) { return bf(dense_f32_to_bf16(f)); }  // round to bf16 and back
 
+// 8 bf16 -> 8 fp32
+inline __m256 ld8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// rb on 8 lanes: round to bf16 (nearest even, NaN kept quiet: dense_f32_to_bf16) and back
+inline __m256 rb8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), hi);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i q = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x400000));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan));
+}
+
 // One head: RMSNorm (when w) then RoPE at position pos, as fused_ops.qk_norm_rope_ref; out: the bf16
-// results as floats.
+// results as floats. The same roundings lane by lane with D a multiple of 16 (the norm's sum in 8
+// partial sums), else one value at a time.
 void norm_rope(const uint16_t* x, const uint16_t* w, float eps, const float* c, const float* s, int D, float* out) {
   float* xs = out;
+  const int h = D / 2;
+  if (D % 16 == 0) {
+    __m256 ss8 = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+      const __m256 v = ld8(x + i);
+      _mm256_storeu_ps(xs + i, v);
+      ss8 = _mm256_add_ps(ss8, _mm256_mul_ps(v, v));
+    }
+    if (w) {
+      const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum(ss8) / float(D) + eps));
+      for (int i = 0; i < D; i += 8)
+        _mm256_storeu_ps(xs + i, rb8(_mm256_mul_ps(ld8(w + i), rb8(_mm256_mul_ps(_mm256_loadu_ps(xs + i), r)))));
+    }
+    for (int i = 0; i < h; i += 8) {
+      const __m256 cc = rb8(_mm256_loadu_ps(c + i)), sn = rb8(_mm256_loadu_ps(s + i));
+      const __m256 x1 = _mm256_loadu_ps(xs + i), x2 = _mm256_loadu_ps(xs + i + h);
+      const __m256 nx2 = _mm256_xor_ps(x2, _mm256_set1_ps(-0.0f));
+      _mm256_storeu_ps(out + i, rb8(_mm256_add_ps(rb8(_mm256_mul_ps(x1, cc)), rb8(_mm256_mul_ps(nx2, sn)))));
+      _mm256_storeu_ps(out + i + h, rb8(_mm256_add_ps(rb8(_mm256_mul_ps(x2, cc)), rb8(_mm256_mul_ps(x1, sn)))));
+    }
+    return;
+  }
   for (int i = 0; i < D; ++i) xs[i] = bf(x[i]);
   if (w) {
     float ss = 0.f;
@@ -33,7 +77,6 @@ void norm_rope(const uint16_t* x, const uint16_t* w, float eps, const float* c, 
     const float r = 1.0f / std::sqrt(ss / float(D) + eps);
     for (int i = 0; i < D; ++i) xs[i] = rb(bf(w[i]) * rb(xs[i] * r));
   }
-  const int h = D / 2;
   float tmp[1024];
   for (int i = 0; i < h; ++i) {
     const float cc = rb(c[i]), sn = rb(s[i]);
@@ -44,15 +87,6 @@ void norm_rope(const uint16_t* x, const uint16_t* w, float eps, const float* c, 
   std::memcpy(out, tmp, sizeof(float) * size_t(D));
 }
 
-// 8 bf16 -> 8 fp32
-inline __m256 ld8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 // exp of 8 lanes (inputs <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
 // a degree-6 polynomial: within ~2 fp32 ulps of std::exp; below -87 it is 0 (std::exp: denormals).
 inline __m256 exp8(__m256 x) {
@@ -114,9 +148,9 @@ void scores(const HmAttnDecode& a, const int32_t* pages, int g, const float* q, 
   }
 }
 
-// Positions [l0, l1) of sequence b for the G query heads of group g (q from prep): st = [G] max of the
-// scores | [G] sum of exp(score - max) | [G][D] sum of exp(score - max) * v. sc: >= G * (l1 - l0) floats.
-void span(const HmAttnDecode& a, int b, int g, const float* q, int64_t l0, int64_t l1, float* st, float* sc) {
+// span (below) for G < 4 heads a group: each head's dots along D (horizontal sums), the weighted sum of v
+// rows accumulated in memory.
+void span_rows(const HmAttnDecode& a, int b, int g, const float* q, int64_t l0, int64_t l1, float* st, float* sc) {
   const int D = a.D, G = a.Hq / a.Hkv, D8 = D / 8 * 8;
   const int32_t* pages = a.block_table + int64_t(b) * a.ld_bt;
   const int64_t n = l1 - l0;
@@ -167,6 +201,192 @@ void span(const HmAttnDecode& a, int b, int g, const float* q, int64_t l0, int64
     for (int i = D8; i < D; ++i)
       for (int j = 0; j < G; ++j) acc[size_t(j) * D + i] += sc[j * n + (l - l0)] * bf(vr[i]);
   }
+}
+
+// span for 4 <= G <= 16 heads a group ("heads in lanes"): the G heads are the lanes of NV 8-float
+// vectors (lanes >= G: zero queries, never output). Per position that makes one vector of G scores
+// with no horizontal sums, the softmax is lane-wise over positions, and both products are
+// broadcast-FMAs with the cached k or v value of one (position, dim) broadcast: Q^T [D][8 NV] times
+// k, then O^T [D][8 NV] += p * v. The k and v rows are converted to fp32 once per block of positions
+// (kPB rows: a block of v is re-read from L1 by every tile of dims), and the next block's rows are
+// prefetched into L2 a few lines at a time (L1 is too small to keep them beside Q^T and O^T). Every
+// dot and sum runs in ascending order of d and of the positions.
+// On the 2-core Zen 4, one thread, Hq 32 / Hkv 4 / D 128, KV out of cache: 5.6-6.5 GB/s of cache read
+// against 1.0-1.3 for span_rows over one kv head a unit (benchmarks/bench_cpu_attn.py --cold --libs);
+// 13.5 GB/s on 2 threads at 16K positions against 2.4.
+constexpr int kPB = 32;  // positions per block of converted rows (16: 5-10% slower, 8: 10%)
+
+thread_local std::vector<float> tl_qt, tl_ot, tl_rows;
+
+inline float* grow(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// The k and v rows (every kv head) of positions [l, l + n) into L2 (prefetcht1): a span's first block.
+inline void prefetch_rows(const HmAttnDecode& a, const int32_t* pages, int64_t l, int64_t n) {
+  const int64_t bytes = int64_t(2) * a.D * a.Hkv;
+  for (int64_t i = l; i < l + n; ++i) {
+    const char* k = reinterpret_cast<const char*>(cache_row(a, a.k_cache, pages, i, 0));
+    const char* v = reinterpret_cast<const char*>(cache_row(a, a.v_cache, pages, i, 0));
+    for (int64_t o = 0; o < bytes; o += 64) {
+      _mm_prefetch(k + o, _MM_HINT_T1);
+      _mm_prefetch(v + o, _MM_HINT_T1);
+    }
+  }
+}
+
+// Head g's row of position l of a cache into L2 (prefetcht1): the pages of a sequence are anywhere in
+// the cache, so the hardware prefetchers lose the stream at every page. (Into L1, prefetcht0, it read
+// 1.45x slower: evicted before use.)
+inline void prefetch_head(const HmAttnDecode& a, const uint16_t* cache, const int32_t* pages, int64_t l, int g) {
+  const char* r = reinterpret_cast<const char*>(cache_row(a, cache, pages, l, g));
+  for (int o = 0; o < 2 * a.D; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
+}
+
+// D bf16 -> fp32 (the same values)
+inline void row_f32(const uint16_t* r, int D, float* out) {
+  const int D8 = D / 8 * 8;
+  for (int i = 0; i < D8; i += 8) _mm256_storeu_ps(out + i, ld8(r + i));
+  for (int i = D8; i < D; ++i) out[i] = bf(r[i]);
+}
+
+// Scores of NP positions (rows kf [NP][D]) for the heads of qt [D][8 NV]: sc [NP][8 NV], times scale.
+template <int NV, int NP>
+inline void score_block(const float* qt, const float* kf, int D, float scale, float* sc) {
+  __m256 acc[NP][NV];
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < NV; ++v) acc[p][v] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m256 q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = _mm256_loadu_ps(qt + size_t(d) * 8 * NV + 8 * v);
+    for (int p = 0; p < NP; ++p) {
+      const __m256 k = _mm256_broadcast_ss(kf + size_t(p) * D + d);
+      for (int v = 0; v < NV; ++v) acc[p][v] = _mm256_fmadd_ps(k, q[v], acc[p][v]);
+    }
+  }
+  const __m256 s8 = _mm256_set1_ps(scale);
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(sc + size_t(p) * 8 * NV + 8 * v, _mm256_mul_ps(acc[p][v], s8));
+}
+
+// ot [D][8 NV] += sum over the np positions of probs [p][8 NV] * vf [p][D], for the TD dims d0 .. d0 + TD - 1.
+template <int NV, int TD>
+inline void value_tile(const float* probs, const float* vf, int np, int D, int d0, float* ot) {
+  __m256 acc[TD][NV];
+  for (int t = 0; t < TD; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_loadu_ps(ot + size_t(d0 + t) * 8 * NV + 8 * v);
+  for (int p = 0; p < np; ++p) {
+    __m256 pr[NV];
+    for (int v = 0; v < NV; ++v) pr[v] = _mm256_loadu_ps(probs + size_t(p) * 8 * NV + 8 * v);
+    for (int t = 0; t < TD; ++t) {
+      const __m256 x = _mm256_broadcast_ss(vf + size_t(p) * D + d0 + t);
+      for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_fmadd_ps(x, pr[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < TD; ++t)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(ot + size_t(d0 + t) * 8 * NV + 8 * v, acc[t][v]);
+}
+
+thread_local std::vector<float> tl_state;
+
+// span for 4 <= G <= 16 (module comment above), every kv head of the block in turn: head g's queries
+// qt + g * D * W, running O^T ot + g * D * W, max and sum state + g * 2W.
+template <int NV>
+void span_lanes(const HmAttnDecode& a, int b, const float* q, int64_t l0, int64_t l1, float* st, int64_t st_stride,
+                float* sc) {
+  constexpr int W = 8 * NV;         // lanes: heads, padded
+  constexpr int PS = 8 / NV;        // positions a score block
+  constexpr int TD = 8 / NV;        // dims a value tile
+  const int D = a.D, G = a.Hq / a.Hkv, Hkv = a.Hkv;
+  const size_t DW = size_t(D) * W;
+  const int32_t* pages = a.block_table + int64_t(b) * a.ld_bt;
+  float* qt = grow(tl_qt, DW * Hkv);
+  float* ot = grow(tl_ot, DW * Hkv);
+  float* rows = grow(tl_rows, size_t(kPB) * D);
+  float* state = grow(tl_state, size_t(2 * W) * Hkv);  // per head: [W] max | [W] sum
+  for (int g = 0; g < Hkv; ++g)
+    for (int d = 0; d < D; ++d)
+      for (int j = 0; j < W; ++j) qt[g * DW + size_t(d) * W + j] = j < G ? q[(size_t(g) * G + j) * D + d] : 0.f;
+  std::memset(ot, 0, sizeof(float) * DW * Hkv);
+  for (int g = 0; g < Hkv; ++g)
+    for (int j = 0; j < W; ++j) {
+      state[g * 2 * W + j] = -INFINITY;
+      state[g * 2 * W + W + j] = 0.f;
+    }
+  // one pass over blocks of positions with each lane's running max, sum and O^T (online softmax): a
+  // block's scores, its exps at the running max (the sum and O^T rescaled when the max grows), its
+  // values; sc holds one block's [kPB][W] scores.
+  prefetch_rows(a, pages, l0, std::min<int64_t>(kPB, l1 - l0));
+  for (int64_t l = l0; l < l1; l += kPB) {
+    const int np = int(std::min<int64_t>(kPB, l1 - l));
+    const int npf = int(std::min<int64_t>(kPB, std::max<int64_t>(0, l1 - l - kPB)));  // rows of the next block
+    for (int g = 0; g < Hkv; ++g) {
+      const float* qg = qt + g * DW;
+      float* og = ot + g * DW;
+      float* mg = state + g * 2 * W;
+      for (int p = 0; p < np; ++p) {
+        // the next block's rows of this head, a few lines at a time between the conversions (a burst of a
+        // whole block's prefetches fills the miss buffers and stalls the core: 13% slower)
+        if (p < npf) {
+          prefetch_head(a, a.k_cache, pages, l + kPB + p, g);
+          prefetch_head(a, a.v_cache, pages, l + kPB + p, g);
+        }
+        row_f32(cache_row(a, a.k_cache, pages, l + p, g), D, rows + size_t(p) * D);
+      }
+      int p = 0;
+      for (; p + PS <= np; p += PS) score_block<NV, PS>(qg, rows + size_t(p) * D, D, a.scale, sc + size_t(p) * W);
+      for (; p < np; ++p) score_block<NV, 1>(qg, rows + size_t(p) * D, D, a.scale, sc + size_t(p) * W);
+      for (int v = 0; v < NV; ++v) {
+        const __m256 old = _mm256_loadu_ps(mg + 8 * v);
+        __m256 m = old;
+        for (int i = 0; i < np; ++i) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + size_t(i) * W + 8 * v));
+        __m256 sum = _mm256_loadu_ps(mg + W + 8 * v);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(m, old, _CMP_GT_OQ))) {
+          const __m256 r = exp8(_mm256_sub_ps(old, m));  // ~0 where the old max was -inf (exp8 clamps: x 0 anyway)
+          sum = _mm256_mul_ps(sum, r);
+          for (int d = 0; d < D; ++d) {
+            float* o = og + size_t(d) * W + 8 * v;
+            _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), r));
+          }
+          _mm256_storeu_ps(mg + 8 * v, m);
+        }
+        for (int i = 0; i < np; ++i) {
+          float* si = sc + size_t(i) * W + 8 * v;
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(si), m));
+          _mm256_storeu_ps(si, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(mg + W + 8 * v, sum);
+      }
+      for (int i = 0; i < np; ++i) row_f32(cache_row(a, a.v_cache, pages, l + i, g), D, rows + size_t(i) * D);
+      int d = 0;
+      for (; d + TD <= D; d += TD) value_tile<NV, TD>(sc, rows, np, D, d, og);
+      for (; d < D; ++d) value_tile<NV, 1>(sc, rows, np, D, d, og);
+    }
+  }
+  for (int g = 0; g < Hkv; ++g) {
+    float* sg = st + g * st_stride;
+    const float* mg = state + g * 2 * W;
+    const float* og = ot + g * DW;
+    for (int j = 0; j < G; ++j) {
+      sg[j] = mg[j];
+      sg[G + j] = mg[W + j];
+      float* acc = sg + 2 * G + size_t(j) * D;
+      for (int d = 0; d < D; ++d) acc[d] = og[size_t(d) * W + j];
+    }
+  }
+}
+
+// AttnDecodeKernels::span (attn_decode.h): the heads-in-lanes kernel for 4 <= G <= 16, else each kv head
+// in turn with span_rows.
+void span(const HmAttnDecode& a, int b, const float* q, int64_t l0, int64_t l1, float* st, int64_t st_stride,
+          float* sc) {
+  const int G = a.Hq / a.Hkv;
+  if (G >= 4 && G <= 8) return span_lanes<1>(a, b, q, l0, l1, st, st_stride, sc);
+  if (G > 8 && G <= 16) return span_lanes<2>(a, b, q, l0, l1, st, st_stride, sc);
+  for (int g = 0; g < a.Hkv; ++g)
+    span_rows(a, b, g, q + size_t(g) * G * a.D, l0, l1, st + g * st_stride, sc);
 }
 
 // The bf16 output of group g's heads at sequence b from `ns` span states (span's layout, st_stride floats apart).

@@ -28,18 +28,23 @@ struct HmAttnDecode {            // mirrored by hybridmoe/cpu/attn_decode.py Att
 }
 
 namespace hm {
-// The kernels of one (sequence b, kv head g) unit, AVX2 (attn_decode.cpp); attn_pool.cpp spreads the
-// units (and, for long sequences, spans of positions) over the pool's threads.
+// The kernels of decode attention, AVX2 (attn_decode.cpp); attn_pool.cpp spreads the (sequence b, kv head
+// g) units of prep and finish, and the spans of positions, over the pool's threads.
 struct AttnDecodeKernels {
   // q [G][D] fp32 := group g's G = Hq/Hkv query heads of sequence b, normed and rotated; the new token's k
   // (normed, rotated) and v of head g stored into the caches (before any span reads position L-1).
   void (*prep)(const HmAttnDecode& a, int b, int g, float* q);
-  // Cached positions [l0, l1) of sequence b for those heads: st = [G] max score | [G] sum of exp(score -
-  // max) | [G][D] sum of exp(score - max) * v (2G + G*D floats); sc: scratch of >= G * (l1 - l0) floats.
-  void (*span)(const HmAttnDecode& a, int b, int g, const float* q, int64_t l0, int64_t l1, float* st, float* sc);
-  // The bf16 output of those heads from ns span states, st_stride floats apart (the softmax merge).
+  // Cached positions [l0, l1) of sequence b for every kv head (each position's row of all heads read once,
+  // in order): st + g * st_stride = head g's state, [G] max score | [G] sum of exp(score - max) | [G][D] sum
+  // of exp(score - max) * v (2G + G*D floats); q: the sequence's prepared queries, [Hkv][G][D]; sc: scratch
+  // of >= span_scratch(G, l1 - l0) floats.
+  void (*span)(const HmAttnDecode& a, int b, const float* q, int64_t l0, int64_t l1, float* st, int64_t st_stride,
+               float* sc);
+  // The bf16 output of group g's heads from ns span states, st_stride floats apart (the softmax merge).
   void (*finish)(const HmAttnDecode& a, int b, int g, const float* st, int ns, int64_t st_stride);
 };
+// Scratch floats a span of n positions needs (G query heads a kv head).
+inline int64_t span_scratch(int G, int64_t n) { return int64_t(G < 16 ? 16 : G) * (n + 16); }
 }  // namespace hm
 
 extern "C" const hm::AttnDecodeKernels* hm_attn_decode_kernels_avx2() __attribute__((weak));

@@ -1,11 +1,13 @@
 // hm_attn_decode / hm_attn_decode_pool: one decode attention step (attn_decode.h) on this thread or
 // spread over a pool's threads. Compiled for baseline x86-64: the ISA is checked before a kernel runs.
 //
-// Work units are (sequence b, kv head g): each normalizes and rotates its G query heads and its new k,
-// stores the new k/v, and attends over the sequence's cached positions (the G heads share every k/v
-// row read). A batch-1 step has only Hkv units, so when the positions to read are many against the
-// threads, each unit's positions are cut into spans attended separately and merged by their softmax
-// states (flash-decoding), in three phases: prep, spans, merge.
+// Prep units are (sequence b, kv head g): each normalizes and rotates its G query heads and its new k,
+// and stores the new k/v. A span (sequence b, positions [l0, l1)) then attends every kv head over
+// those cached positions, reading each position's row of all heads once, in order (one kv head a unit
+// read 2D bytes of every Hkv * 2D: 2x slower from DRAM at Hkv 4 on the 2-core Zen 4). When the
+// positions to read are many against the threads, a sequence's positions are cut into spans attended
+// separately and merged by their softmax states (flash-decoding), in three phases: prep, spans, merge
+// (per (b, g) unit); a sequence with one span runs all three in one unit.
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -19,12 +21,12 @@ extern "C" int hm_isa_check(int isa, char* msg, int len);
 
 namespace {
 
-constexpr int64_t kMinSpan = 256;  // positions: shorter spans cost more in merging than they share out
+constexpr int64_t kMinSpan = 64;  // positions (of every kv head): shorter spans cost more in merging than they share out
 
 struct Unit {
-  int b, g;
+  int b;
   int64_t l0, l1;
-  int st;  // span state index
+  int st;  // index of its first state (one a kv head)
 };
 
 struct Run {
@@ -32,10 +34,10 @@ struct Run {
   const hm::AttnDecodeKernels* k;
   int G;
   int64_t st_stride;
-  std::vector<Unit> spans;        // every span (units with one span: l0 = 0, l1 = L)
-  std::vector<int> first;         // per (b, g): index of its first span; first[u + 1] - first[u] spans
-  std::vector<float> q, st;       // [B][Hq][D] prepared queries, span states
-  bool fused = true;              // one span per unit: prep, span and finish in one phase
+  std::vector<Unit> spans;        // every span (sequences with one span: l0 = 0, l1 = L)
+  std::vector<int> first;         // per b: index of its first span; first[b + 1] - first[b] spans
+  std::vector<float> q, st;       // [B][Hq][D] prepared queries, span states [span][Hkv]
+  bool fused = true;              // one span per sequence: prep, span and finish in one unit
   std::atomic<int64_t> next{0};
 };
 
@@ -54,24 +56,27 @@ void do_prep(Run& r, int u) {
 }
 void do_span(Run& r, int i) {
   const Unit& s = r.spans[size_t(i)];
-  r.k->span(*r.a, s.b, s.g, q_of(r, s.b, s.g), s.l0, s.l1, r.st.data() + s.st * r.st_stride,
-            scores_for(int64_t(r.G) * (s.l1 - s.l0)));
+  r.k->span(*r.a, s.b, q_of(r, s.b, 0), s.l0, s.l1, r.st.data() + s.st * r.st_stride, r.st_stride,
+            scores_for(hm::span_scratch(r.G, s.l1 - s.l0)));
 }
 void do_finish(Run& r, int u) {
-  const int b = u / r.a->Hkv, g = u % r.a->Hkv;
-  const int f = r.first[size_t(u)], n = r.first[size_t(u) + 1] - f;
-  r.k->finish(*r.a, b, g, r.st.data() + f * r.st_stride, n, r.st_stride);
+  const int Hkv = r.a->Hkv, b = u / Hkv, g = u % Hkv;
+  const int f = r.first[size_t(b)], n = r.first[size_t(b) + 1] - f;
+  r.k->finish(*r.a, b, g, r.st.data() + (int64_t(f) * Hkv + g) * r.st_stride, n, Hkv * r.st_stride);
 }
-void do_unit(Run& r, int u) {
-  do_prep(r, u);
-  do_span(r, r.first[size_t(u)]);
-  do_finish(r, u);
+void do_seq(Run& r, int b) {  // a sequence with one span
+  const int Hkv = r.a->Hkv;
+  for (int g = 0; g < Hkv; ++g) do_prep(r, b * Hkv + g);
+  do_span(r, r.first[size_t(b)]);
+  for (int g = 0; g < Hkv; ++g) do_finish(r, b * Hkv + g);
 }
 
 template <void (*F)(Run&, int)>
 void phase(int, void* p) {
   Run& r = *static_cast<Run*>(p);
-  const int64_t n = F == do_span ? int64_t(r.spans.size()) : int64_t(r.first.size()) - 1;
+  const int64_t n = F == do_span ? int64_t(r.spans.size())
+                    : F == do_seq  ? int64_t(r.first.size()) - 1
+                                   : (int64_t(r.first.size()) - 1) * r.a->Hkv;
   for (int64_t i; (i = r.next.fetch_add(1, std::memory_order_relaxed)) < n;) F(r, int(i));
 }
 
@@ -82,7 +87,7 @@ void run_all(hm::ThreadPool* tp, Run& r) {
     else fn(0, &r);
   };
   if (r.fused) {
-    go(phase<do_unit>);
+    go(phase<do_seq>);
     return;
   }
   go(phase<do_prep>);
@@ -120,30 +125,29 @@ int hm_attn_decode_pool(void* pool, const HmAttnDecode* a, char* err, int errlen
   r.k = hm_attn_decode_kernels_avx2();
   r.G = a->Hq / a->Hkv;
   r.st_stride = int64_t(r.G) * (2 + a->D);
-  int64_t work = 0;  // positions to read, summed over the units
-  for (int b = 0; b < a->B; ++b) work += int64_t(a->seq_lens[b]) * a->Hkv;
+  int64_t work = 0;  // positions to read, summed over the sequences
+  for (int b = 0; b < a->B; ++b) work += a->seq_lens[b];
   // ~2 spans a thread (a late thread leaves its share to the others), each >= kMinSpan positions
   const int64_t span = nth == 1 ? INT64_MAX : std::max(kMinSpan, (work + 2 * nth - 1) / (2 * nth));
-  r.first.reserve(size_t(a->B) * a->Hkv + 1);
-  for (int b = 0; b < a->B; ++b)
-    for (int g = 0; g < a->Hkv; ++g) {
-      r.first.push_back(int(r.spans.size()));
-      const int64_t L = a->seq_lens[b];
-      for (int64_t l0 = 0; l0 < L; l0 += span) {
-        const int64_t l1 = L - l0 <= span ? L : l0 + span;
-        r.spans.push_back({b, g, l0, l1, int(r.spans.size())});
-        if (l1 == L) break;
-      }
-      if (r.spans.size() - size_t(r.first.back()) > 1) r.fused = false;
+  r.first.reserve(size_t(a->B) + 1);
+  for (int b = 0; b < a->B; ++b) {
+    r.first.push_back(int(r.spans.size()));
+    const int64_t L = a->seq_lens[b];
+    for (int64_t l0 = 0; l0 < L; l0 += span) {
+      const int64_t l1 = L - l0 <= span ? L : l0 + span;
+      r.spans.push_back({b, l0, l1, int(r.spans.size()) * a->Hkv});
+      if (l1 == L) break;
     }
+    if (r.spans.size() - size_t(r.first.back()) > 1) r.fused = false;
+  }
   r.first.push_back(int(r.spans.size()));
   r.q.resize(size_t(a->B) * a->Hq * a->D);
-  r.st.resize(r.spans.size() * size_t(r.st_stride));
+  r.st.resize(r.spans.size() * size_t(a->Hkv) * size_t(r.st_stride));
   struct Lead {
     hm::ThreadPool* tp;
     Run* r;
   } lead{p ? &p->tp : nullptr, &r};
-  // with one unit, or the pool busy (run_inline false): all of it on this thread
+  // with one unit (one sequence with one span), or the pool busy (run_inline false): all of it on this thread
   if (p && nth > 1 && r.spans.size() > 1 &&
       p->tp.run_inline([](void* l) { run_all(static_cast<Lead*>(l)->tp, *static_cast<Lead*>(l)->r); }, &lead))
     return 0;
