@@ -223,12 +223,12 @@ inline float* grow(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
-// The k and v rows (every kv head) of positions [l, l + n) into L2 (prefetcht1): a span's first block.
-inline void prefetch_rows(const HmAttnDecode& a, const int32_t* pages, int64_t l, int64_t n) {
-  const int64_t bytes = int64_t(2) * a.D * a.Hkv;
+// The k and v rows of heads [g0, g1) of positions [l, l + n) into L2 (prefetcht1): a span's first block.
+inline void prefetch_rows(const HmAttnDecode& a, const int32_t* pages, int64_t l, int64_t n, int g0, int g1) {
+  const int64_t bytes = int64_t(2) * a.D * (g1 - g0);
   for (int64_t i = l; i < l + n; ++i) {
-    const char* k = reinterpret_cast<const char*>(cache_row(a, a.k_cache, pages, i, 0));
-    const char* v = reinterpret_cast<const char*>(cache_row(a, a.v_cache, pages, i, 0));
+    const char* k = reinterpret_cast<const char*>(cache_row(a, a.k_cache, pages, i, g0));
+    const char* v = reinterpret_cast<const char*>(cache_row(a, a.v_cache, pages, i, g0));
     for (int64_t o = 0; o < bytes; o += 64) {
       _mm_prefetch(k + o, _MM_HINT_T1);
       _mm_prefetch(v + o, _MM_HINT_T1);
@@ -290,15 +290,15 @@ inline void value_tile(const float* probs, const float* vf, int np, int D, int d
 
 thread_local std::vector<float> tl_state;
 
-// span for 4 <= G <= 16 (module comment above), every kv head of the block in turn: head g's queries
-// qt + g * D * W, running O^T ot + g * D * W, max and sum state + g * 2W.
+// span for 4 <= G <= 16 (module comment above), kv heads g0 + g (g < Hkv = g1 - g0) of the block in
+// turn: head g's queries qt + g * D * W, running O^T ot + g * D * W, max and sum state + g * 2W.
 template <int NV>
-void span_lanes(const HmAttnDecode& a, int b, const float* q, int64_t l0, int64_t l1, float* st, int64_t st_stride,
-                float* sc) {
+void span_lanes(const HmAttnDecode& a, int b, int g0, int g1, const float* q, int64_t l0, int64_t l1, float* st,
+                int64_t st_stride, float* sc) {
   constexpr int W = 8 * NV;         // lanes: heads, padded
   constexpr int PS = 8 / NV;        // positions a score block
   constexpr int TD = 8 / NV;        // dims a value tile
-  const int D = a.D, G = a.Hq / a.Hkv, Hkv = a.Hkv;
+  const int D = a.D, G = a.Hq / a.Hkv, Hkv = g1 - g0;
   const size_t DW = size_t(D) * W;
   const int32_t* pages = a.block_table + int64_t(b) * a.ld_bt;
   float* qt = grow(tl_qt, DW * Hkv);
@@ -317,7 +317,7 @@ void span_lanes(const HmAttnDecode& a, int b, const float* q, int64_t l0, int64_
   // one pass over blocks of positions with each lane's running max, sum and O^T (online softmax): a
   // block's scores, its exps at the running max (the sum and O^T rescaled when the max grows), its
   // values; sc holds one block's [kPB][W] scores.
-  prefetch_rows(a, pages, l0, std::min<int64_t>(kPB, l1 - l0));
+  prefetch_rows(a, pages, l0, std::min<int64_t>(kPB, l1 - l0), g0, g1);
   for (int64_t l = l0; l < l1; l += kPB) {
     const int np = int(std::min<int64_t>(kPB, l1 - l));
     const int npf = int(std::min<int64_t>(kPB, std::max<int64_t>(0, l1 - l - kPB)));  // rows of the next block
@@ -329,10 +329,10 @@ void span_lanes(const HmAttnDecode& a, int b, const float* q, int64_t l0, int64_
         // the next block's rows of this head, a few lines at a time between the conversions (a burst of a
         // whole block's prefetches fills the miss buffers and stalls the core: 13% slower)
         if (p < npf) {
-          prefetch_head(a, a.k_cache, pages, l + kPB + p, g);
-          prefetch_head(a, a.v_cache, pages, l + kPB + p, g);
+          prefetch_head(a, a.k_cache, pages, l + kPB + p, g0 + g);
+          prefetch_head(a, a.v_cache, pages, l + kPB + p, g0 + g);
         }
-        row_f32(cache_row(a, a.k_cache, pages, l + p, g), D, rows + size_t(p) * D);
+        row_f32(cache_row(a, a.k_cache, pages, l + p, g0 + g), D, rows + size_t(p) * D);
       }
       int p = 0;
       for (; p + PS <= np; p += PS) score_block<NV, PS>(qg, rows + size_t(p) * D, D, a.scale, sc + size_t(p) * W);
@@ -359,7 +359,7 @@ void span_lanes(const HmAttnDecode& a, int b, const float* q, int64_t l0, int64_
         }
         _mm256_storeu_ps(mg + W + 8 * v, sum);
       }
-      for (int i = 0; i < np; ++i) row_f32(cache_row(a, a.v_cache, pages, l + i, g), D, rows + size_t(i) * D);
+      for (int i = 0; i < np; ++i) row_f32(cache_row(a, a.v_cache, pages, l + i, g0 + g), D, rows + size_t(i) * D);
       int d = 0;
       for (; d + TD <= D; d += TD) value_tile<NV, TD>(sc, rows, np, D, d, og);
       for (; d < D; ++d) value_tile<NV, 1>(sc, rows, np, D, d, og);
@@ -380,13 +380,13 @@ void span_lanes(const HmAttnDecode& a, int b, const float* q, int64_t l0, int64_
 
 // AttnDecodeKernels::span (attn_decode.h): the heads-in-lanes kernel for 4 <= G <= 16, else each kv head
 // in turn with span_rows.
-void span(const HmAttnDecode& a, int b, const float* q, int64_t l0, int64_t l1, float* st, int64_t st_stride,
-          float* sc) {
+void span(const HmAttnDecode& a, int b, int g0, int g1, const float* q, int64_t l0, int64_t l1, float* st,
+          int64_t st_stride, float* sc) {
   const int G = a.Hq / a.Hkv;
-  if (G >= 4 && G <= 8) return span_lanes<1>(a, b, q, l0, l1, st, st_stride, sc);
-  if (G > 8 && G <= 16) return span_lanes<2>(a, b, q, l0, l1, st, st_stride, sc);
-  for (int g = 0; g < a.Hkv; ++g)
-    span_rows(a, b, g, q + size_t(g) * G * a.D, l0, l1, st + g * st_stride, sc);
+  if (G >= 4 && G <= 8) return span_lanes<1>(a, b, g0, g1, q, l0, l1, st, st_stride, sc);
+  if (G > 8 && G <= 16) return span_lanes<2>(a, b, g0, g1, q, l0, l1, st, st_stride, sc);
+  for (int g = g0; g < g1; ++g)
+    span_rows(a, b, g, q + size_t(g - g0) * G * a.D, l0, l1, st + (g - g0) * st_stride, sc);
 }
 
 // The bf16 output of group g's heads at sequence b from `ns` span states (span's layout, st_stride floats apart).

@@ -34,12 +34,12 @@ struct AttnDecodeKernels {
   // q [G][D] fp32 := group g's G = Hq/Hkv query heads of sequence b, normed and rotated; the new token's k
   // (normed, rotated) and v of head g stored into the caches (before any span reads position L-1).
   void (*prep)(const HmAttnDecode& a, int b, int g, float* q);
-  // Cached positions [l0, l1) of sequence b for every kv head (each position's row of all heads read once,
-  // in order): st + g * st_stride = head g's state, [G] max score | [G] sum of exp(score - max) | [G][D] sum
-  // of exp(score - max) * v (2G + G*D floats); q: the sequence's prepared queries, [Hkv][G][D]; sc: scratch
-  // of >= span_scratch(G, l1 - l0) floats.
-  void (*span)(const HmAttnDecode& a, int b, const float* q, int64_t l0, int64_t l1, float* st, int64_t st_stride,
-               float* sc);
+  // Cached positions [l0, l1) of sequence b for kv heads [g0, g1) (each position's row of those heads
+  // read once, in order): st + (g - g0) * st_stride = head g's state, [G] max score | [G] sum of
+  // exp(score - max) | [G][D] sum of exp(score - max) * v (2G + G*D floats); q: those heads' prepared
+  // queries, [g1 - g0][G][D]; sc: scratch of >= span_scratch(G, l1 - l0) floats.
+  void (*span)(const HmAttnDecode& a, int b, int g0, int g1, const float* q, int64_t l0, int64_t l1, float* st,
+               int64_t st_stride, float* sc);
   // The bf16 output of group g's heads from ns span states, st_stride floats apart (the softmax merge).
   void (*finish)(const HmAttnDecode& a, int b, int g, const float* st, int ns, int64_t st_stride);
 };

@@ -1,13 +1,13 @@
 // hm_attn_decode / hm_attn_decode_pool: one decode attention step (attn_decode.h) on this thread or
 // spread over a pool's threads. Compiled for baseline x86-64: the ISA is checked before a kernel runs.
 //
-// Prep units are (sequence b, kv head g): each normalizes and rotates its G query heads and its new k,
-// and stores the new k/v. A span (sequence b, positions [l0, l1)) then attends every kv head over
-// those cached positions, reading each position's row of all heads once, in order (one kv head a unit
-// read 2D bytes of every Hkv * 2D: 2x slower from DRAM at Hkv 4 on the 2-core Zen 4). When the
-// positions to read are many against the threads, a sequence's positions are cut into spans attended
-// separately and merged by their softmax states (flash-decoding), in three phases: prep, spans, merge
-// (per (b, g) unit); a sequence with one span runs all three in one unit.
+// Work units are (sequence b, kv head g): each normalizes and rotates its G query heads and its new k,
+// and stores the new k/v. When the positions to read are few against the threads, each unit also
+// attends over its sequence's positions for its kv head and writes its output (one phase). Else each
+// sequence's positions are cut into spans, each attending every kv head over its positions (reading
+// each position's row of all heads once, in order: one kv head a unit read 2D bytes of every Hkv * 2D,
+// 2x slower from DRAM at Hkv 4 on the 2-core Zen 4), merged by their softmax states (flash-decoding):
+// three phases, prep, spans, merge.
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -37,7 +37,7 @@ struct Run {
   std::vector<Unit> spans;        // every span (sequences with one span: l0 = 0, l1 = L)
   std::vector<int> first;         // per b: index of its first span; first[b + 1] - first[b] spans
   std::vector<float> q, st;       // [B][Hq][D] prepared queries, span states [span][Hkv]
-  bool fused = true;              // one span per sequence: prep, span and finish in one unit
+  bool fused = true;              // one span per sequence: prep, span and finish of each (b, g) in one unit
   std::atomic<int64_t> next{0};
 };
 
@@ -56,7 +56,7 @@ void do_prep(Run& r, int u) {
 }
 void do_span(Run& r, int i) {
   const Unit& s = r.spans[size_t(i)];
-  r.k->span(*r.a, s.b, q_of(r, s.b, 0), s.l0, s.l1, r.st.data() + s.st * r.st_stride, r.st_stride,
+  r.k->span(*r.a, s.b, 0, r.a->Hkv, q_of(r, s.b, 0), s.l0, s.l1, r.st.data() + s.st * r.st_stride, r.st_stride,
             scores_for(hm::span_scratch(r.G, s.l1 - s.l0)));
 }
 void do_finish(Run& r, int u) {
@@ -64,19 +64,19 @@ void do_finish(Run& r, int u) {
   const int f = r.first[size_t(b)], n = r.first[size_t(b) + 1] - f;
   r.k->finish(*r.a, b, g, r.st.data() + (int64_t(f) * Hkv + g) * r.st_stride, n, Hkv * r.st_stride);
 }
-void do_seq(Run& r, int b) {  // a sequence with one span
-  const int Hkv = r.a->Hkv;
-  for (int g = 0; g < Hkv; ++g) do_prep(r, b * Hkv + g);
-  do_span(r, r.first[size_t(b)]);
-  for (int g = 0; g < Hkv; ++g) do_finish(r, b * Hkv + g);
+void do_unit(Run& r, int u) {  // every sequence in one span: unit (b, g) alone
+  const int b = u / r.a->Hkv, g = u % r.a->Hkv;
+  do_prep(r, u);
+  float* st = r.st.data() + int64_t(u) * r.st_stride;
+  r.k->span(*r.a, b, g, g + 1, q_of(r, b, g), 0, r.a->seq_lens[b], st, r.st_stride,
+            scores_for(hm::span_scratch(r.G, r.a->seq_lens[b])));
+  r.k->finish(*r.a, b, g, st, 1, r.st_stride);
 }
 
 template <void (*F)(Run&, int)>
 void phase(int, void* p) {
   Run& r = *static_cast<Run*>(p);
-  const int64_t n = F == do_span ? int64_t(r.spans.size())
-                    : F == do_seq  ? int64_t(r.first.size()) - 1
-                                   : (int64_t(r.first.size()) - 1) * r.a->Hkv;
+  const int64_t n = F == do_span ? int64_t(r.spans.size()) : (int64_t(r.first.size()) - 1) * r.a->Hkv;
   for (int64_t i; (i = r.next.fetch_add(1, std::memory_order_relaxed)) < n;) F(r, int(i));
 }
 
@@ -87,7 +87,7 @@ void run_all(hm::ThreadPool* tp, Run& r) {
     else fn(0, &r);
   };
   if (r.fused) {
-    go(phase<do_seq>);
+    go(phase<do_unit>);
     return;
   }
   go(phase<do_prep>);
@@ -147,8 +147,8 @@ int hm_attn_decode_pool(void* pool, const HmAttnDecode* a, char* err, int errlen
     hm::ThreadPool* tp;
     Run* r;
   } lead{p ? &p->tp : nullptr, &r};
-  // with one unit (one sequence with one span), or the pool busy (run_inline false): all of it on this thread
-  if (p && nth > 1 && r.spans.size() > 1 &&
+  // with one unit, or the pool busy (run_inline false): all of it on this thread
+  if (p && nth > 1 && (r.spans.size() > 1 || a->B * a->Hkv > 1) &&
       p->tp.run_inline([](void* l) { run_all(static_cast<Lead*>(l)->tp, *static_cast<Lead*>(l)->r); }, &lead))
     return 0;
   run_all(nullptr, r);
