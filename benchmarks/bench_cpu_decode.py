@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "bf16 (on, with --dense-weights int8: the bf16 weights, for an A/B in one process; the bound "
                         "still counts the int8 bytes), pinned (on, with the calling thread pinned to the pool leader's CPU for the "
                         "round: a caller sharing a core with a pinned spinning pool thread slowed a 10 us attention call "
-                        "to 78 us on the 2-core machine), unfused (on without the one-call layers), queued (on, but every pool call handed to the pool's leader thread and "
+                        "to 78 us on the 2-core machine), pinned0 (pinned, and the pool's leader thread sleeps as soon as its task queue is "
+                        "empty instead of spinning on that CPU: the AMX path queues each layer's MoE task to it), unfused (on without the one-call layers), queued (on, but every pool call handed to the pool's leader thread and "
                         "waited for, not run on the caller), dense (the dense linears and argmax only), off (none: "
                         "torch's ops)")
     p.add_argument("--split", action="store_true",
@@ -141,13 +142,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         def set_mode(m: str) -> None:
             if dl is not None:
-                dl.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "dense", "layers", "pinned")
+                dl.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "dense", "layers", "pinned", "pinned0")
                 if hasattr(dl, "int8_enabled"):
                     dl.int8_enabled = m != "bf16"
             if ad is not None:
-                ad.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "layers", "pinned")
+                ad.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "layers", "pinned", "pinned0")
             if ld is not None:
-                ld.enabled = m in ("on", "bf16", "nomoe", "queued", "layers", "pinned")
+                ld.enabled = m in ("on", "bf16", "nomoe", "queued", "layers", "pinned", "pinned0")
                 ld.moe_enabled = m != "nomoe"
                 ld.stack_enabled = m != "layers"
             pool.run_inline = m != "queued"
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
                 native_argmax[0] = m != "off"
             # pinned: this (calling) thread on the pool leader's CPU for the round, where it leads the
             # inline phases in the leader's place; else anywhere the process may run (as the engine runs)
-            os.sched_setaffinity(0, {pool.cpus[0]} if m == "pinned" and pool.cpus else free_cpus)
+            os.sched_setaffinity(0, {pool.cpus[0]} if m in ("pinned", "pinned0") and pool.cpus else free_cpus)
+            pool.leader_spin_us = 0 if m == "pinned0" else -1
         free_cpus = os.sched_getaffinity(0)
         hm, ll, bw = [], [], []
         by_mode: dict[str, list[float]] = {m: [] for m in modes}

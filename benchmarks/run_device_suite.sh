@@ -99,9 +99,10 @@ if want cpu-decode; then
   log bench-cpu-decode
   # device="cpu", every physical core; the split says where a step goes, with the one-call layers' parts
   # (llama.cpp is not on the device); pinned: the caller on the leader's CPU (does sharing a core with a
-  # spinning pool thread cost the 16-thread layer call its 3x?); layers: one call per layer, not stacked
+  # spinning pool thread cost the 16-thread layer call its 3x?), pinned0 (and the leader thread sleeps at
+  # once after its tasks: AMX layers queue their MoE task to it); layers: one call per layer, not stacked
   timeout "${CPU_DECODE_TIMEOUT:-420}" $PY benchmarks/bench_cpu_decode.py --layers "${CPU_DECODE_LAYERS:-12}" \
-    --repeats 5 --dense on,pinned,layers --split --no-llama --out "$out/cpu_decode.json" 2>&1 | grep -v Warning \
+    --repeats 5 --dense on,pinned,pinned0,layers --split --no-llama --out "$out/cpu_decode.json" 2>&1 | grep -v Warning \
     | tee "$out/bench_cpu_decode.log" | tail -30
 fi
 if want gguf; then

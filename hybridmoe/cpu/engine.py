@@ -120,6 +120,18 @@ class CPUThreadPool:
     def run_inline(self, on: bool) -> None:
         native.lib().hm_pool_inline(self._h, int(bool(on)))
 
+    @property
+    def leader_spin_us(self) -> int:
+        """How long the leader thread spins for its next task once its queue is empty before it sleeps
+        (us; -1: the pool's spin_us). 0 frees its core at once for a caller leading inline phases."""
+        return int(native.lib().hm_pool_leader_spin(self._h, -2))
+
+    @leader_spin_us.setter
+    def leader_spin_us(self, us: int) -> None:
+        if not -1 <= int(us) <= 10**6:
+            raise ValueError(f"leader_spin_us must be in [-1, 1e6], got {us}")
+        native.lib().hm_pool_leader_spin(self._h, int(us))
+
     def stream_read_gbps(self, nbytes: int = 1 << 30, iters: int = 5) -> float:
         """Stream-read bandwidth measured with this pool's threads (GB/s)."""
         return native.lib().hm_stream_read(self._h, int(nbytes), int(iters))

@@ -192,6 +192,7 @@ def _declare(lib) -> None:
         "hm_sync": (i32, [vp, i64, i64, cp, i32]),
         "hm_run_task": (i32, [vp, C.POINTER(Task), i64, cp, i32]),
         "hm_pool_inline": (i32, [vp, i32]),
+        "hm_pool_leader_spin": (i64, [vp, i64]),
         "hm_pending": (i64, [vp]),
         "hm_completed": (i64, [vp]),
         "hm_profile": (None, [C.POINTER(C.c_double), i32]),

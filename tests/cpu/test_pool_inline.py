@@ -68,3 +68,30 @@ def test_queued_tasks_run_first_and_errors_are_raised(pool):
             assert torch.equal(layer.forward(x, ids, w), ref)  # and the pool still works
         finally:
             pool.run_inline = True
+
+
+def test_leader_spin_setting(pool):
+    """leader_spin_us: -1 (the pool's spin) by default; 0 makes the leader sleep as soon as its queue is
+    empty, and a later submit wakes it (queued tasks give the same results, many times over); bounds."""
+    assert pool.leader_spin_us == -1
+    layer = _layer(pool, seed=2)
+    x = torch.randn(3, 96).bfloat16()
+    ids = torch.randint(0, 6, (3, 2), dtype=torch.int32)
+    w = torch.rand(3, 2)
+    ref = layer.forward(x, ids, w)
+    pool.leader_spin_us = 0
+    try:
+        assert pool.leader_spin_us == 0
+        for _ in range(50):  # each queued task after the leader went to sleep
+            out = torch.zeros(3, 96, dtype=torch.bfloat16)
+            layer.sync(layer.submit(x, ids, w, out))
+            assert torch.equal(out, ref)
+        pool.leader_spin_us = 250
+        assert pool.leader_spin_us == 250
+        for bad in (-2, 10**6 + 1):
+            with pytest.raises(ValueError, match="leader_spin_us"):
+                pool.leader_spin_us = bad
+        assert pool.leader_spin_us == 250
+    finally:
+        pool.leader_spin_us = -1
+    assert pool.leader_spin_us == -1

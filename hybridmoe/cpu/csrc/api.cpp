@@ -76,7 +76,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 16; }  // 16: hm_layers_decode (HmDecodeStack); 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
+int hm_abi_version() { return 16; }  // 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];
@@ -196,6 +196,15 @@ int hm_run_task(void* p, const HmTask* task, int64_t spin_us, char* err, int err
   const int64_t id = hm::submit_task(pool, *task, nullptr);
   pool->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
   return hm_sync(p, id, 0, err, errlen);
+}
+
+// The leader thread's spin for its next task before it sleeps, in us (ThreadPool::set_leader_spin; < 0:
+// the pool's spin_us); us < -1: only reads it. Returns the setting before (us; -1: the pool's).
+int64_t hm_pool_leader_spin(void* p, int64_t us) {
+  hm::ThreadPool& tp = static_cast<Pool*>(p)->tp;
+  const int64_t was = tp.leader_spin();
+  if (us >= -1) tp.set_leader_spin(us < 0 ? -1 : us * 1000);
+  return was < 0 ? -1 : was / 1000;
 }
 
 // Whether synchronous calls may run on their caller (ThreadPool::run_inline); on by default.

@@ -125,7 +125,7 @@ void ThreadPool::leader_loop() {
   for (;;) {
     std::function<void()> task;
     auto ready = [&] { return completed_.load() < submitted_.load() || stop_.load(); };
-    if (!spin_until(ready)) {
+    if (!spin_until(ready, leader_spin_ns_.load(std::memory_order_relaxed))) {
       std::unique_lock<std::mutex> lk(qm_);
       task_waiters_.fetch_add(1);
       qcv_.wait(lk, ready);

@@ -44,6 +44,11 @@ class ThreadPool {
   // Off: run_inline always returns false (benchmarks compare the queued path in one process).
   void set_inline(bool on) { inline_on_.store(on); }
   bool inline_on() const { return inline_on_.load(); }
+  // How long the leader thread spins for the next task after its queue ran empty before it sleeps
+  // (ns; < 0: the pool's idle spin). 0 frees the leader's core at once for a caller that leads inline
+  // phases in its place (the CPU-only path): a spinning leader time-shares that core with it.
+  void set_leader_spin(int64_t ns) { leader_spin_ns_.store(ns); }
+  int64_t leader_spin() const { return leader_spin_ns_.load(); }
 
   // Task queue (any thread). Tasks run in submission order; ids start at 1.
   int64_t submit(std::function<void()> task);
@@ -80,6 +85,7 @@ class ThreadPool {
   std::atomic<int> task_waiters_{0}, done_waiters_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> inline_on_{true};
+  std::atomic<int64_t> leader_spin_ns_{-1};
   std::mutex lead_mu_;  // held while parallel() may be called: a queued task on the leader, or run_inline
 };
 
