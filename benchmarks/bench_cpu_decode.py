@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
                     t0 = time.perf_counter()
                     write_gguf(gg, a, dense_q8=a.dense_weights == "int8")
                     print(f"GGUF written in {time.perf_counter() - t0:.1f} s ({gg.stat().st_size / 1e9:.2f} GB)")
-                llama = LlamaCpp(gg, threads)
+                llama = LlamaCpp(gg, threads, n_ctx=max(1024, a.prompt_len + a.steps + 64))
         dl = getattr(llm.engine.runner, "dense_linears", None)  # None: no native dense linears in this build
         ad = getattr(llm.engine.runner, "attn_decode", None)
         ld = getattr(llm.engine.runner, "layer_decode", None)

@@ -114,15 +114,21 @@ class LlamaCpp:
             raise RuntimeError(f"llama.cpp could not load {path}")
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, 512, 512
+        self.n_ctx = n_ctx
         cp.n_threads = cp.n_threads_batch = threads
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
 
     def _decode(self, tokens: list[int]) -> None:
-        arr = (self.L.llama_token * len(tokens))(*tokens)
-        if self.L.llama_decode(self.ctx, self.L.llama_batch_get_one(arr, len(tokens))) != 0:
-            raise RuntimeError("llama_decode failed")
+        """Feeds the tokens in batches of at most n_batch (512): llama_decode aborts the process on more."""
+        if len(tokens) + self.L.llama_memory_seq_pos_max(self.L.llama_get_memory(self.ctx), 0) + 1 > self.n_ctx:
+            raise ValueError(f"llama.cpp context of {self.n_ctx} tokens is too small; raise n_ctx")
+        for i in range(0, len(tokens), 512):
+            part = tokens[i:i + 512]
+            arr = (self.L.llama_token * len(part))(*part)
+            if self.L.llama_decode(self.ctx, self.L.llama_batch_get_one(arr, len(part))) != 0:
+                raise RuntimeError("llama_decode failed")
 
     def decode_tps(self, prompt_len: int, steps: int, vocab: int, seed: int = 0) -> float:
         """Prefill `prompt_len` random tokens and one step (not timed), then `steps` single-token steps."""
