@@ -9,8 +9,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import test_deepseek
 import torch
-from test_deepseek import GREEDY, _prompt, _rel, variant_dir  # noqa: F401 (the fixture)
+from test_deepseek import GREEDY, _prompt, _rel
 
 from hybridmoe import LLM
 from hybridmoe.engine.request import Req, SamplingParams
@@ -19,6 +20,8 @@ from hybridmoe.layers.attention import mla
 from hybridmoe.layers.attention.mla import MLAAttention, MLAConfig
 
 from tiny_models import hf_model
+
+variant_dir = test_deepseek.variant_dir  # the module-scoped fixture, shared (pytest finds it by this name)
 
 FORMS = ("absorbed", "expanded")
 
