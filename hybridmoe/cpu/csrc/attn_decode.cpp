@@ -205,15 +205,16 @@ void span_rows(const HmAttnDecode& a, int b, int g, const float* q, int64_t l0, 
 
 // span for 4 <= G <= 16 heads a group ("heads in lanes"): the G heads are the lanes of NV 8-float
 // vectors (lanes >= G: zero queries, never output). Per position that makes one vector of G scores
-// with no horizontal sums, the softmax is lane-wise over positions, and both products are
-// broadcast-FMAs with the cached k or v value of one (position, dim) broadcast: Q^T [D][8 NV] times
-// k, then O^T [D][8 NV] += p * v. The k and v rows are converted to fp32 once per block of positions
-// (kPB rows: a block of v is re-read from L1 by every tile of dims), and the next block's rows are
-// prefetched into L2 a few lines at a time (L1 is too small to keep them beside Q^T and O^T). Every
-// dot and sum runs in ascending order of d and of the positions.
+// with no horizontal sums (Q^T [D][8 NV] times the cached k value of one (position, dim) broadcast),
+// and the softmax is lane-wise over positions. The values go the other way round: O [G][D] += p * v,
+// the v row's 8-dim vectors straight from bf16 times one head's probability broadcast (value_heads).
+// The k rows are converted to fp32 once per block of positions, and the next block's rows are
+// prefetched into L2 a few lines at a time (L1 is too small to keep them beside Q^T and O). Every dot
+// and sum runs in ascending order of d and of the positions.
 // On the 2-core Zen 4, one thread, Hq 32 / Hkv 4 / D 128, KV out of cache: 5.6-6.5 GB/s of cache read
 // against 1.0-1.3 for span_rows over one kv head a unit (benchmarks/bench_cpu_attn.py --cold --libs);
-// 13.5 GB/s on 2 threads at 16K positions against 2.4.
+// 13.5 GB/s on 2 threads at 16K positions against 2.4. (v in bf16 in the value pass, not converted
+// like k: 5-10% faster, bit-identical.)
 constexpr int kPB = 32;  // positions per block of converted rows (16: 5-10% slower, 8: 10%)
 
 thread_local std::vector<float> tl_qt, tl_ot, tl_rows;
@@ -270,34 +271,65 @@ inline void score_block(const float* qt, const float* kf, int D, float scale, fl
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(sc + size_t(p) * 8 * NV + 8 * v, _mm256_mul_ps(acc[p][v], s8));
 }
 
-// ot [D][8 NV] += sum over the np positions of probs [p][8 NV] * vf [p][D], for the TD dims d0 .. d0 + TD - 1.
-template <int NV, int TD>
-inline void value_tile(const float* probs, const float* vf, int np, int D, int d0, float* ot) {
-  __m256 acc[TD][NV];
-  for (int t = 0; t < TD; ++t)
-    for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_loadu_ps(ot + size_t(d0 + t) * 8 * NV + 8 * v);
-  for (int p = 0; p < np; ++p) {
-    __m256 pr[NV];
-    for (int v = 0; v < NV; ++v) pr[v] = _mm256_loadu_ps(probs + size_t(p) * 8 * NV + 8 * v);
-    for (int t = 0; t < TD; ++t) {
-      const __m256 x = _mm256_broadcast_ss(vf + size_t(p) * D + d0 + t);
-      for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_fmadd_ps(x, pr[v], acc[t][v]);
+// o [G][D] (heads j0 .. j0 + NJ - 1) += sum over the np positions of probs [p][W] (lane j: head j) * v [p][D]
+// (the bf16 rows vr[p]), 16 dims a tile: per position two 8-dim v vectors and one broadcast probability a
+// head. The same products and sums, in the same order, as on O^T [D][W] with the lanes the heads.
+template <int NJ>
+inline void value_heads(const float* probs, int W, const uint16_t* const* vr, int np, int D, int j0, float* o) {
+  int d = 0;
+  for (; d + 16 <= D; d += 16) {
+    __m256 acc[NJ][2];
+    for (int j = 0; j < NJ; ++j)
+      for (int c = 0; c < 2; ++c) acc[j][c] = _mm256_loadu_ps(o + size_t(j0 + j) * D + d + 8 * c);
+    for (int p = 0; p < np; ++p) {
+      const __m256 v0 = ld8(vr[p] + d), v1 = ld8(vr[p] + d + 8);
+      for (int j = 0; j < NJ; ++j) {
+        const __m256 pr = _mm256_broadcast_ss(probs + size_t(p) * W + j0 + j);
+        acc[j][0] = _mm256_fmadd_ps(pr, v0, acc[j][0]);
+        acc[j][1] = _mm256_fmadd_ps(pr, v1, acc[j][1]);
+      }
     }
+    for (int j = 0; j < NJ; ++j)
+      for (int c = 0; c < 2; ++c) _mm256_storeu_ps(o + size_t(j0 + j) * D + d + 8 * c, acc[j][c]);
   }
-  for (int t = 0; t < TD; ++t)
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(ot + size_t(d0 + t) * 8 * NV + 8 * v, acc[t][v]);
+  for (; d + 8 <= D; d += 8) {
+    __m256 acc[NJ];
+    for (int j = 0; j < NJ; ++j) acc[j] = _mm256_loadu_ps(o + size_t(j0 + j) * D + d);
+    for (int p = 0; p < np; ++p) {
+      const __m256 v0 = ld8(vr[p] + d);
+      for (int j = 0; j < NJ; ++j)
+        acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(probs + size_t(p) * W + j0 + j), v0, acc[j]);
+    }
+    for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(o + size_t(j0 + j) * D + d, acc[j]);
+  }
+  for (; d < D; ++d)
+    for (int j = 0; j < NJ; ++j) {
+      float x = o[size_t(j0 + j) * D + d];
+      for (int p = 0; p < np; ++p) x = std::fma(probs[size_t(p) * W + j0 + j], bf(vr[p][d]), x);
+      o[size_t(j0 + j) * D + d] = x;
+    }
+}
+
+// value_heads for the G heads, four at a time.
+inline void value_all(const float* probs, int W, const uint16_t* const* vr, int np, int D, int G, float* o) {
+  int j = 0;
+  for (; j + 4 <= G; j += 4) value_heads<4>(probs, W, vr, np, D, j, o);
+  switch (G - j) {
+    case 3: value_heads<3>(probs, W, vr, np, D, j, o); break;
+    case 2: value_heads<2>(probs, W, vr, np, D, j, o); break;
+    case 1: value_heads<1>(probs, W, vr, np, D, j, o); break;
+  }
 }
 
 thread_local std::vector<float> tl_state;
 
 // span for 4 <= G <= 16 (module comment above), kv heads g0 + g (g < Hkv = g1 - g0) of the block in
-// turn: head g's queries qt + g * D * W, running O^T ot + g * D * W, max and sum state + g * 2W.
+// turn: head g's queries qt + g * D * W, running O ot + g * D * W ([G][D] used), max and sum state + g * 2W.
 template <int NV>
 void span_lanes(const HmAttnDecode& a, int b, int g0, int g1, const float* q, int64_t l0, int64_t l1, float* st,
                 int64_t st_stride, float* sc) {
   constexpr int W = 8 * NV;         // lanes: heads, padded
   constexpr int PS = 8 / NV;        // positions a score block
-  constexpr int TD = 8 / NV;        // dims a value tile
   const int D = a.D, G = a.Hq / a.Hkv, Hkv = g1 - g0;
   const size_t DW = size_t(D) * W;
   const int32_t* pages = a.block_table + int64_t(b) * a.ld_bt;
@@ -314,8 +346,8 @@ void span_lanes(const HmAttnDecode& a, int b, int g0, int g1, const float* q, in
       state[g * 2 * W + j] = -INFINITY;
       state[g * 2 * W + W + j] = 0.f;
     }
-  // one pass over blocks of positions with each lane's running max, sum and O^T (online softmax): a
-  // block's scores, its exps at the running max (the sum and O^T rescaled when the max grows), its
+  // one pass over blocks of positions with each lane's running max, sum and O (online softmax): a
+  // block's scores, its exps at the running max (the sum and O rescaled when the max grows), its
   // values; sc holds one block's [kPB][W] scores.
   prefetch_rows(a, pages, l0, std::min<int64_t>(kPB, l1 - l0), g0, g1);
   for (int64_t l = l0; l < l1; l += kPB) {
@@ -345,9 +377,14 @@ void span_lanes(const HmAttnDecode& a, int b, int g0, int g1, const float* q, in
         if (_mm256_movemask_ps(_mm256_cmp_ps(m, old, _CMP_GT_OQ))) {
           const __m256 r = exp8(_mm256_sub_ps(old, m));  // ~0 where the old max was -inf (exp8 clamps: x 0 anyway)
           sum = _mm256_mul_ps(sum, r);
-          for (int d = 0; d < D; ++d) {
-            float* o = og + size_t(d) * W + 8 * v;
-            _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), r));
+          alignas(32) float r8[8];
+          _mm256_store_ps(r8, r);
+          for (int j = 8 * v; j < std::min(G, 8 * v + 8); ++j) {  // head j's O row times its lane's factor
+            const __m256 rj = _mm256_set1_ps(r8[j - 8 * v]);
+            float* o = og + size_t(j) * D;
+            int d = 0;
+            for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), rj));
+            for (; d < D; ++d) o[d] *= r8[j - 8 * v];
           }
           _mm256_storeu_ps(mg + 8 * v, m);
         }
@@ -359,10 +396,9 @@ void span_lanes(const HmAttnDecode& a, int b, int g0, int g1, const float* q, in
         }
         _mm256_storeu_ps(mg + W + 8 * v, sum);
       }
-      for (int i = 0; i < np; ++i) row_f32(cache_row(a, a.v_cache, pages, l + i, g0 + g), D, rows + size_t(i) * D);
-      int d = 0;
-      for (; d + TD <= D; d += TD) value_tile<NV, TD>(sc, rows, np, D, d, og);
-      for (; d < D; ++d) value_tile<NV, 1>(sc, rows, np, D, d, og);
+      const uint16_t* vr[kPB];
+      for (int i = 0; i < np; ++i) vr[i] = cache_row(a, a.v_cache, pages, l + i, g0 + g);
+      value_all(sc, W, vr, np, D, G, og);
     }
   }
   for (int g = 0; g < Hkv; ++g) {
@@ -372,8 +408,7 @@ void span_lanes(const HmAttnDecode& a, int b, int g0, int g1, const float* q, in
     for (int j = 0; j < G; ++j) {
       sg[j] = mg[j];
       sg[G + j] = mg[W + j];
-      float* acc = sg + 2 * G + size_t(j) * D;
-      for (int d = 0; d < D; ++d) acc[d] = og[size_t(d) * W + j];
+      std::memcpy(sg + 2 * G + size_t(j) * D, og + size_t(j) * D, sizeof(float) * size_t(D));
     }
   }
 }
