@@ -66,10 +66,12 @@ def main(argv: list[str] | None = None) -> dict:
                    help="modes alternating per round, the first one reported: on (the CPU-only path's native dense "
                         "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py, each layer's "
                         "attention half and MoE block in one call, cpu/layer_decode.py, every layer in one stacked call where the "
-                        "model allows, and greedy argmax), layers (on with one call per layer, not stacked), nomoe (on "
+                        "model allows, and greedy argmax; each decode step on the pool leader's CPU where that is the default, "
+                        "cpu/caller_pin.py), pin (on, the step pinned whatever the default), nopin (on, never pinned: "
+                        "the default before session 16), layers (on with one call per layer, not stacked), nomoe (on "
                         "with the MoE block in Python after the one-call layer: routing, CPUExperts, the task), "
                         "bf16 (on, with --dense-weights int8: the bf16 weights, for an A/B in one process; the bound "
-                        "still counts the int8 bytes), pinned (on, with the calling thread pinned to the pool leader's CPU for the "
+                        "still counts the int8 bytes), pinned (nopin, with the calling thread pinned to the pool leader's CPU for the "
                         "round: a caller sharing a core with a pinned spinning pool thread slowed a 10 us attention call "
                         "to 78 us on the 2-core machine), pinned0 (pinned, and the pool's leader thread sleeps as soon as its task queue is "
                         "empty instead of spinning on that CPU: the AMX path queues each layer's MoE task to it), unfused (on without the one-call layers), queued (on, but every pool call handed to the pool's leader thread and "
@@ -142,13 +144,14 @@ def main(argv: list[str] | None = None) -> dict:
 
         def set_mode(m: str) -> None:
             if dl is not None:
-                dl.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "dense", "layers", "pinned", "pinned0")
+                dl.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "dense", "layers", "pinned", "pinned0", "pin",
+                                  "nopin")
                 if hasattr(dl, "int8_enabled"):
                     dl.int8_enabled = m != "bf16"
             if ad is not None:
-                ad.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "layers", "pinned", "pinned0")
+                ad.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "layers", "pinned", "pinned0", "pin", "nopin")
             if ld is not None:
-                ld.enabled = m in ("on", "bf16", "nomoe", "queued", "layers", "pinned", "pinned0")
+                ld.enabled = m in ("on", "bf16", "nomoe", "queued", "layers", "pinned", "pinned0", "pin", "nopin")
                 ld.moe_enabled = m != "nomoe"
                 ld.stack_enabled = m != "layers"
             pool.run_inline = m != "queued"
@@ -156,9 +159,18 @@ def main(argv: list[str] | None = None) -> dict:
                 native_argmax[0] = m != "off"
             # pinned: this (calling) thread on the pool leader's CPU for the round, where it leads the
             # inline phases in the leader's place; else anywhere the process may run (as the engine runs)
+            if cp is not None:  # off first: it restores the leader spin it set
+                cp.enabled = False
             os.sched_setaffinity(0, {pool.cpus[0]} if m in ("pinned", "pinned0") and pool.cpus else free_cpus)
             pool.leader_spin_us = 0 if m == "pinned0" else -1
+            if cp is not None:  # each decode step on the leader's CPU (the engine's default above 2 cores)
+                cp.enabled = m == "pin" or (cp_default and m not in ("nopin", "pinned", "pinned0"))
         free_cpus = os.sched_getaffinity(0)
+        cp = getattr(llm.engine.runner, "caller_pin", None)
+        cp_default = cp is not None and cp.enabled
+        res["caller_pin_default"] = cp_default
+        print(f"caller pin: {'on' if cp_default else 'off'} by default"
+              + (f" (leader CPU {cp.cpu})" if cp is not None else " (not installed)"), flush=True)
         hm, ll, bw = [], [], []
         by_mode: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(a.repeats):

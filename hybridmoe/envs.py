@@ -12,6 +12,7 @@ working on hybridmoe itself:
 | `HYBRIDMOE_MOE_CONFIG_DIR` | `hybridmoe/moe/configs` | where the fused MoE kernel's tuned tiles are read (`sweep_moe_decode.py --write`) |
 | `HYBRIDMOE_TEST_THREADS` | 2 | threads of the CPU engine tests' shared pool (tests/cpu/conftest.py) |
 | `HYBRIDMOE_HUGEPAGES` | 1 | `0`: CPU weights on plain 4 KB pages, not advised for huge ones (hybridmoe/cpu/hugepages.py; A/B runs) |
+| `HYBRIDMOE_PIN_CALLER` | by cores | `1`/`0`: CPU-only decode steps on the pool leader's CPU or not (hybridmoe/cpu/caller_pin.py; default on above 2 cores) |
 
 Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
 loads by file path before the package is importable, loads this file by path too.
@@ -28,6 +29,7 @@ CXXFLAGS = "HYBRIDMOE_CXXFLAGS"
 MOE_CONFIG_DIR = "HYBRIDMOE_MOE_CONFIG_DIR"
 TEST_THREADS = "HYBRIDMOE_TEST_THREADS"
 HUGEPAGES = "HYBRIDMOE_HUGEPAGES"
+PIN_CALLER = "HYBRIDMOE_PIN_CALLER"
 
 
 def _get(name: str) -> str | None:
@@ -76,3 +78,13 @@ def threads_for_tests(default: int = 2) -> int:
 def hugepages() -> bool:
     """$HYBRIDMOE_HUGEPAGES: False when "0" (CPU weights stay on 4 KB pages)."""
     return _get(HUGEPAGES) != "0"
+
+
+def pin_caller() -> bool | None:
+    """$HYBRIDMOE_PIN_CALLER: True for "1", False for "0", None when unset (the default by cores)."""
+    v = _get(PIN_CALLER)
+    if v is None:
+        return None
+    if v not in ("0", "1"):
+        raise ValueError(f"{PIN_CALLER}={v!r}: expected 0 or 1")
+    return v == "1"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 
 import torch
 
@@ -89,7 +90,7 @@ class ModelRunner:
         )
         self.moe.finish()
         # CPU-only bf16 decode: the dense linears on the expert engine's pool, attention in one native call
-        self.dense_linears = self.attn_decode = self.layer_decode = None
+        self.dense_linears = self.attn_decode = self.layer_decode = self.caller_pin = None
         if self.device.type == "cpu" and self.moe.backend == "cpu" and self.dtype == torch.bfloat16:
             from hybridmoe.cpu import hugepages
             from hybridmoe.cpu.attn_decode import install_attn_decode
@@ -106,6 +107,12 @@ class ModelRunner:
             self.attn_decode = install_attn_decode(self.model)
             # and each layer's attention half (+ router GEMV) in one native call
             self.layer_decode = install_layer_decode(self.model, self.dense_linears, self.attn_decode)
+            if self.dense_linears is not None:  # decode steps on the pool leader's CPU (cpu/caller_pin.py)
+                from hybridmoe.cpu import caller_pin
+                from hybridmoe.cpu.topology import physical_cores
+
+                self.caller_pin = caller_pin.CallerPin(self.moe.options.pool,
+                                                       caller_pin.wanted(len(physical_cores())))
         if args.cpu_dense_weights != "bf16" and self.dense_linears is None:
             log.warning("--cpu-dense-weights %s applies to CPU-only bf16 decode (--device cpu, every expert on "
                         "the CPU engine, --dtype bfloat16); ignored here", args.cpu_dense_weights)
@@ -258,11 +265,14 @@ class ModelRunner:
                 return logits[torch.tensor(rows).to(logits.device, non_blocking=True)]  # no stream sync
         input_ids, positions, meta, rows = self.prepare(batch)
         self._prepare_lora(batch)
-        with self.hooks.forward_scope(input_ids.shape[0]):  # e.g. a layerwise GPU prefill
-            hidden = self.model(input_ids, positions, self._ctx(meta))
-        if wanted:
-            self.prompt_logprobs = prompt_logprobs.compute(hidden, wanted, self.model.compute_logits, self.vocab_size)
-        return self.model.compute_logits(hidden[rows])
+        pin = self.caller_pin is not None and meta.is_decode and not wanted
+        with self.caller_pin() if pin else nullcontext():  # CPU-only decode: on the pool leader's CPU
+            with self.hooks.forward_scope(input_ids.shape[0]):  # e.g. a layerwise GPU prefill
+                hidden = self.model(input_ids, positions, self._ctx(meta))
+            if wanted:
+                self.prompt_logprobs = prompt_logprobs.compute(hidden, wanted, self.model.compute_logits,
+                                                               self.vocab_size)
+            return self.model.compute_logits(hidden[rows])
 
     def check_step_errors(self) -> None:
         """After a step's results were read on the host: raise what failed out of sight in it (CPU

@@ -22,6 +22,22 @@ def test_bench_cpu_decode_tiny(tmp_path):
     assert "of the bound" in res.stdout
 
 
+def test_bench_cpu_decode_pin_modes(tmp_path):
+    """The caller-pin modes alternate in one run (each sets and resets the pin and the leader's spin)."""
+    from hybridmoe.cpu import caller_pin
+    from hybridmoe.cpu.topology import physical_cores
+
+    out = tmp_path / "r.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_decode.py"), "--tiny", "--no-llama",
+                          "--repeats", "2", "--dense", "on,pin,nopin,pinned0", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["caller_pin_default"] == caller_pin.wanted(len(physical_cores()))
+    assert set(r["by_dense_mode"]) == {"on", "pin", "nopin", "pinned0"}
+    assert all(v["tokens_per_s"] > 0 for v in r["by_dense_mode"].values())
+
+
 def test_gguf_of_the_shape(tmp_path, monkeypatch):
     gguf = pytest.importorskip("gguf")
     # importing the script sets OMP_WAIT_POLICY=PASSIVE (for its own process): put it back after this
