@@ -173,13 +173,20 @@ def main(argv: list[str] | None = None) -> dict:
               + (f" (leader CPU {cp.cpu})" if cp is not None else " (not installed)"), flush=True)
         hm, ll, bw = [], [], []
         by_mode: dict[str, list[float]] = {m: [] for m in modes}
+        load_by_mode: dict[str, list] = {m: [] for m in modes}
+        res["cpu_load_by_mode"] = load_by_mode  # per round: (others' share, steal share) of every CPU, or None
         for r in range(a.repeats):
             bw.append(pool.stream_read_gbps(256 << 20 if a.tiny else 1 << 30, 5) * 1e9)
             line = f"round {r}: stream read {bw[-1] / 1e9:.1f} GB/s"
             for m in modes:
                 set_mode(m)
+                c0 = cpu_ticks()
                 by_mode[m].append(decode_tps(llm, 1, a.prompt_len, a.steps, a.vocab))
+                load = others_load(c0, cpu_ticks())
+                load_by_mode[m].append(load)
                 line += f", hybridmoe ({m}) {by_mode[m][-1]:.2f} tok/s"
+                if load is not None:  # the machine's CPU time outside this process, and stolen by the hypervisor
+                    line += f" [others {load[0]:.0%}, steal {load[1]:.0%}]"
             if len(modes) > 1:  # the same round's speeds side by side: this machine's bandwidth swings
                 line += " (" + ", ".join(f"{m}/{modes[0]} {by_mode[m][-1] / by_mode[modes[0]][-1]:.3f}"
                                          for m in modes[1:]) + ")"
@@ -219,6 +226,35 @@ def main(argv: list[str] | None = None) -> dict:
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
     return res
+
+
+def cpu_ticks() -> tuple[list[int], float] | None:
+    """/proc/stat's aggregate CPU ticks (user nice system idle iowait irq softirq steal) and this process's
+    CPU seconds (every thread), or None where /proc/stat cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    t = os.times()
+    return [int(v) for v in fields[1:9]], t.user + t.system
+
+
+def others_load(a, b) -> tuple[float, float] | None:
+    """(share of all CPUs busy outside this process, share stolen by the hypervisor) between two
+    cpu_ticks() readings: a round slowed by other work on a shared host says so."""
+    if a is None or b is None:
+        return None
+    d = [y - x for x, y in zip(a[0], b[0])]
+    total = sum(d)
+    if total <= 0:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = total - d[3] - d[4] - d[7]  # not idle, not iowait, not stolen
+    mine = (b[1] - a[1]) * hz
+    return max(0.0, busy - mine) / total, d[7] / total
 
 
 def run_split(llm, a, modes: list[str], set_mode, bw: float) -> dict:
