@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "attention half and MoE block in one call, cpu/layer_decode.py, every layer in one stacked call where the "
                         "model allows, and greedy argmax; each decode step on the pool leader's CPU where that is the default, "
                         "cpu/caller_pin.py), pin (on, the step pinned whatever the default), nopin (on, never pinned: "
-                        "the default before session 16), layers (on with one call per layer, not stacked), nomoe (on "
+                        "the default before session 16), classic (on, every pool phase waiting for all threads: "
+                        "before session 16 dynamic phases did not skip threads that joined late), layers (on with one call per layer, not stacked), nomoe (on "
                         "with the MoE block in Python after the one-call layer: routing, CPUExperts, the task), "
                         "bf16 (on, with --dense-weights int8: the bf16 weights, for an A/B in one process; the bound "
                         "still counts the int8 bytes), pinned (nopin, with the calling thread pinned to the pool leader's CPU for the "
@@ -145,16 +146,18 @@ def main(argv: list[str] | None = None) -> dict:
         def set_mode(m: str) -> None:
             if dl is not None:
                 dl.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "dense", "layers", "pinned", "pinned0", "pin",
-                                  "nopin")
+                                  "nopin", "classic")
                 if hasattr(dl, "int8_enabled"):
                     dl.int8_enabled = m != "bf16"
             if ad is not None:
-                ad.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "layers", "pinned", "pinned0", "pin", "nopin")
+                ad.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "layers", "pinned", "pinned0", "pin", "nopin", "classic")
             if ld is not None:
-                ld.enabled = m in ("on", "bf16", "nomoe", "queued", "layers", "pinned", "pinned0", "pin", "nopin")
+                ld.enabled = m in ("on", "bf16", "nomoe", "queued", "layers", "pinned", "pinned0", "pin", "nopin", "classic")
                 ld.moe_enabled = m != "nomoe"
                 ld.stack_enabled = m != "layers"
             pool.run_inline = m != "queued"
+            if hasattr(pool, "dynamic_phases"):
+                pool.dynamic_phases = m != "classic"
             if native_argmax is not None:
                 native_argmax[0] = m != "off"
             # pinned: this (calling) thread on the pool leader's CPU for the round, where it leads the

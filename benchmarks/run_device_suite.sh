@@ -103,7 +103,7 @@ if want cpu-decode; then
   # 2 cores (cpu/caller_pin.py), nopin does not (the default before session 16); pinned0 (and the leader thread sleeps at
   # once after its tasks: AMX layers queue their MoE task to it); layers: one call per layer, not stacked
   timeout "${CPU_DECODE_TIMEOUT:-420}" $PY benchmarks/bench_cpu_decode.py --layers "${CPU_DECODE_LAYERS:-12}" \
-    --repeats "${CPU_DECODE_REPEATS:-5}" --dense "${CPU_DECODE_MODES:-on,nopin,pinned0,layers}" --split --no-llama --out "$out/cpu_decode.json" 2>&1 | grep -v Warning \
+    --repeats "${CPU_DECODE_REPEATS:-5}" --dense "${CPU_DECODE_MODES:-on,nopin,classic,pinned0,layers}" --split --no-llama --out "$out/cpu_decode.json" 2>&1 | grep -v Warning \
     | tee "$out/bench_cpu_decode.log" | tail -30
 fi
 if want gguf; then

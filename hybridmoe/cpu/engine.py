@@ -121,6 +121,17 @@ class CPUThreadPool:
         native.lib().hm_pool_inline(self._h, int(bool(on)))
 
     @property
+    def dynamic_phases(self) -> bool:
+        """Whether phases whose work is claimed from a counter (dense GEMVs, attention, the MoE GEMMs)
+        skip threads that join after the work is all taken (default) instead of waiting for every thread;
+        benchmarks switch it off to compare."""
+        return bool(native.lib().hm_pool_dynamic(self._h, -1))
+
+    @dynamic_phases.setter
+    def dynamic_phases(self, on: bool) -> None:
+        native.lib().hm_pool_dynamic(self._h, int(bool(on)))
+
+    @property
     def leader_spin_us(self) -> int:
         """How long the leader thread spins for its next task once its queue is empty before it sleeps
         (us; -1: the pool's spin_us). 0 frees its core at once for a caller leading inline phases."""

@@ -4,6 +4,8 @@
 // shapes; nothing here depends on torch. Compiled for baseline x86-64: every entry point that could
 // reach AVX2 code first checks the CPU (dispatch.cpp), so a missing ISA is an error, never SIGILL.
 // Errors inside a task are caught, recorded with the task id, and returned by hm_sync.
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -76,7 +78,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 16; }  // 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
+int hm_abi_version() { return 17; }  // 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];
@@ -213,6 +215,71 @@ int hm_pool_inline(void* p, int on) {
   hm::ThreadPool& tp = static_cast<Pool*>(p)->tp;
   const int was = tp.inline_on() ? 1 : 0;
   if (on >= 0) tp.set_inline(on != 0);
+  return was;
+}
+
+// The pool's phase protocol under test (tests/cpu/test_pool_phases.py): `phases` phases run inline on
+// the caller as the leader, odd ones dynamic (`items` items claimed from a counter, each counted in
+// item_counts[phase][item]; every 4th item spins about spin_ns), even ones classic (each thread counts
+// itself in thread_counts[phase][tid]). Returns the number of dynamic phases that some thread skipped
+// (joined after the work was all taken), or -1 when the pool is busy.
+int64_t hm_pool_selftest(void* p, int32_t phases, int32_t items, int64_t spin_ns, int32_t* item_counts,
+                         int32_t* thread_counts) {
+  hm::ThreadPool& tp = static_cast<Pool*>(p)->tp;
+  struct Ctx {
+    int32_t items, n;
+    int64_t spin_ns;
+    int32_t *ic, *tc;
+    std::atomic<int32_t> next{0}, joined{0};
+    static void dynamic(int, void* v) {
+      Ctx& c = *static_cast<Ctx*>(v);
+      c.joined.fetch_add(1);
+      for (int32_t i; (i = c.next.fetch_add(1)) < c.items;) {
+        __atomic_fetch_add(&c.ic[i], 1, __ATOMIC_RELAXED);
+        if (i % 4 == 0)
+          for (auto t0 = std::chrono::steady_clock::now();
+               std::chrono::steady_clock::now() - t0 < std::chrono::nanoseconds(c.spin_ns);) {
+          }
+      }
+    }
+    static void classic(int tid, void* v) {
+      Ctx& c = *static_cast<Ctx*>(v);
+      __atomic_fetch_add(&c.tc[tid], 1, __ATOMIC_RELAXED);
+    }
+  } c;
+  c.items = items;
+  c.n = tp.size();
+  c.spin_ns = spin_ns;
+  struct Run {
+    hm::ThreadPool* tp;
+    Ctx* c;
+    int32_t phases;
+    int32_t *ic, *tc;
+    int64_t skipped;
+  } r{&tp, &c, phases, item_counts, thread_counts, 0};
+  auto body = [](void* v) {
+    Run& r = *static_cast<Run*>(v);
+    Ctx& c = *r.c;
+    for (int32_t ph = 0; ph < r.phases; ++ph) {  // the counters of phase ph: ic + ph * items, tc + ph * n
+      const bool dyn = ph % 2 == 1;
+      c.next.store(0);
+      c.joined.store(0);
+      c.ic = r.ic + int64_t(ph) * c.items;
+      c.tc = r.tc + int64_t(ph) * c.n;
+      r.tp->parallel(dyn ? Ctx::dynamic : Ctx::classic, &c, dyn);
+      if (dyn && c.joined.load() < c.n) ++r.skipped;
+    }
+  };
+  if (!tp.run_inline(body, &r)) return -1;
+  return r.skipped;
+}
+
+// Whether dynamic phases may skip threads that join late (ThreadPool::set_dynamic); on by default.
+// on < 0: only reads it. Returns the setting before.
+int hm_pool_dynamic(void* p, int on) {
+  hm::ThreadPool& tp = static_cast<Pool*>(p)->tp;
+  const int was = tp.dynamic_on() ? 1 : 0;
+  if (on >= 0) tp.set_dynamic(on != 0);
   return was;
 }
 

@@ -83,7 +83,7 @@ void phase(int, void* p) {
 void run_all(hm::ThreadPool* tp, Run& r) {
   auto go = [&](hm::ThreadPool::PhaseFn fn) {
     r.next.store(0, std::memory_order_relaxed);
-    if (tp) tp->parallel(fn, &r);
+    if (tp) tp->parallel(fn, &r, true);  // units from a counter: a dynamic phase
     else fn(0, &r);
   };
   if (r.fused) {

@@ -26,7 +26,7 @@ constexpr int64_t kInlineBytes = 1 << 20;
 constexpr int64_t kAloneBytes = 64 << 10;
 constexpr int64_t kQ8MaxRows = 16;  // rows of one call with int8 weights (decode sizes)
 
-// Runs `phase` (which takes the rows in chunks from ctx) on the pool and returns when it is done:
+// Runs `phase` (which takes the rows in chunks from ctx: a dynamic phase) on the pool and returns when it is done:
 // tiny weights (or a 1-thread pool) by `serial` on this thread alone; the pool idle: a phase this
 // thread leads itself (no hand-off to the leader, no wake-up after); the pool busy: `serial` on this
 // thread up to kInlineBytes (no round trip through the pool), else a task of the pool, waited for
@@ -41,11 +41,11 @@ void run_rows(hm::Pool* pool, void (*phase)(int, void*), void* ctx, int64_t byte
   } lead{pool, phase, ctx};
   if (pool->tp.run_inline([](void* l) {
         auto& ld = *static_cast<Lead*>(l);
-        ld.pool->tp.parallel(ld.phase, ld.ctx);
+        ld.pool->tp.parallel(ld.phase, ld.ctx, true);  // the phases take their rows from a counter
       }, &lead))
     return;
   if (bytes <= kInlineBytes) return serial();
-  const int64_t id = pool->tp.submit([pool, phase, ctx] { pool->tp.parallel(phase, ctx); });
+  const int64_t id = pool->tp.submit([pool, phase, ctx] { pool->tp.parallel(phase, ctx, true); });
   pool->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
 }
 

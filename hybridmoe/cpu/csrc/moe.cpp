@@ -506,14 +506,17 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     c.fuse_q2 = c.k->quant_block && !c.round_act_bf16 && d.I == d.Ip && d.Ip % QBLK == 0 && d.w13.N == 2 * d.Ip;
     if (c.fuse_q2) prepare_qdone(c);
     build_items(c, d.w13, CW1, 0);
-    pool.parallel(ph_gemm<true>, &c);
+    // items from a counter: a dynamic phase where one sub-pool holds them all (with several, the
+    // leader's fn drains its own sub-pool's items only)
+    const bool dyn = pool.num_sub() == 1;
+    pool.parallel(ph_gemm<true>, &c, dyn);
     if (c.lora) lora_mid(*c.lora, c.af);  // the down units read the activations before they are quantized
     sw.lap(2);
     if (!c.fuse_q2) light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";
     sw.lap(3);
     build_items(c, d.w2, CW2, 1);
-    pool.parallel(ph_gemm<false>, &c);
+    pool.parallel(ph_gemm<false>, &c, dyn);
     sw.lap(4);
   } else {
     c.y = nullptr;

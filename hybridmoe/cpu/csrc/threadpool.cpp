@@ -73,10 +73,18 @@ void ThreadPool::run_phase_worker(int tid, uint64_t& seen) {
     pcv_.wait(lk, ready);
     sleepers_.fetch_sub(1);
   }
-  seen = gen_.load(std::memory_order_acquire);
+  const uint64_t g = gen_.load(std::memory_order_acquire);
+  seen = g;
   if (stop_.load()) return;
-  job_(tid, ctx_);
-  remaining_.fetch_sub(1, std::memory_order_acq_rel);
+  // Join phase g unless the leader closed it already (a dynamic phase whose work is all taken; we
+  // woke late). seq_cst on both sides (Dekker): either the leader's wait sees us active, or we see
+  // the phase closed. While we are active the leader leaves job_, ctx_ and dynamic_ as they are.
+  active_.fetch_add(1, std::memory_order_seq_cst);
+  if (open_.load(std::memory_order_seq_cst) == g) {
+    job_(tid, ctx_);
+    if (!dynamic_) remaining_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+  active_.fetch_sub(1, std::memory_order_release);
 }
 
 void ThreadPool::worker(int tid) {
@@ -85,28 +93,44 @@ void ThreadPool::worker(int tid) {
   while (!stop_.load()) run_phase_worker(tid, seen);
 }
 
-void ThreadPool::parallel(PhaseFn fn, void* ctx) {
+namespace {
+// Spins until cond() (acquire loads inside), yielding after a while: a late worker then gets the
+// core if it shares ours.
+template <class Cond>
+void await(Cond cond) {
+  int64_t t0 = 0;
+  for (int i = 0; !cond(); ++i) {
+    _mm_pause();
+    if ((i & 255) == 255) {
+      if (!t0) t0 = now_ns();
+      else if (now_ns() - t0 > kYieldAfterNs) std::this_thread::yield();
+    }
+  }
+}
+}  // namespace
+
+void ThreadPool::parallel(PhaseFn fn, void* ctx, bool dynamic) {
   if (n_ == 1) {
     fn(0, ctx);
     return;
   }
+  // no worker is active here: the last phase was closed and drained
+  dynamic = dynamic && dynamic_on_.load(std::memory_order_relaxed);
   job_ = fn;
   ctx_ = ctx;
+  dynamic_ = dynamic;
   remaining_.store(n_ - 1, std::memory_order_relaxed);
-  gen_.fetch_add(1);  // seq_cst: pairs with sleepers_ increment in run_phase_worker
+  const uint64_t g = gen_.load(std::memory_order_relaxed) + 1;
+  open_.store(g, std::memory_order_relaxed);
+  gen_.store(g);  // seq_cst: publishes the above; pairs with the sleepers_ increment in run_phase_worker
   if (sleepers_.load() > 0) {
     std::lock_guard<std::mutex> lk(pm_);
     pcv_.notify_all();
   }
   fn(0, ctx);
-  int64_t t0 = 0;
-  for (int i = 0; remaining_.load(std::memory_order_acquire) != 0; ++i) {
-    _mm_pause();
-    if ((i & 255) == 255) {  // a worker is late: after a while yield, so it gets the core if it shares ours
-      if (!t0) t0 = now_ns();
-      else if (now_ns() - t0 > kYieldAfterNs) std::this_thread::yield();
-    }
-  }
+  if (!dynamic) await([&] { return remaining_.load(std::memory_order_acquire) == 0; });
+  open_.store(0, std::memory_order_seq_cst);  // late workers skip it from here on
+  await([&] { return active_.load(std::memory_order_seq_cst) == 0; });
 }
 
 int64_t ThreadPool::submit(std::function<void()> task) {
