@@ -40,6 +40,10 @@ def main() -> None:
     p.add_argument("--isa", nargs="+", default=["avx512", "avx2"])
     p.add_argument("--threads", type=int, default=None, help="pool and torch threads (default: physical cores)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefetch", default=None,
+                   help="comma list of software prefetch distances (bytes; CPUEngineSettings.prefetch_bytes), one "
+                        "pool each, interleaved in every round, for the native kernels (default: the pool's default)")
+    p.add_argument("--no-torch", action="store_true", help="skip torch's F.linear")
     a = p.parse_args()
     from hybridmoe.cpu.dense import dense_linear
     from hybridmoe.cpu.engine import CPUThreadPool
@@ -48,10 +52,19 @@ def main() -> None:
     torch.set_grad_enabled(False)
     threads = a.threads or len(physical_cores())
     torch.set_num_threads(threads)
-    pool = CPUThreadPool(threads)
+    from hybridmoe.cpu import hugepages
+    from hybridmoe.cpu.settings import CPUEngineSettings
+
+    pfs = [int(v) for v in a.prefetch.split(",")] if a.prefetch else [None]
+    pools = {pf: CPUThreadPool(threads, settings=None if pf is None else CPUEngineSettings(prefetch_bytes=pf))
+             for pf in pfs}
+    pool = pools[pfs[0]]
     g = torch.Generator().manual_seed(0)
-    ws = {s: torch.randn(*SHAPES[s], generator=g).bfloat16() for s in a.shapes}
-    impls = ["torch"] + a.isa
+    # on 2 MB pages, as the CPU-only path keeps them (hybridmoe/cpu/hugepages.py)
+    ws = {s: hugepages.to_huge(torch.randn(*SHAPES[s], generator=g).bfloat16()) for s in a.shapes}
+    # native implementations: "isa" or "isa@prefetch"
+    natives = [i if pf is None else f"{i}@{pf}" for i in a.isa for pf in pfs]
+    impls = ([] if a.no_torch else ["torch"]) + natives
     res: dict = {}
     bw = []
     for _ in range(a.repeats):
@@ -61,8 +74,10 @@ def main() -> None:
             for t in a.tokens:
                 x = torch.randn(t, w.shape[1], generator=g).bfloat16()
                 for impl in impls:
+                    isa, _, pf = impl.partition("@")
+                    pl = pools[int(pf) if pf else None]
                     fn = (lambda x=x, w=w: F.linear(x, w)) if impl == "torch" else \
-                        (lambda x=x, w=w, impl=impl: dense_linear(x, w, pool=pool, isa=impl))
+                        (lambda x=x, w=w, isa=isa, pl=pl: dense_linear(x, w, pool=pl, isa=isa))
                     res.setdefault((s, t, impl), []).append(_time(fn, 1 << 30, w.nbytes))
     bw_m = statistics.median(bw)
     print(f"stream read {bw_m:.1f} GB/s (median of {[round(b, 1) for b in bw]}), {threads} threads")
@@ -72,9 +87,12 @@ def main() -> None:
         for t in a.tokens:
             ms = {i: statistics.median(res[(s, t, i)]) for i in impls}
             cols = " ".join(f"{ms[i] * 1e3:11.3f} {nb / ms[i] / 1e9:6.1f}" for i in impls)
-            best = min(ms[i] for i in a.isa)
-            print(f"{s:8s} {t:3d} {cols}  {ms['torch'] / best:5.2f}x  (bound ratio {nb / best / 1e9 / bw_m:.2f})")
-    pool.close()
+            best = min(ms[i] for i in natives)
+            vs = f"{ms['torch'] / best:5.2f}x  " if "torch" in ms else ""
+            ratios = " ".join(f"{i} {nb / ms[i] / 1e9 / bw_m:.2f}" for i in natives)
+            print(f"{s:8s} {t:3d} {cols}  {vs}(bound ratio {nb / best / 1e9 / bw_m:.2f}; {ratios})")
+    for pl in pools.values():
+        pl.close()
 
 
 if __name__ == "__main__":
