@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "model allows, and greedy argmax; each decode step on the pool leader's CPU where that is the default, "
                         "cpu/caller_pin.py), pin (on, the step pinned whatever the default), nopin (on, never pinned: "
                         "the default before session 16), classic (on, every pool phase waiting for all threads: "
-                        "before session 16 dynamic phases did not skip threads that joined late), layers (on with one call per layer, not stacked), nomoe (on "
+                        "before session 16 dynamic phases did not skip threads that joined late), pfN (on, with the "
+                        "kernels' software prefetch distance N bytes, e.g. pf0, pf8192), layers (on with one call per layer, not stacked), nomoe (on "
                         "with the MoE block in Python after the one-call layer: routing, CPUExperts, the task), "
                         "bf16 (on, with --dense-weights int8: the bf16 weights, for an A/B in one process; the bound "
                         "still counts the int8 bytes), pinned (nopin, with the calling thread pinned to the pool leader's CPU for the "
@@ -143,7 +144,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"threads: pool {pool.threads} on cpus {pool.cpus}, torch {torch.get_num_threads()}, "
               f"os.cpu_count {os.cpu_count()}", flush=True)
 
+        pf_default = getattr(pool, "prefetch_bytes", None)
+
         def set_mode(m: str) -> None:
+            # pfN: on, with the kernels' software prefetch distance N bytes (pool.prefetch_bytes) this round
+            pf = int(m[2:]) if m.startswith("pf") and m[2:].isdigit() else None
+            if pf_default is not None:
+                pool.prefetch_bytes = pf_default if pf is None else pf
+            if pf is not None:
+                m = "on"
             if dl is not None:
                 dl.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "dense", "layers", "pinned", "pinned0", "pin",
                                   "nopin", "classic")

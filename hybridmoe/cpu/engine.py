@@ -121,6 +121,18 @@ class CPUThreadPool:
         native.lib().hm_pool_inline(self._h, int(bool(on)))
 
     @property
+    def prefetch_bytes(self) -> int:
+        """The few-row kernels' software prefetch distance now (bytes; CPUEngineSettings.prefetch_bytes at
+        creation). Benchmarks change it between calls to compare distances in one process."""
+        return int(native.lib().hm_pool_prefetch(self._h, -1))
+
+    @prefetch_bytes.setter
+    def prefetch_bytes(self, nbytes: int) -> None:
+        if isinstance(nbytes, bool) or not 0 <= int(nbytes) <= 1 << 20:
+            raise ValueError(f"prefetch_bytes must be in [0, {1 << 20}], got {nbytes}")
+        native.lib().hm_pool_prefetch(self._h, int(nbytes))
+
+    @property
     def dynamic_phases(self) -> bool:
         """Whether phases whose work is claimed from a counter (dense GEMVs, attention, the MoE GEMMs)
         skip threads that join after the work is all taken (default) instead of waiting for every thread;

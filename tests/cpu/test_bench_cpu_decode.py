@@ -29,12 +29,12 @@ def test_bench_cpu_decode_pin_modes(tmp_path):
 
     out = tmp_path / "r.json"
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_decode.py"), "--tiny", "--no-llama",
-                          "--repeats", "2", "--dense", "on,pin,nopin,pinned0,classic", "--out", str(out)],
+                          "--repeats", "2", "--dense", "on,pin,nopin,pinned0,classic,pf0,pf4096", "--out", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["caller_pin_default"] == caller_pin.wanted(len(physical_cores()))
-    assert set(r["by_dense_mode"]) == {"on", "pin", "nopin", "pinned0", "classic"}
+    assert set(r["by_dense_mode"]) == {"on", "pin", "nopin", "pinned0", "classic", "pf0", "pf4096"}
     assert all(v["tokens_per_s"] > 0 for v in r["by_dense_mode"].values())
 
 

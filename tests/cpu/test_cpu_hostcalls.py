@@ -33,7 +33,7 @@ def test_retired_entry_points_are_gone():
     HmLayer.lora, hm_layer_attach_lora; ABI 15 the native routing hm_topk_softmax and HmLayerDecode.moe; ABI 16
     the stacked decoder layers hm_layers_decode.)"""
     lb = native.lib()
-    assert lb.hm_abi_version() == native.ABI_VERSION == 17
+    assert lb.hm_abi_version() == native.ABI_VERSION == 18
     for name in ("hm_submit_hostfn", "hm_submit2_hostfn", "hm_set_item_bytes", "hm_set_guided", "hm_set_prefetch",
                  "hm_set_hostfn_spin_us"):
         assert not hasattr(lb, name), name

@@ -79,3 +79,28 @@ def test_dynamic_switch():
         assert _run(pool, 2000, 37, 0) > 0
     finally:
         pool.close()
+
+
+def test_prefetch_setting_changes_no_result():
+    """The prefetch distance can change between calls (benchmarks); results do not depend on it."""
+    from hybridmoe.cpu.dense import dense_linear
+
+    pool = CPUThreadPool(threads=2)
+    try:
+        default = pool.prefetch_bytes
+        assert default == pool.settings.prefetch_bytes
+        g = torch.Generator().manual_seed(5)
+        w = torch.randn(4099, 2048, generator=g).bfloat16()  # 16 MB: on the pool's threads
+        x = torch.randn(1, 2048, generator=g).bfloat16()
+        outs = []
+        for pf in (0, 4096, 65536, default):
+            pool.prefetch_bytes = pf
+            assert pool.prefetch_bytes == pf
+            outs.append(dense_linear(x, w, pool=pool))
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        for bad in (-1, (1 << 20) + 1, True):
+            with pytest.raises(ValueError, match="prefetch_bytes"):
+                pool.prefetch_bytes = bad
+        assert pool.prefetch_bytes == default
+    finally:
+        pool.close()

@@ -4,6 +4,7 @@
 // shapes; nothing here depends on torch. Compiled for baseline x86-64: every entry point that could
 // reach AVX2 code first checks the CPU (dispatch.cpp), so a missing ISA is an error, never SIGILL.
 // Errors inside a task are caught, recorded with the task id, and returned by hm_sync.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -78,7 +79,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 17; }  // 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
+int hm_abi_version() { return 18; }  // 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];
@@ -272,6 +273,16 @@ int64_t hm_pool_selftest(void* p, int32_t phases, int32_t items, int64_t spin_ns
   };
   if (!tp.run_inline(body, &r)) return -1;
   return r.skipped;
+}
+
+// The few-row kernels' software prefetch distance (CPUEngineSettings.prefetch_bytes), read by every
+// call after this one (benchmarks compare distances in one process); bytes < 0: only reads it, else in
+// [0, 1 MiB] (clamped). Returns the setting before. Call between tasks, not while one runs.
+int64_t hm_pool_prefetch(void* p, int64_t bytes) {
+  Pool* pool = static_cast<Pool*>(p);
+  const int64_t was = pool->settings.prefetch_bytes;
+  if (bytes >= 0) pool->settings.prefetch_bytes = std::min<int64_t>(bytes, 1 << 20);
+  return was;
 }
 
 // Whether dynamic phases may skip threads that join late (ThreadPool::set_dynamic); on by default.
