@@ -66,9 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="modes alternating per round, the first one reported: on (the CPU-only path's native dense "
                         "linears, hybridmoe/cpu/dense_linears.py, and decode attention, cpu/attn_decode.py, each layer's "
                         "attention half and MoE block in one call, cpu/layer_decode.py, every layer in one stacked call where the "
-                        "model allows, and greedy argmax; each decode step on the pool leader's CPU where that is the default, "
-                        "cpu/caller_pin.py), pin (on, the step pinned whatever the default), nopin (on, never pinned: "
-                        "the default before session 16), classic (on, every pool phase waiting for all threads: "
+                        "model allows, and greedy argmax; each decode step on the pool leader's CPU where HYBRIDMOE_PIN_CALLER=1, "
+                        "cpu/caller_pin.py), pin (on, each step pinned), nopin (on, never pinned: the default), classic (on, every pool phase waiting for all threads: "
                         "before session 16 dynamic phases did not skip threads that joined late), pfN (on, with the "
                         "kernels' software prefetch distance N bytes, e.g. pf0, pf8192), layers (on with one call per layer, not stacked), nomoe (on "
                         "with the MoE block in Python after the one-call layer: routing, CPUExperts, the task), "
@@ -175,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
                 cp.enabled = False
             os.sched_setaffinity(0, {pool.cpus[0]} if m in ("pinned", "pinned0") and pool.cpus else free_cpus)
             pool.leader_spin_us = 0 if m == "pinned0" else -1
-            if cp is not None:  # each decode step on the leader's CPU (the engine's default above 2 cores)
+            if cp is not None:  # each decode step on the leader's CPU (the engine's with HYBRIDMOE_PIN_CALLER=1)
                 cp.enabled = m == "pin" or (cp_default and m not in ("nopin", "pinned", "pinned0"))
         free_cpus = os.sched_getaffinity(0)
         cp = getattr(llm.engine.runner, "caller_pin", None)

@@ -99,11 +99,12 @@ if want cpu-decode; then
   log bench-cpu-decode
   # device="cpu", every physical core; the split says where a step goes, with the one-call layers' parts
   # (llama.cpp is not on the device); pinned: the caller on the leader's CPU (does sharing a core with a
-  # spinning pool thread cost the 16-thread layer call its 3x?); on pins each decode step there by default above
-  # 2 cores (cpu/caller_pin.py), nopin does not (the default before session 16); pinned0 (and the leader thread sleeps at
-  # once after its tasks: AMX layers queue their MoE task to it); layers: one call per layer, not stacked
+  # spinning pool thread cost the 16-thread layer call its 3x?); pin pins each decode step there
+  # (cpu/caller_pin.py; off by default, as nopin); classic: pool phases wait for every thread; pinned0 (and the
+  # leader thread sleeps at once after its tasks: AMX layers queue their MoE task to it); pfN: prefetch N bytes;
+  # layers: one call per layer, not stacked
   timeout "${CPU_DECODE_TIMEOUT:-420}" $PY benchmarks/bench_cpu_decode.py --layers "${CPU_DECODE_LAYERS:-12}" \
-    --repeats "${CPU_DECODE_REPEATS:-5}" --dense "${CPU_DECODE_MODES:-on,nopin,classic,pinned0,layers}" --split --no-llama --out "$out/cpu_decode.json" 2>&1 | grep -v Warning \
+    --repeats "${CPU_DECODE_REPEATS:-5}" --dense "${CPU_DECODE_MODES:-on,pin,classic,pinned0,pf4096,layers}" --split --no-llama --out "$out/cpu_decode.json" 2>&1 | grep -v Warning \
     | tee "$out/bench_cpu_decode.log" | tail -30
 fi
 if want gguf; then

@@ -12,7 +12,7 @@ working on hybridmoe itself:
 | `HYBRIDMOE_MOE_CONFIG_DIR` | `hybridmoe/moe/configs` | where the fused MoE kernel's tuned tiles are read (`sweep_moe_decode.py --write`) |
 | `HYBRIDMOE_TEST_THREADS` | 2 | threads of the CPU engine tests' shared pool (tests/cpu/conftest.py) |
 | `HYBRIDMOE_HUGEPAGES` | 1 | `0`: CPU weights on plain 4 KB pages, not advised for huge ones (hybridmoe/cpu/hugepages.py; A/B runs) |
-| `HYBRIDMOE_PIN_CALLER` | by cores | `1`/`0`: CPU-only decode steps on the pool leader's CPU or not (hybridmoe/cpu/caller_pin.py; default on above 2 cores) |
+| `HYBRIDMOE_PIN_CALLER` | 0 | `1`: CPU-only decode steps on the pool leader's CPU, its spin 0 (hybridmoe/cpu/caller_pin.py; A/B runs) |
 
 Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
 loads by file path before the package is importable, loads this file by path too.
@@ -81,7 +81,7 @@ def hugepages() -> bool:
 
 
 def pin_caller() -> bool | None:
-    """$HYBRIDMOE_PIN_CALLER: True for "1", False for "0", None when unset (the default by cores)."""
+    """$HYBRIDMOE_PIN_CALLER: True for "1", False for "0", None when unset (off)."""
     v = _get(PIN_CALLER)
     if v is None:
         return None

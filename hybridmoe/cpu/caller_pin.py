@@ -5,9 +5,11 @@ leader thread's place (hm_run_task), while every core also carries one pinned po
 free, the stepping thread lands on some core whose pool thread spins after each phase and shares
 it. For a decode step (the one-call layers, the LM head) that thread is moved onto the leader's CPU,
 and the leader thread sleeps as soon as its queue is empty (leader spin 0), so the core is the
-stepping thread's alone. On the H200 host (16 cores) that was 4-5% faster in 13 of 15 interleaved
-rounds (benchmarks/results/NOTES_h200_session15_2026-12-05.md: `pinned0`); on a 2-core machine the
-answer was mixed (1.008 and 0.835), so it is on by default only above 2 cores.
+stepping thread's alone. Pinning a whole benchmark round that way was 4-5% faster in 13 of 15
+interleaved rounds on the H200 host (16 cores; benchmarks/results/NOTES_h200_session15_2026-12-05.md:
+`pinned0`), mixed on a 2-core machine (1.008 and 0.835). Pinned step by step, as here, it measured the
+same as unpinned on the H200 host (per-round median 0.998 over 6 rounds, NOTES_h200_session16): so it is
+off by default, switched on by $HYBRIDMOE_PIN_CALLER=1 (development) or `enabled`.
 
 The thread's own CPU mask is restored after the step: torch's OpenMP workers are created by the
 thread that first runs a parallel region and inherit its mask, so prefill (torch ops, every core)
@@ -25,14 +27,9 @@ from hybridmoe import envs
 
 log = logging.getLogger(__name__)
 
-MIN_CORES = 3  # the default is on from this many physical cores (module docstring)
-
-
-def wanted(cores: int) -> bool:
-    """Whether the stepping thread is pinned by default on a machine with `cores` physical cores
-    ($HYBRIDMOE_PIN_CALLER overrides: 1 on, 0 off)."""
-    v = envs.pin_caller()
-    return v if v is not None else cores >= MIN_CORES
+def wanted() -> bool:
+    """Whether decode steps are pinned: off unless $HYBRIDMOE_PIN_CALLER=1 (module docstring)."""
+    return bool(envs.pin_caller())
 
 
 class CallerPin:

@@ -109,10 +109,8 @@ class ModelRunner:
             self.layer_decode = install_layer_decode(self.model, self.dense_linears, self.attn_decode)
             if self.dense_linears is not None:  # decode steps on the pool leader's CPU (cpu/caller_pin.py)
                 from hybridmoe.cpu import caller_pin
-                from hybridmoe.cpu.topology import physical_cores
 
-                self.caller_pin = caller_pin.CallerPin(self.moe.options.pool,
-                                                       caller_pin.wanted(len(physical_cores())))
+                self.caller_pin = caller_pin.CallerPin(self.moe.options.pool, caller_pin.wanted())
         if args.cpu_dense_weights != "bf16" and self.dense_linears is None:
             log.warning("--cpu-dense-weights %s applies to CPU-only bf16 decode (--device cpu, every expert on "
                         "the CPU engine, --dtype bfloat16); ignored here", args.cpu_dense_weights)

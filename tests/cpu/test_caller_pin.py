@@ -1,4 +1,4 @@
-"""CPU-only decode steps on the pool leader's CPU (hybridmoe.cpu.caller_pin): the stepping thread is on
+"""CPU-only decode steps on the pool leader's CPU (hybridmoe.cpu.caller_pin, off by default): the stepping thread is on
 that one CPU for the native calls of each decode step and gets its own mask back after; prefill is never
 pinned; the leader's spin is 0 while pinning is on and restored after; outputs equal the unpinned ones
 bit for bit; a CPU the process may not use turns pinning off with a warning, not an error.
@@ -55,16 +55,16 @@ def test_unpinned_pools_and_missing_cpus(caplog):
     assert "CPU 4095" in caplog.text
 
 
-def test_default_by_cores(monkeypatch):
+def test_off_by_default(monkeypatch):
     monkeypatch.delenv(envs.PIN_CALLER, raising=False)
-    assert [caller_pin.wanted(n) for n in (1, 2, 3, 16)] == [False, False, True, True]
+    assert not caller_pin.wanted()
     monkeypatch.setenv(envs.PIN_CALLER, "1")
-    assert caller_pin.wanted(2)
+    assert caller_pin.wanted()
     monkeypatch.setenv(envs.PIN_CALLER, "0")
-    assert not caller_pin.wanted(16)
+    assert not caller_pin.wanted()
     monkeypatch.setenv(envs.PIN_CALLER, "yes")
     with pytest.raises(ValueError, match="HYBRIDMOE_PIN_CALLER"):
-        caller_pin.wanted(16)
+        caller_pin.wanted()
 
 
 def test_engine_decode_steps_pinned_and_outputs_unchanged(tmp_path, monkeypatch):
