@@ -155,6 +155,12 @@ class _Plan(NamedTuple):
     rope: list  # [the rope cos its tables were made from]
 
 
+def _moe_ready(ffn: nn.Module, moe: _MoEPart | None) -> bool:
+    """Whether `moe` can run inside the native call now: the block still holds those experts, no LoRA is
+    attached to them, and their native layer is alive (the per-layer and the stacked forwards both ask)."""
+    return moe is not None and ffn.experts is moe.experts and moe.cpu.lora is None and moe.layer._h is not None
+
+
 def _counts(moe: _MoEPart, e: int) -> torch.Tensor | None:
     """The recorder's int64 [E] counts of this layer (made as its record() would make them), or None
     when they are not a CPU tensor the call can add to."""
@@ -303,8 +309,7 @@ class LayerDecodeLayers:
         counts = plan.counts
         for i, part in enumerate(self._order):
             attn, moe = part.attn, part.moe
-            if (attn.qkv_proj is not part.qkv0 or attn.o_proj is not part.o0 or part.ffn.experts is not moe.experts
-                    or moe.cpu.lora is not None or moe.layer._h is None):
+            if attn.qkv_proj is not part.qkv0 or attn.o_proj is not part.o0 or not _moe_ready(part.ffn, moe):
                 return None
             if moe.recorder is not None and moe.recorder.counts.get(moe.index) is not counts[i]:
                 c = _counts(moe, moe.layer.packed.num_experts)
@@ -432,8 +437,7 @@ class LayerDecodeLayers:
             k_cache, v_cache = ctx.kv_caches[attn.layer_idx]
             if k_cache.dtype != _BF16 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                 return torch_forward(x, residual, positions, ctx)
-            fused = (moe is not None and self.moe_enabled and ffn.experts is moe.experts and moe.cpu.lora is None
-                     and moe.layer._h is not None)
+            fused = self.moe_enabled and _moe_ready(ffn, moe)
             counts = None
             if fused and moe.recorder is not None:
                 counts = _counts(moe, moe.layer.packed.num_experts)
