@@ -33,6 +33,17 @@ def _time(fn, min_bytes: int, nbytes: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _prefetch_list(text: str) -> list[int]:
+    """--prefetch: comma-separated distances in [0, 1 MiB] (an argparse error otherwise)."""
+    try:
+        out = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or any(not 0 <= v <= 1 << 20 for v in out):
+        raise argparse.ArgumentTypeError(f"each distance must be in [0, {1 << 20}], got {text!r}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -40,7 +51,7 @@ def main() -> None:
     p.add_argument("--isa", nargs="+", default=["avx512", "avx2"])
     p.add_argument("--threads", type=int, default=None, help="pool and torch threads (default: physical cores)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prefetch", default=None,
+    p.add_argument("--prefetch", default=None, type=_prefetch_list,
                    help="comma list of software prefetch distances (bytes; CPUEngineSettings.prefetch_bytes), one "
                         "pool each, interleaved in every round, for the native kernels (default: the pool's default)")
     p.add_argument("--no-torch", action="store_true", help="skip torch's F.linear")
@@ -55,7 +66,7 @@ def main() -> None:
     from hybridmoe.cpu import hugepages
     from hybridmoe.cpu.settings import CPUEngineSettings
 
-    pfs = [int(v) for v in a.prefetch.split(",")] if a.prefetch else [None]
+    pfs = a.prefetch or [None]
     pools = {pf: CPUThreadPool(threads, settings=None if pf is None else CPUEngineSettings(prefetch_bytes=pf))
              for pf in pfs}
     pool = pools[pfs[0]]

@@ -263,7 +263,7 @@ class ModelRunner:
                 return logits[torch.tensor(rows).to(logits.device, non_blocking=True)]  # no stream sync
         input_ids, positions, meta, rows = self.prepare(batch)
         self._prepare_lora(batch)
-        pin = self.caller_pin is not None and meta.is_decode and not wanted
+        pin = self.caller_pin is not None and self.caller_pin.enabled and meta.is_decode and not wanted
         with self.caller_pin() if pin else nullcontext():  # CPU-only decode: on the pool leader's CPU
             with self.hooks.forward_scope(input_ids.shape[0]):  # e.g. a layerwise GPU prefill
                 hidden = self.model(input_ids, positions, self._ctx(meta))
