@@ -4,6 +4,7 @@ step of one layer over a paged bf16 KV cache, as the cache bytes read per second
     python benchmarks/bench_cpu_attn.py --lens 64,1024,16384               # Qwen3-30B-A3B heads, every core
     python benchmarks/bench_cpu_attn.py --threads 1 --cold                 # KV evicted before each call
     python benchmarks/bench_cpu_attn.py --libs old=/tmp/a.so,new=/tmp/b.so --threads 1 --cold   # A/B, one process
+    python benchmarks/bench_cpu_attn.py --kernels avx2,avx512 --cold    # the two span kernels, one process
 
 --cold flushes the caches (writes a 64 MB buffer) before each timed call, as at decode where every
 layer's cache was evicted by the other layers since the last step; the default repeats the call on a
@@ -77,9 +78,13 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20, help="calls a round (the best of them counts)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--libs", default=None, help="name=path,...: libraries to compare on one thread (hm_attn_decode)")
+    p.add_argument("--kernels", default="auto",
+                   help="span kernels to compare, interleaved (attn_decode.set_kernel): e.g. avx2,avx512; "
+                        "those that cannot run here are skipped with a line saying so")
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
+    from hybridmoe.cpu import attn_decode
     from hybridmoe.cpu.attn_decode import AttnDecode, _lib
     from hybridmoe.cpu.engine import CPUThreadPool
     from hybridmoe.cpu.topology import physical_cores
@@ -99,7 +104,19 @@ def main() -> None:
         pool = CPUThreadPool(threads) if threads > 1 else None
         lb = _lib()
         handle = pool.handle if pool is not None else None
-        callers = {"native": lambda s, e: lb.hm_attn_decode_pool(handle, C.byref(s), e, len(e))}
+        callers = {}
+        for kern in a.kernels.split(","):
+            if kern not in attn_decode.KERNELS:
+                p.error(f"--kernels: unknown kernel {kern!r}; choose from {list(attn_decode.KERNELS)}")
+            if not attn_decode.kernel_available(kern):
+                print(f"# kernel {kern} cannot run here: skipped", flush=True)
+                continue
+
+            def call(s, e, kern=kern):
+                attn_decode.set_kernel(kern)
+                return lb.hm_attn_decode_pool(handle, C.byref(s), e, len(e))
+
+            callers["native" if a.kernels == "auto" else kern] = call
     err = C.create_string_buffer(256)
     cases = {L: make_case(L, a.heads, a.kv_heads, a.head_dim, a.page) for L in lens}
     flush = torch.zeros(64 << 20, dtype=torch.uint8) if a.cold else None

@@ -48,11 +48,41 @@ def _lib():
         lb.hm_attn_decode.argtypes = [C.POINTER(AttnDecode), C.c_char_p, C.c_int]
         lb.hm_attn_decode_pool.restype = C.c_int
         lb.hm_attn_decode_pool.argtypes = [C.c_void_p, C.POINTER(AttnDecode), C.c_char_p, C.c_int]
+        lb.hm_attn_kernel.restype = C.c_int
+        lb.hm_attn_kernel.argtypes = [C.c_int]
         lb.hm_add_rmsnorm_bf16.restype = C.c_int
         lb.hm_add_rmsnorm_bf16.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64, C.c_int64, C.c_float,
                                            C.c_void_p, C.c_void_p]
         _declared = lb
     return lb
+
+
+KERNELS = ("auto", "avx2", "avx512")
+
+
+def set_kernel(name: str) -> str:
+    """The span kernel of every later native decode attention call in this process (csrc/attn_pool.cpp
+    hm_attn_kernel): "auto" (AVX-512 where the CPU has F, BW, VL, VNNI and BF16, else AVX2), "avx2" or
+    "avx512". For benchmarks and tests; returns the previous setting."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown decode attention kernel {name!r}; choose one of {list(KERNELS)}")
+    prev = _lib().hm_attn_kernel(KERNELS.index(name))
+    if prev < 0:
+        raise ValueError(f"decode attention kernel {name!r} cannot run here: {native.isa_missing('avx512')}")
+    return KERNELS[prev]
+
+
+def kernel_available(name: str) -> bool:
+    """Whether set_kernel(name) would succeed here."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown decode attention kernel {name!r}; choose one of {list(KERNELS)}")
+    if name != "avx512":
+        return True
+    prev = _lib().hm_attn_kernel(2)
+    if prev < 0:
+        return False
+    _lib().hm_attn_kernel(prev)
+    return True
 
 
 def _i(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -59,6 +59,7 @@ UNITS: list[tuple[str, list[str], bool]] = [
     ("dense_avx2.cpp", AVX2, True),
     ("dense_avx512.cpp", AVX512, False),
     ("attn_decode.cpp", AVX2 + ["-ffp-contract=off"], True),  # CPU-only decode attention (attn_decode.h)
+    ("attn_decode_avx512.cpp", AVX512 + ["-ffp-contract=off"], False),  # its AVX-512 span
     ("attn_pool.cpp", [], True),  # its driver: units and spans over the pool's threads
     ("layer_decode.cpp", [], True),  # a decoder layer's attention half in one call (layer_decode.h)
     ("route_cpu.cpp", [], True),  # softmax top-k routing (fused_ops.topk_softmax on CPU, the one-call layer)

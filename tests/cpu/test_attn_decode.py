@@ -63,12 +63,30 @@ CASES = [  # Hq, Hkv, D, qk_norm, bias, seq lens, page size
     # (the vectorized q/k norm and RoPE), positions in blocks of 32 with tails
     (64, 4, 32, True, False, [300, 2, 77], 16),
     (8, 2, 48, False, True, [129, 33], 8),
+    # the AVX-512 span: two lane vectors (17..32 heads a group), and more heads than it takes (the AVX2 span)
+    (48, 2, 16, True, False, [90, 5], 8),
+    (32, 1, 34, False, True, [260], 16),
+    (40, 1, 16, True, False, [70], 8),
 ]
+
+KERNELS = ["avx2", "avx512"]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    """Each span kernel in turn (the AVX-512 one skipped where the CPU lacks it), restored after."""
+    from hybridmoe.cpu import attn_decode
+
+    if not attn_decode.kernel_available(request.param):
+        pytest.skip(f"the {request.param} decode attention kernel cannot run here")
+    prev = attn_decode.set_kernel(request.param)
+    yield request.param
+    attn_decode.set_kernel(prev)
 
 
 @pytest.mark.parametrize("threads", [None, 2, 3])
 @pytest.mark.parametrize("hq,hkv,d,qk_norm,bias,lens,page", CASES)
-def test_matches_torch_path(hq, hkv, d, qk_norm, bias, lens, page, threads):
+def test_matches_torch_path(hq, hkv, d, qk_norm, bias, lens, page, threads, kernel):
     """On the calling thread (threads None) and spread over a pool's threads (units, spans)."""
     from hybridmoe.cpu.engine import CPUThreadPool
 

@@ -43,8 +43,17 @@ struct AttnDecodeKernels {
   // The bf16 output of group g's heads from ns span states, st_stride floats apart (the softmax merge).
   void (*finish)(const HmAttnDecode& a, int b, int g, const float* st, int ns, int64_t st_stride);
 };
+// The softmax's exp in both units (exp8, exp16): 2^n * p(r), n = round(x log2 e), r = x - n ln2 (ln2 in two
+// parts), p of degree 6 in Horner form from kExpPoly[0]; inputs below kExpMin give 0.
+constexpr float kExpMin = -87.0f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 // Scratch floats a span of n positions needs (G query heads a kv head).
 inline int64_t span_scratch(int G, int64_t n) { return int64_t(G < 16 ? 16 : G) * (n + 16); }
 }  // namespace hm
 
 extern "C" const hm::AttnDecodeKernels* hm_attn_decode_kernels_avx2() __attribute__((weak));
+// The AVX-512 (F, BW, VL, BF16) span for G <= 32 (attn_decode_avx512.cpp: AttnDecodeKernels::span's contract,
+// no scratch); false: not for this G. attn_pool.cpp picks it where the CPU has AVX-512 (hm_attn_kernel).
+extern "C" bool hm_attn_span_avx512(const HmAttnDecode& a, int b, int g0, int g1, const float* q, int64_t l0,
+                                    int64_t l1, float* st, int64_t st_stride) __attribute__((weak));

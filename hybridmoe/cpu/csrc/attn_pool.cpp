@@ -29,9 +29,13 @@ struct Unit {
   int st;  // index of its first state (one a kv head)
 };
 
+// Which span kernel runs (hm_attn_kernel): 0 the best the CPU has, 1 AVX2, 2 AVX-512.
+std::atomic<int> g_kernel{0};
+
 struct Run {
   const HmAttnDecode* a;
   const hm::AttnDecodeKernels* k;
+  bool avx512 = false;            // the AVX-512 span (hm_attn_span_avx512) where it takes this G
   int G;
   int64_t st_stride;
   std::vector<Unit> spans;        // every span (sequences with one span: l0 = 0, l1 = L)
@@ -54,10 +58,16 @@ void do_prep(Run& r, int u) {
   const int b = u / r.a->Hkv, g = u % r.a->Hkv;
   r.k->prep(*r.a, b, g, q_of(r, b, g));
 }
+// one span: the AVX-512 kernel where chosen and it takes this G, else the AVX2 one
+void span_of(Run& r, int b, int g0, int g1, const float* q, int64_t l0, int64_t l1, float* st, int64_t sc_n) {
+  if (r.avx512 && hm_attn_span_avx512(*r.a, b, g0, g1, q, l0, l1, st, r.st_stride)) return;
+  r.k->span(*r.a, b, g0, g1, q, l0, l1, st, r.st_stride, scores_for(sc_n));
+}
+
 void do_span(Run& r, int i) {
   const Unit& s = r.spans[size_t(i)];
-  r.k->span(*r.a, s.b, 0, r.a->Hkv, q_of(r, s.b, 0), s.l0, s.l1, r.st.data() + s.st * r.st_stride, r.st_stride,
-            scores_for(hm::span_scratch(r.G, s.l1 - s.l0)));
+  span_of(r, s.b, 0, r.a->Hkv, q_of(r, s.b, 0), s.l0, s.l1, r.st.data() + s.st * r.st_stride,
+          hm::span_scratch(r.G, s.l1 - s.l0));
 }
 void do_finish(Run& r, int u) {
   const int Hkv = r.a->Hkv, b = u / Hkv, g = u % Hkv;
@@ -68,8 +78,7 @@ void do_unit(Run& r, int u) {  // every sequence in one span: unit (b, g) alone
   const int b = u / r.a->Hkv, g = u % r.a->Hkv;
   do_prep(r, u);
   float* st = r.st.data() + int64_t(u) * r.st_stride;
-  r.k->span(*r.a, b, g, g + 1, q_of(r, b, g), 0, r.a->seq_lens[b], st, r.st_stride,
-            scores_for(hm::span_scratch(r.G, r.a->seq_lens[b])));
+  span_of(r, b, g, g + 1, q_of(r, b, g), 0, r.a->seq_lens[b], st, hm::span_scratch(r.G, r.a->seq_lens[b]));
   r.k->finish(*r.a, b, g, st, 1, r.st_stride);
 }
 
@@ -95,9 +104,28 @@ void run_all(hm::ThreadPool* tp, Run& r) {
   go(phase<do_finish>);
 }
 
+bool avx512_ok() {
+  static const bool ok = hm_attn_span_avx512 && hm_isa_check(hm::ISA_AVX512, nullptr, 0);
+  return ok;
+}
+
+bool use_avx512() {
+  const int k = g_kernel.load(std::memory_order_relaxed);
+  return k != 1 && avx512_ok();
+}
+
 }  // namespace
 
 extern "C" {
+
+// The span kernel of every later decode attention call in this process: 0 the best the CPU has (AVX-512
+// where it has F, BW, VL, VNNI and BF16, else AVX2), 1 AVX2, 2 AVX-512; -1 only asks. Returns the setting
+// before, or -2 (nothing changed) for an unknown value or AVX-512 asked where it cannot run.
+int hm_attn_kernel(int kernel) {
+  if (kernel == -1) return g_kernel.load();
+  if (kernel < 0 || kernel > 2 || (kernel == 2 && !avx512_ok())) return -2;
+  return g_kernel.exchange(kernel);
+}
 
 // One decode attention step; pool: a pool handle (its threads share the work when it is idle; busy,
 // or nullptr: all on this thread). Returns 0, or 1 with what is wrong in err.
@@ -123,6 +151,7 @@ int hm_attn_decode_pool(void* pool, const HmAttnDecode* a, char* err, int errlen
   Run r;
   r.a = a;
   r.k = hm_attn_decode_kernels_avx2();
+  r.avx512 = use_avx512();
   r.G = a->Hq / a->Hkv;
   r.st_stride = int64_t(r.G) * (2 + a->D);
   int64_t work = 0;  // positions to read, summed over the sequences
