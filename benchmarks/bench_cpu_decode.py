@@ -4,8 +4,9 @@ bandwidth bound, and llama.cpp on the same shape in the same run.
     python benchmarks/bench_cpu_decode.py --layers 6                  # Qwen3-30B-A3B shape, 6 layers
     python benchmarks/bench_cpu_decode.py --tiny --no-llama --out r.json   # smoke test (CI)
 
-Bound = bytes of weights one token reads (every non-expert matrix, top-k packed experts per MoE
-layer, one embedding row) / the stream-read bandwidth of the engine's pool measured in the same run.
+Bound = bytes one token reads (every non-expert matrix, top-k packed experts per MoE layer, one
+embedding row, and the KV cache of the positions so far: negligible at the default --prompt-len) / the
+stream-read bandwidth of the engine's pool measured in the same run.
 hybridmoe and llama.cpp (`-ngl 0`, Q8_0 experts, F16 rest: llama_cpp_ref.py; skipped when
 llama-cpp-python is not installed) alternate for --repeats rounds; medians are printed. Random weights
 (`--load-format dummy`: experts drawn directly in packed form), so only speed is compared. Sets
@@ -53,6 +54,20 @@ def token_bytes(model, topk: int, dense_linears=None) -> int:
     return total
 
 
+DENSE_MODES = ("on", "pin", "nopin", "classic", "attn2", "layers", "nomoe", "bf16", "pinned", "pinned0", "unfused",
+               "queued", "dense", "off")
+
+
+def kv_bytes_per_token(model, prompt_len: int, steps: int) -> int:
+    """KV-cache bytes one decode token's attention reads, averaged over the timed steps (positions
+    prompt_len .. prompt_len + steps - 1): every standard attention layer's k and v rows of every
+    position so far. Negligible at the default prompt length; at long contexts part of the bound."""
+    from hybridmoe.layers.attention.layer import Attention
+
+    per_pos = sum(2 * m.num_kv_heads * m.head_dim * 2 for m in model.modules() if isinstance(m, Attention))  # bf16
+    return int(per_pos * (prompt_len + (steps - 1) / 2))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(p)
@@ -69,7 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "model allows, and greedy argmax; each decode step on the pool leader's CPU where HYBRIDMOE_PIN_CALLER=1, "
                         "cpu/caller_pin.py), pin (on, each step pinned), nopin (on, never pinned: the default), classic (on, every pool phase waiting for all threads: "
                         "before session 16 dynamic phases did not skip threads that joined late), pfN (on, with the "
-                        "kernels' software prefetch distance N bytes, e.g. pf0, pf8192), layers (on with one call per layer, not stacked), nomoe (on "
+                        "kernels' software prefetch distance N bytes, e.g. pf0, pf8192), attn2 (on, with the AVX2 decode "
+                        "attention kernel where the AVX-512 one is the default), layers (on with one call per layer, not "
+                        "stacked), nomoe (on "
                         "with the MoE block in Python after the one-call layer: routing, CPUExperts, the task), "
                         "bf16 (on, with --dense-weights int8: the bf16 weights, for an A/B in one process; the bound "
                         "still counts the int8 bytes), pinned (nopin, with the calling thread pinned to the pool leader's CPU for the "
@@ -91,6 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     raw = sys.argv[1:] if argv is None else argv
     a = parse_shape_args(p, (TINY + ["--steps", "4", "--repeats", "1", "--prompt-len", "8"] + raw)
                          if "--tiny" in raw else raw)
+    bad = [m for m in a.dense.split(",") if m not in DENSE_MODES and not (m.startswith("pf") and m[2:].isdigit())]
+    if bad:
+        p.error(f"--dense: unknown mode(s) {', '.join(bad)}; choose from {', '.join(DENSE_MODES)} or pfN")
     if a.layers == 48 and "--layers" not in raw:
         a.layers = 6  # the issue's model: 6 layers of Qwen3-30B-A3B (the full depth does not fit 23 GB)
 
@@ -110,7 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
         res["load_s"] = time.perf_counter() - t0
         print(f"hybridmoe: model ready in {res['load_s']:.1f} s ({a.layers} layers, {a.method}, {threads} threads)",
               flush=True)
-        bpt = token_bytes(llm.engine.runner.model, a.topk, getattr(llm.engine.runner, "dense_linears", None))
+        bpt_w = token_bytes(llm.engine.runner.model, a.topk, getattr(llm.engine.runner, "dense_linears", None))
+        bpt_kv = kv_bytes_per_token(llm.engine.runner.model, a.prompt_len, a.steps)
+        bpt = bpt_w + bpt_kv
         pool = default_pool()
         llama = None
         if not a.no_llama:
@@ -152,6 +174,10 @@ def main(argv: list[str] | None = None) -> dict:
                 pool.prefetch_bytes = pf_default if pf is None else pf
             if pf is not None:
                 m = "on"
+            if attn_kernel is not None:  # attn2: on, with the AVX2 decode attention span kernel
+                attn_decode.set_kernel("avx2" if m == "attn2" else attn_kernel)
+            if m == "attn2":
+                m = "on"
             if dl is not None:
                 dl.enabled = m in ("on", "bf16", "nomoe", "unfused", "queued", "dense", "layers", "pinned", "pinned0", "pin",
                                   "nopin", "classic")
@@ -176,6 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
             pool.leader_spin_us = 0 if m == "pinned0" else -1
             if cp is not None:  # each decode step on the leader's CPU (the engine's with HYBRIDMOE_PIN_CALLER=1)
                 cp.enabled = m == "pin" or (cp_default and m not in ("nopin", "pinned", "pinned0"))
+        from hybridmoe.cpu import attn_decode
+
+        attn_kernel = attn_decode.set_kernel("auto") if ad is not None else None  # the default, restored per round
         free_cpus = os.sched_getaffinity(0)
         cp = getattr(llm.engine.runner, "caller_pin", None)
         cp_default = cp is not None and cp.enabled
@@ -213,11 +242,11 @@ def main(argv: list[str] | None = None) -> dict:
             llama.close()
     bw_m, hm_m = statistics.median(bw), statistics.median(hm)
     bound = bw_m / bpt
-    res.update(bytes_per_token=bpt, stream_read_bps=bw_m, bound_tokens_per_s=bound, tokens_per_s=hm_m,
+    res.update(bytes_per_token=bpt, weight_bytes_per_token=bpt_w, kv_bytes_per_token=bpt_kv, stream_read_bps=bw_m, bound_tokens_per_s=bound, tokens_per_s=hm_m,
                ratio_to_bound=hm_m / bound, rounds={"stream_read_bps": bw, "hybridmoe": hm, "llama_cpp": ll},
                by_dense_mode={m: {"rounds": v, "tokens_per_s": statistics.median(v),
                                   "ratio_to_bound": statistics.median(v) / bound} for m, v in by_mode.items()})
-    print(f"weights per token {bpt / 1e9:.3f} GB, stream read {bw_m / 1e9:.1f} GB/s (median): bound {bound:.2f} tok/s")
+    print(f"weights per token {bpt_w / 1e9:.3f} GB + KV cache {bpt_kv / 1e9:.4f} GB, stream read {bw_m / 1e9:.1f} GB/s (median): bound {bound:.2f} tok/s")
     for m, v in by_mode.items():
         # per round against that round's bandwidth too: on a shared machine both move together
         per = [t * bpt / b for t, b in zip(v, bw)]

@@ -5,7 +5,9 @@
 # Parts (default: all; they run in this order): check gpu-tests cpu-isa-tests sweep decode serving
 # hybrid prefill profile cpu-moe server. Not in the default (each takes minutes; name them): cpu-decode
 # (issue 21: CPU-only decode on all cores against the stream bound), gguf (issue 18: GGUF experts per
-# layer, then hybrid decode of the 48-layer shape from a Q4_K GGUF), lora (issue 17: bench_lora_decode). `sweep` tunes the MoE decode tiles and writes the table the engine reads
+# layer, then hybrid decode of the 48-layer shape from a Q4_K GGUF), lora (issue 17: bench_lora_decode), cpu-attn
+# (the CPU-only path's decode attention: the AVX2 and AVX-512 span kernels interleaved, 1K-32K positions, KV out
+# of cache, all cores and one; then the dense GEMVs at software prefetch distances 0-8192 B). `sweep` tunes the MoE decode tiles and writes the table the engine reads
 # (moe_sweep.json in OUT holds it), so `decode` after it runs with the tuned tiles. At most 8 files
 # come back from OUT: logs that the output tail shows anyway stay in /tmp. Server tests and bench_serving need fastapi/uvicorn/pydantic wheels carried in .whl (see
 # the device README); they run only when `python -c "import fastapi"` works.
@@ -106,6 +108,18 @@ if want cpu-decode; then
   timeout "${CPU_DECODE_TIMEOUT:-420}" $PY benchmarks/bench_cpu_decode.py --layers "${CPU_DECODE_LAYERS:-12}" \
     --repeats "${CPU_DECODE_REPEATS:-5}" --dense "${CPU_DECODE_MODES:-on,pin,classic,pinned0,pf4096,layers}" --split --no-llama --out "$out/cpu_decode.json" 2>&1 | grep -v Warning \
     | tee "$out/bench_cpu_decode.log" | tail -30
+fi
+if want cpu-attn; then
+  log bench-cpu-attn
+  for th in "" 1; do
+    timeout "${CPU_ATTN_TIMEOUT:-150}" $PY benchmarks/bench_cpu_attn.py --kernels avx2,avx512 --cold \
+      --lens 1024,4096,16384,32768 --repeats 5 ${th:+--threads $th} --out "$out/cpu_attn${th:+_t$th}.json" 2>&1 \
+      | grep -v Warning | tail -6 | sed "s/^/[threads ${th:-all}] /"
+  done | tee "$out/bench_cpu_attn.log"
+  log bench-cpu-dense-prefetch
+  timeout "${CPU_DENSE_TIMEOUT:-200}" $PY benchmarks/bench_cpu_dense.py --shapes lm_head qkv o_proj --tokens 1 \
+    --isa avx512 --prefetch 0,2048,4096,8192 --repeats 5 --no-torch 2>&1 | grep -v Warning \
+    | tee "$out/bench_cpu_dense_prefetch.log" | tail -20
 fi
 if want gguf; then
   log bench-gguf-moe

@@ -20,6 +20,9 @@ def test_bench_cpu_decode_tiny(tmp_path):
     assert r["tokens_per_s"] > 0 and r["stream_read_bps"] > 0 and 0 < r["ratio_to_bound"]
     assert r["bytes_per_token"] > 0 and r["load_s"] > 0
     assert "of the bound" in res.stdout
+    # the bound counts the KV cache the timed steps read: --tiny's 2 layers x 2 kv heads x 32 dims, prompt 8, 4 steps
+    assert r["kv_bytes_per_token"] == int(2 * (2 * 2 * 32 * 2) * (8 + 1.5))
+    assert r["bytes_per_token"] == r["weight_bytes_per_token"] + r["kv_bytes_per_token"]
 
 
 def test_bench_cpu_decode_pin_modes(tmp_path):
@@ -28,13 +31,20 @@ def test_bench_cpu_decode_pin_modes(tmp_path):
 
     out = tmp_path / "r.json"
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_decode.py"), "--tiny", "--no-llama",
-                          "--repeats", "2", "--dense", "on,pin,nopin,pinned0,classic,pf0,pf4096", "--out", str(out)],
+                          "--repeats", "2", "--dense", "on,pin,nopin,pinned0,classic,pf0,pf4096,attn2", "--out", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["caller_pin_default"] == caller_pin.wanted()
-    assert set(r["by_dense_mode"]) == {"on", "pin", "nopin", "pinned0", "classic", "pf0", "pf4096"}
+    assert set(r["by_dense_mode"]) == {"on", "pin", "nopin", "pinned0", "classic", "pf0", "pf4096", "attn2"}
     assert all(v["tokens_per_s"] > 0 for v in r["by_dense_mode"].values())
+
+
+def test_bench_cpu_decode_bad_mode_is_one_usage_line():
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_decode.py"), "--tiny", "--no-llama",
+                          "--dense", "on,fast"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 2
+    assert "unknown mode(s) fast" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_gguf_of_the_shape(tmp_path, monkeypatch):
