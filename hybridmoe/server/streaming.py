@@ -15,11 +15,15 @@ from hybridmoe.server.errors import APIError
 from hybridmoe.server.parsers.text import partial_tail
 
 DONE = b"data: [DONE]\n\n"
+# Characters json.dumps(ensure_ascii=False) leaves raw that many line splitters (Python's str.splitlines,
+# so any client reading the stream with it) take for line ends, cutting an event in two: escaped,
+# the JSON holds the same text.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(data: dict[str, Any]) -> bytes:
-    """One server-sent event."""
-    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+    """One server-sent event: its JSON on one line for every line splitter (see _LINE_BREAKS)."""
+    return b"data: " + json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS).encode() + b"\n\n"
 
 
 def holdback(text: str, stops: list[str]) -> int:

@@ -76,3 +76,24 @@ def test_unsupported_features_are_refused(http):
     assert r.status_code == 400 and "LoRA" in r.json()["error"]["message"]
     r = http.post("/v1/completions", json={"model": "demo", "prompt": "a", "suffix": "b"})
     assert r.status_code == 400 and "suffix" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("char", ["\x85", "\u2028", "\u2029"])
+def test_stream_events_survive_unicode_line_separators(http, char):
+    """Echoed text holding a character that str.splitlines (and so a client reading the stream with it)
+    takes for a line end: every event stays one line, its JSON the same text. Found by a randomized run of
+    test_fuzz's strategies (prompt "\\x85", echo, stream: the event was cut in two)."""
+    import json
+
+    from hybridmoe.server.streaming import sse
+
+    event = sse({"text": f"a{char}b"})
+    assert event.endswith(b"\n\n") and len(event[:-2].decode().splitlines()) == 1
+    assert json.loads(event[6:]) == {"text": f"a{char}b"}
+    r = http.post("/v1/completions", json={"model": "demo", "prompt": f"x{char}y", "max_tokens": 1, "echo": True,
+                                           "stream": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    lines = [ln for ln in r.text.splitlines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines), lines
+    texts = "".join(c["text"] for ln in lines[:-1] for c in json.loads(ln[6:])["choices"])
+    assert texts.startswith(f"x{char}y")
