@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         llm = LLM(d, device="cpu", dtype="bfloat16", load_format="dummy", progress=False, skip_tokenizer_init=True,
                   kt_method=a.method, kt_num_gpu_experts=0, kt_cpuinfer=threads, max_running_requests=1,
-                  max_total_tokens=4 * (a.prompt_len + a.steps + 64), context_length=4096,
+                  max_total_tokens=4 * (a.prompt_len + a.steps + 64), context_length=max(4096, a.prompt_len + a.steps + 64),
                   **({"cpu_dense_weights": a.dense_weights} if a.dense_weights != "bf16" else {}))
         res["load_s"] = time.perf_counter() - t0
         print(f"hybridmoe: model ready in {res['load_s']:.1f} s ({a.layers} layers, {a.method}, {threads} threads)",

@@ -39,6 +39,13 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     return out.reshape(b, hq, d).to(q.dtype)
 
 
+# Elements of one masked score block, [Hq, rows, L] in fp32 on the path with an explicit mask (a prompt
+# extending a cached prefix, or odd head dims on CUDA): queries go in blocks of rows so that a long
+# prompt does not hold its whole [Hq, q_len, L] scores at once (an 8192-token prompt of 32 heads: 8.6 GB,
+# twice over for the softmax; the 24 GB CPU-only host was killed). 1 << 26: 256 MiB a block.
+MASKED_SCORE_ELEMS = 1 << 26
+
+
 def _extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     hq, d = q.shape[1], q.shape[2]
     s, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -53,19 +60,27 @@ def _extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
         keys = k_cache[pages].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
         vals = v_cache[pages].flatten(0, 1)[:seq_len]
         qb = q[start:start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        kb = keys.transpose(0, 1).repeat_interleave(g, dim=0)  # [Hq, L, D]
-        vb = vals.transpose(0, 1).repeat_interleave(g, dim=0)
+        kb = keys.transpose(0, 1).repeat_interleave(g, dim=0).to(qb.dtype)  # [Hq, L, D]
+        vb = vals.transpose(0, 1).repeat_interleave(g, dim=0).to(qb.dtype)
         prefix = seq_len - q_len
-        # query i (absolute position prefix+i) sees keys 0..prefix+i
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= (
-            prefix + torch.arange(q_len, device=q.device)[:, None])
-        if qb.is_cuda and (d * qb.element_size()) % 16:
-            # CUDA SDPA kernels need 16-byte aligned rows; odd head dims take the plain path.
-            scores = (qb.float() @ kb.float().transpose(1, 2)) * scale
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-            ob = (probs @ vb.float()).to(qb.dtype)
+        plain = qb.is_cuda and (d * qb.element_size()) % 16  # CUDA SDPA kernels need 16-byte aligned rows
+        if prefix == 0 and not plain:
+            # query i sees keys 0..i: SDPA's own causal mask (memory linear in the length, no mask tensor)
+            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
         else:
-            ob = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), attn_mask=mask, scale=scale)
+            ob = torch.empty_like(qb)
+            rows = max(1, MASKED_SCORE_ELEMS // (hq * seq_len))
+            keys_at = torch.arange(seq_len, device=q.device)[None, :]
+            for r0 in range(0, q_len, rows):
+                r1 = min(q_len, r0 + rows)
+                # query i (absolute position prefix+i) sees keys 0..prefix+i
+                mask = keys_at <= prefix + torch.arange(r0, r1, device=q.device)[:, None]  # [rows, L]
+                if plain:
+                    scores = (qb[:, r0:r1].float() @ kb.float().transpose(1, 2)) * scale
+                    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+                    ob[:, r0:r1] = (probs @ vb.float()).to(qb.dtype)
+                else:
+                    ob[:, r0:r1] = F.scaled_dot_product_attention(qb[:, r0:r1], kb, vb, attn_mask=mask, scale=scale)
         out[start:start + q_len] = ob.transpose(0, 1)
         start += q_len
     return out
