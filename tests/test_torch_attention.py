@@ -1,8 +1,9 @@
 """The torch attention backend's prefill/extend (layers/attention/torch_backend.py) against a plain
 per-sequence softmax attention, fresh random inputs: sequences with and without a cached prefix, pages
-in random order, GQA; the masked path in blocks of query rows (forced small) gives what one block
-gives; a long prompt never holds its whole score matrix (no mask for a prompt without a prefix, mask
-blocks within the budget otherwise).
+in random order, GQA; the plain path (odd head dims on CUDA) in blocks of query rows, down to one row,
+on the same cases; SDPA gets 4-D inputs (on the CPU only those reach its flash kernel: 3-D ones took
+the math path, whose [Hq, T, T] fp32 scores OOM-killed an 8192-token prompt) and, without a prefix,
+its own causal mask.
 
 Tolerance: fp32 inputs; SDPA's kernels and the reference sum in different orders (~1e-6 relative).
 """
@@ -63,12 +64,8 @@ CASES = [  # q_lens, prefixes, Hq, Hkv, D, page
 ]
 
 
-@pytest.mark.parametrize("elems", [None, 1])
 @pytest.mark.parametrize("q_lens,prefixes,hq,hkv,d,page", CASES)
-def test_extend_matches_reference(q_lens, prefixes, hq, hkv, d, page, elems, monkeypatch):
-    """elems 1: the masked path one query row a block."""
-    if elems is not None:
-        monkeypatch.setattr(torch_backend, "MASKED_SCORE_ELEMS", elems)
+def test_extend_matches_reference(q_lens, prefixes, hq, hkv, d, page):
     q, kc, vc, meta = _case(q_lens, prefixes, hq, hkv, d, page, seed=sum(q_lens) * 31 + hq)
     scale = d ** -0.5
     got = torch_backend._extend(q, kc, vc, meta, scale)
@@ -76,9 +73,28 @@ def test_extend_matches_reference(q_lens, prefixes, hq, hkv, d, page, elems, mon
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_long_prompt_never_holds_its_whole_score_matrix(monkeypatch):
-    """A prompt without a prefix takes SDPA's causal mask (no mask tensor); one extending a prefix goes in
-    blocks of query rows whose scores stay within MASKED_SCORE_ELEMS."""
+@pytest.mark.parametrize("elems", [None, 1, 7 * 40])
+@pytest.mark.parametrize("q_lens,prefixes,hq,hkv,d,page", CASES)
+def test_plain_path_in_row_blocks(q_lens, prefixes, hq, hkv, d, page, elems, monkeypatch):
+    """The plain path (_plain, taken for odd head dims on CUDA) on the CPU: one block, one row a block, a few."""
+    if elems is not None:
+        monkeypatch.setattr(torch_backend, "PLAIN_SCORE_ELEMS", elems)
+    q, kc, vc, meta = _case(q_lens, prefixes, hq, hkv, d, page, seed=sum(q_lens) * 31 + hq)
+    scale = d ** -0.5
+    ref = _reference(q, kc, vc, meta, scale)
+    s, start = kc.shape[1], 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        slots = [int(meta.block_table[b, i // s]) * s + i % s for i in range(seq_len)]
+        kb = kc.flatten(0, 1)[slots].transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+        vb = vc.flatten(0, 1)[slots].transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+        got = torch_backend._plain(q[start:start + q_len].transpose(0, 1), kb, vb, seq_len - q_len, scale)
+        torch.testing.assert_close(got.transpose(0, 1).double(), ref[start:start + q_len], rtol=1e-5, atol=1e-5)
+        start += q_len
+
+
+def test_sdpa_gets_4d_inputs_and_its_causal_mask(monkeypatch):
+    """A prompt without a prefix takes SDPA's causal mask (no mask tensor); one extending a prefix its
+    explicit mask; both 4-D."""
     calls = []
     real = F.scaled_dot_product_attention
 
@@ -87,10 +103,31 @@ def test_long_prompt_never_holds_its_whole_score_matrix(monkeypatch):
         return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(torch_backend, "MASKED_SCORE_ELEMS", 4 * 300 * 50)  # Hq 4, 300 keys: 50 rows a block
     q, kc, vc, meta = _case([260, 200], [0, 100], 4, 2, 8, 16, seed=5, dtype=torch.bfloat16)
     torch_backend._extend(q, kc, vc, meta, 8 ** -0.5)
-    assert calls[0] == ((4, 260, 8), None, True)
-    masked = calls[1:]
-    assert len(masked) == 4 and all(m[2] is False and m[1][1] == 300 and m[1][0] <= 50 for m in masked), masked
-    assert sum(m[1][0] for m in masked) == 200
+    assert calls == [((1, 4, 260, 8), None, True), ((1, 4, 200, 8), (200, 300), False)]
+
+
+def test_long_prompt_prefill_memory_is_linear():
+    """A 4096-token bf16 prompt of 32 heads (in a subprocess: its peak RSS) adds well under the 2 GB its
+    [Hq, T, T] fp32 scores would take (the math path took ~5 GB)."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from hybridmoe.layers.attention import torch_backend
+from hybridmoe.layers.attention.base import AttentionMetadata
+T, hq, hkv, d, page = 4096, 32, 4, 128, 16
+kc = torch.randn(T // page, page, hkv, d).bfloat16(); vc = torch.randn(T // page, page, hkv, d).bfloat16()
+q = torch.randn(T, hq, d).bfloat16()
+meta = AttentionMetadata(False, torch.tensor([0, T], dtype=torch.int32), torch.tensor([T], dtype=torch.int32),
+                         torch.arange(T // page, dtype=torch.int32)[None], torch.zeros(T, dtype=torch.int64), [T], [T], T)
+r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with torch.inference_mode():
+    torch_backend._extend(q, kc, vc, meta, d ** -0.5)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - r0) * 1024)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert int(res.stdout.strip().splitlines()[-1]) < 512 << 20, res.stdout

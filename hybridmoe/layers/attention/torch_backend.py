@@ -39,11 +39,26 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     return out.reshape(b, hq, d).to(q.dtype)
 
 
-# Elements of one masked score block, [Hq, rows, L] in fp32 on the path with an explicit mask (a prompt
-# extending a cached prefix, or odd head dims on CUDA): queries go in blocks of rows so that a long
-# prompt does not hold its whole [Hq, q_len, L] scores at once (an 8192-token prompt of 32 heads: 8.6 GB,
-# twice over for the softmax; the 24 GB CPU-only host was killed). 1 << 26: 256 MiB a block.
-MASKED_SCORE_ELEMS = 1 << 26
+# Elements of one score block of the plain path (odd head dims on CUDA): [Hq, rows, L] in fp32, queries
+# in blocks of rows so that a long prompt never holds its whole [Hq, q_len, L] scores (an 8192-token
+# prompt of 32 heads: 8.6 GB, twice over for the softmax). 1 << 26: 256 MiB a block.
+PLAIN_SCORE_ELEMS = 1 << 26
+
+
+def _plain(qb, kb, vb, prefix: int, scale: float) -> torch.Tensor:
+    """Softmax attention of qb [Hq, q, D] over kb, vb [Hq, L, D] in fp32 matmuls, query i (absolute
+    position prefix + i) seeing keys 0..prefix+i, in blocks of query rows."""
+    hq, q_len, seq_len = qb.shape[0], qb.shape[1], kb.shape[1]
+    ob = torch.empty_like(qb)
+    rows = max(1, PLAIN_SCORE_ELEMS // (hq * seq_len))
+    keys_at = torch.arange(seq_len, device=qb.device)[None, :]
+    for r0 in range(0, q_len, rows):
+        r1 = min(q_len, r0 + rows)
+        mask = keys_at <= prefix + torch.arange(r0, r1, device=qb.device)[:, None]  # [rows, L]
+        scores = (qb[:, r0:r1].float() @ kb.float().transpose(1, 2)) * scale
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        ob[:, r0:r1] = (probs @ vb.float()).to(qb.dtype)
+    return ob
 
 
 def _extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -63,24 +78,21 @@ def _extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
         kb = keys.transpose(0, 1).repeat_interleave(g, dim=0).to(qb.dtype)  # [Hq, L, D]
         vb = vals.transpose(0, 1).repeat_interleave(g, dim=0).to(qb.dtype)
         prefix = seq_len - q_len
-        plain = qb.is_cuda and (d * qb.element_size()) % 16  # CUDA SDPA kernels need 16-byte aligned rows
-        if prefix == 0 and not plain:
-            # query i sees keys 0..i: SDPA's own causal mask (memory linear in the length, no mask tensor)
-            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+        if qb.is_cuda and (d * qb.element_size()) % 16:
+            # CUDA SDPA kernels need 16-byte aligned rows; odd head dims take the plain path.
+            ob = _plain(qb, kb, vb, prefix, scale)
         else:
-            ob = torch.empty_like(qb)
-            rows = max(1, MASKED_SCORE_ELEMS // (hq * seq_len))
-            keys_at = torch.arange(seq_len, device=q.device)[None, :]
-            for r0 in range(0, q_len, rows):
-                r1 = min(q_len, r0 + rows)
+            # 4-D [1, Hq, T, D]: on the CPU only 4-D inputs reach SDPA's flash kernel (memory linear in the
+            # length); 3-D ones took the math path, [Hq, T, L] scores in fp32: an 8192-token CPU-only prompt
+            # was OOM-killed at 24 GB. No prefix: SDPA's own causal mask (no mask tensor, half the work).
+            q4, k4, v4 = qb.unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0)
+            if prefix == 0:
+                ob = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)[0]
+            else:
                 # query i (absolute position prefix+i) sees keys 0..prefix+i
-                mask = keys_at <= prefix + torch.arange(r0, r1, device=q.device)[:, None]  # [rows, L]
-                if plain:
-                    scores = (qb[:, r0:r1].float() @ kb.float().transpose(1, 2)) * scale
-                    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-                    ob[:, r0:r1] = (probs @ vb.float()).to(qb.dtype)
-                else:
-                    ob[:, r0:r1] = F.scaled_dot_product_attention(qb[:, r0:r1], kb, vb, attn_mask=mask, scale=scale)
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= (
+                    prefix + torch.arange(q_len, device=q.device)[:, None])
+                ob = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)[0]
         out[start:start + q_len] = ob.transpose(0, 1)
         start += q_len
     return out
