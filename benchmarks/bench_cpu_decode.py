@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import add_shape_args, decode_tps, parse_shape_args, start_decode, write_config  # noqa: E402
+from bench_decode import add_shape_args, parse_shape_args, start_decode, write_config  # noqa: E402
 
 TINY = ["--layers", "2", "--experts", "8", "--topk", "2", "--hidden", "128", "--inter", "64", "--heads", "4",
         "--kv-heads", "2", "--head-dim", "32", "--vocab", "512"]
@@ -56,6 +56,18 @@ def token_bytes(model, topk: int, dense_linears=None) -> int:
 
 DENSE_MODES = ("on", "pin", "nopin", "classic", "attn2", "layers", "nomoe", "bf16", "pinned", "pinned0", "unfused",
                "queued", "dense", "off")
+
+
+def decode_and_prefill(llm, prompt_len: int, steps: int, vocab: int) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) of one request at batch 1: bench_decode.decode_tps, with the prefill
+    (start_decode: the prompt and the first decode step) timed too."""
+    t0 = time.perf_counter()
+    reqs = start_decode(llm, 1, prompt_len, steps, vocab)
+    t1 = time.perf_counter()
+    eng, n = llm.engine, 0
+    while not all(r.finished for r in reqs):
+        n += len(eng.step())
+    return n / (time.perf_counter() - t1), prompt_len / (t1 - t0)
 
 
 def kv_bytes_per_token(model, prompt_len: int, steps: int) -> int:
@@ -211,9 +223,11 @@ def main(argv: list[str] | None = None) -> dict:
         res["caller_pin_default"] = cp_default
         print(f"caller pin: {'on' if cp_default else 'off'} by default"
               + (f" (leader CPU {cp.cpu})" if cp is not None else " (not installed)"), flush=True)
-        hm, ll, bw = [], [], []
+        hm, ll, bw, ll_prefill = [], [], [], []
         by_mode: dict[str, list[float]] = {m: [] for m in modes}
         load_by_mode: dict[str, list] = {m: [] for m in modes}
+        prefill_by_mode: dict[str, list[float]] = {m: [] for m in modes}  # prompt tokens / s of each round's prefill
+        res["prefill_tokens_per_s_by_mode"] = prefill_by_mode
         res["cpu_load_by_mode"] = load_by_mode  # per round: (others' share, steal share) of every CPU, or None
         for r in range(a.repeats):
             bw.append(pool.stream_read_gbps(256 << 20 if a.tiny else 1 << 30, 5) * 1e9)
@@ -221,7 +235,9 @@ def main(argv: list[str] | None = None) -> dict:
             for m in modes:
                 set_mode(m)
                 c0 = cpu_ticks()
-                by_mode[m].append(decode_tps(llm, 1, a.prompt_len, a.steps, a.vocab))
+                tps, ptps = decode_and_prefill(llm, a.prompt_len, a.steps, a.vocab)
+                by_mode[m].append(tps)
+                prefill_by_mode[m].append(ptps)
                 load = others_load(c0, cpu_ticks())
                 load_by_mode[m].append(load)
                 line += f", hybridmoe ({m}) {by_mode[m][-1]:.2f} tok/s"
@@ -233,7 +249,10 @@ def main(argv: list[str] | None = None) -> dict:
             hm.append(by_mode[modes[0]][-1])
             if llama is not None:
                 ll.append(llama.decode_tps(a.prompt_len, a.steps, a.vocab, seed=r))
+                ll_prefill.append(a.prompt_len / llama.last_prefill_s)
                 line += f", llama.cpp {ll[-1]:.2f} tok/s"
+            line += f"; prefill ({modes[0]}) {prefill_by_mode[modes[0]][-1]:.1f} tok/s" + (
+                f", llama.cpp {ll_prefill[-1]:.1f}" if ll_prefill else "")
             print(line, flush=True)
         if a.split:
             res["split"] = run_split(llm, a, modes, set_mode, statistics.median(bw))
@@ -263,6 +282,13 @@ def main(argv: list[str] | None = None) -> dict:
         res["llama_cpp_tokens_per_s"] = statistics.median(ll)
         print(f"llama.cpp: {res['llama_cpp_tokens_per_s']:.2f} tok/s; hybridmoe / llama.cpp = "
               f"{hm_m / res['llama_cpp_tokens_per_s']:.2f}")
+    pf = statistics.median(res["prefill_tokens_per_s_by_mode"][modes[0]])
+    res["prefill_tokens_per_s"] = pf
+    line = f"prefill of {a.prompt_len} tokens (with the first decode step): hybridmoe ({modes[0]}) {pf:.1f} tok/s"
+    if ll_prefill:
+        res["llama_cpp_prefill_tokens_per_s"] = statistics.median(ll_prefill)
+        line += f", llama.cpp {res['llama_cpp_prefill_tokens_per_s']:.1f} tok/s (its prompt in batches of 512)"
+    print(line)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
     return res

@@ -131,12 +131,15 @@ class LlamaCpp:
                 raise RuntimeError("llama_decode failed")
 
     def decode_tps(self, prompt_len: int, steps: int, vocab: int, seed: int = 0) -> float:
-        """Prefill `prompt_len` random tokens and one step (not timed), then `steps` single-token steps."""
+        """Prefill `prompt_len` random tokens and one step (timed apart: last_prefill_s), then `steps`
+        single-token steps."""
         L = self.L
         L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
         g = np.random.default_rng(seed)
+        t0 = time.perf_counter()
         self._decode(g.integers(0, vocab, prompt_len).tolist())
         self._decode([int(g.integers(0, vocab))])
+        self.last_prefill_s = time.perf_counter() - t0  # the prompt and the first step, as bench_cpu_decode times it
         t0 = time.perf_counter()
         for tok in g.integers(0, vocab, steps).tolist():
             self._decode([tok])

@@ -23,6 +23,7 @@ def test_bench_cpu_decode_tiny(tmp_path):
     # the bound counts the KV cache the timed steps read: --tiny's 2 layers x 2 kv heads x 32 dims, prompt 8, 4 steps
     assert r["kv_bytes_per_token"] == int(2 * (2 * 2 * 32 * 2) * (8 + 1.5))
     assert r["bytes_per_token"] == r["weight_bytes_per_token"] + r["kv_bytes_per_token"]
+    assert r["prefill_tokens_per_s"] > 0 and "prefill of 8 tokens" in res.stdout
 
 
 def test_bench_cpu_decode_pin_modes(tmp_path):
