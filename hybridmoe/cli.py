@@ -52,7 +52,7 @@ def _generate(ns: argparse.Namespace) -> int:
         shown = chunk["text"]
     meta = chunk["meta_info"]
     print(f"\n[{meta['completion_tokens']} tokens, finish {meta['finish_reason']}, {meta['e2e_latency']:.2f} s]")
-    return 0
+    return 1 if (meta["finish_reason"] or {}).get("type") == "abort" else 0  # the request failed: say so to scripts
 
 
 def _not_yet(name: str) -> int:

@@ -256,7 +256,7 @@ class Engine:
         """The model forward raised: end the live requests of its batch (pages freed, nothing of
         the step kept); the others, and the next steps, go on."""
         log.error("the model forward failed; failing the %d request(s) of its batch: %s: %s", len(live),
-                  type(error).__name__, error, exc_info=True)
+                  type(error).__name__, error, exc_info=error if log.isEnabledFor(logging.DEBUG) else None)
         self.failed_batches += 1
         message = f"engine failure: {type(error).__name__}: {error}"
         for req in live:

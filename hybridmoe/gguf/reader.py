@@ -25,6 +25,7 @@ import torch
 from hybridmoe.config import ConfigError
 from hybridmoe.cpu import gguf_quant
 from hybridmoe.gguf import paths
+from hybridmoe.gguf.open_part import open_part
 
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
@@ -100,17 +101,15 @@ class GGUFModel:
     """The tensors and metadata of one GGUF model (all its split parts), memory-mapped."""
 
     def __init__(self, parts: list[Path]):
-        from gguf import GGUFReader
-
         self.parts = parts
         self.path = str(parts[0])
         self.tensors: dict[str, GGUFTensor] = {}
         self.metadata: dict[str, object] = {}
         for p in parts:
             try:
-                r = GGUFReader(str(p), "r")
-            except Exception as e:
-                raise GGUFError(f"{p}: not a readable GGUF file ({e})") from None
+                r = open_part(p)
+            except paths.GGUFPathError as e:
+                raise GGUFError(str(e)) from None
             for k, f in r.fields.items():
                 if k not in self.metadata:
                     try:
@@ -118,6 +117,9 @@ class GGUFModel:
                     except Exception:
                         self.metadata[k] = None
             for t in r.tensors:
+                if t.name in self.tensors:
+                    raise GGUFError(f"{p}: tensor {t.name} is also in {self.tensors[t.name].file}: the split files "
+                                    "do not belong together")
                 shape = tuple(int(d) for d in reversed(list(t.shape)))
                 self.tensors[t.name] = GGUFTensor(t.name, int(t.tensor_type), shape, t.data, str(p))
 

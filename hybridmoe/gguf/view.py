@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from hybridmoe.gguf.model_config import GGUFConfigError, hf_config
+from hybridmoe.gguf.open_part import open_part
 from hybridmoe.gguf.paths import GGUFPathError, is_gguf_model, split_parts
 from hybridmoe.gguf.tokenizer import GGUFTokenizerError, save_tokenizer
 
@@ -37,15 +38,10 @@ def cache_root() -> Path:
 
 def read_header(parts: list[Path]) -> tuple[dict, dict[str, tuple[int, ...]]]:
     """(metadata of the first part, every part's tensor shapes in torch order)."""
-    from gguf import GGUFReader
-
     meta: dict = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for i, p in enumerate(parts):
-        try:
-            r = GGUFReader(str(p), "r")
-        except Exception as e:  # noqa: BLE001  (the gguf package raises several types)
-            raise GGUFPathError(f"{p}: not a readable GGUF file ({e})") from None
+        r = open_part(p)  # GGUFPathError: unreadable, or a tensor's data out of place
         if i == 0:
             for k, f in r.fields.items():
                 try:

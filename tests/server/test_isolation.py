@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 
 import httpx
@@ -148,7 +149,7 @@ def test_output_building_failure_fails_alone(engine, monkeypatch):
     assert a.finish_reason["type"] == "length" and engine.stats()["kv_used_pages"] == 0
 
 
-def test_forward_failure_fails_its_batch_and_engine_recovers(engine, monkeypatch):
+def test_forward_failure_fails_its_batch_and_engine_recovers(engine, monkeypatch, caplog):
     real = engine.runner.forward
     calls = {"n": 0}
 
@@ -160,7 +161,12 @@ def test_forward_failure_fails_its_batch_and_engine_recovers(engine, monkeypatch
 
     monkeypatch.setattr(engine.runner, "forward", faulty)
     reqs = [_req([20, 21, 22]), _req([23, 24])]
-    _run(engine, reqs)
+    with caplog.at_level(logging.INFO, logger="hybridmoe"):
+        _run(engine, reqs)
+    failed = [r for r in caplog.records if "the model forward failed" in r.getMessage()]
+    # one line, the error in it; no traceback below info level (it was "NoneType: None": exc_info outside `except`)
+    assert len(failed) == 1 and "RuntimeError: injected forward fault" in failed[0].getMessage()
+    assert failed[0].exc_info is None
     for r in reqs:
         assert r.finish_reason["type"] == "abort" and "engine failure" in r.finish_reason["message"]
         assert len(r.output_ids) == 1  # the failed step kept nothing
@@ -169,6 +175,23 @@ def test_forward_failure_fails_its_batch_and_engine_recovers(engine, monkeypatch
     _run(engine, [again])
     assert again.finish_reason == {"type": "length", "length": 6}
     assert again.output_ids == _alone(engine, [20, 21, 22])
+
+
+def test_generate_command_exits_1_when_its_request_fails(monkeypatch, capsys):
+    """`hybridmoe generate` whose request ends in an abort (here a failed forward) exits 1, not 0."""
+    from hybridmoe.cli import main as cli_main
+    from hybridmoe.engine.model_runner import ModelRunner
+
+    if not (DEMO / "config.json").is_file():
+        pytest.skip("the demo model is not built")
+
+    def faulty(self, batch):
+        raise RuntimeError("injected forward fault")
+
+    monkeypatch.setattr(ModelRunner, "forward", faulty)
+    rc = cli_main(["generate", "--device", "cpu", "--model-path", str(DEMO), "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "'type': 'abort'" in out and "injected forward fault" in out, (rc, out)
 
 
 # ---------------------------------------------------------------- through a real server
