@@ -83,9 +83,14 @@ def make_case(
         table[b, :n] = perm[used : used + n].to(torch.int32)
         used += n
     kv = torch.randn(num_pages, page, lkv + rope, generator=g)
-    # A few large values in the scratch page and the spare pages: reading them would show.
-    kv[0] = 50.0
-    kv[perm[used:]] = -50.0
+    # Non-finite leftovers in the scratch page, the spare pages and every slot past a sequence's end (a
+    # request that overflowed leaves them in pages it freed): reading them, even at probability 0, shows.
+    kv[0] = float("nan")
+    kv[perm[used:]] = float("inf")
+    for b, n in enumerate(lens):
+        last = table[b, pages[b] - 1] if pages[b] else None
+        if last is not None and n % page:
+            kv[last, n % page:] = float("-inf") if b % 2 else float("nan")
     q_lat = torch.randn(len(lens), heads, lkv, generator=g)
     q_rope = torch.randn(len(lens), heads, rope, generator=g)
     return dict(

@@ -73,6 +73,25 @@ def test_extend_matches_reference(q_lens, prefixes, hq, hkv, d, page):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("leftover", ["nan", "inf", "-inf"])
+def test_decode_ignores_leftovers_past_the_sequence_end(leftover):
+    """Decode over pages whose slots past each sequence's end (and the unused pages and block-table
+    padding) hold another request's non-finite leftovers: the same answer as the reference, finite.
+    Before the values were zeroed there, 0 * NaN made the whole output NaN."""
+    prefixes, page = [0, 6, 13, 3], 4
+    q, kc, vc, meta = _case([1] * len(prefixes), prefixes, 6, 2, 8, page, seed=11)
+    bad = float(leftover)
+    live = torch.zeros(kc.shape[0] * page, dtype=torch.bool)
+    for b, seq_len in enumerate(meta.seq_lens_cpu):
+        live[[int(meta.block_table[b, i // page]) * page + i % page for i in range(seq_len)]] = True
+    kc.flatten(0, 1)[~live] = bad
+    vc.flatten(0, 1)[~live] = bad
+    meta.block_table = torch.cat([meta.block_table, meta.block_table[:, :1]], dim=1)  # a padded column
+    got = torch_backend._decode(q, kc, vc, meta, 8 ** -0.5)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), _reference(q, kc, vc, meta, 8 ** -0.5), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("elems", [None, 1, 7 * 40])
 @pytest.mark.parametrize("q_lens,prefixes,hq,hkv,d,page", CASES)
 def test_plain_path_in_row_blocks(q_lens, prefixes, hq, hkv, d, page, elems, monkeypatch):

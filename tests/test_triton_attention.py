@@ -74,8 +74,10 @@ def make_inputs(
     perm = torch.randperm(num_pages, generator=g)
     p_max = max(pages_per_seq) + 1
     block_table = torch.zeros(len(seqs), p_max, dtype=torch.int32)
-    k_cache = torch.randn(num_pages, page, hkv, d, generator=g)  # [N, S, Hkv, D] garbage everywhere
-    v_cache = torch.randn(num_pages, page, hkv, d, generator=g)
+    # [N, S, Hkv, D] garbage everywhere a sequence has not written: NaN keys and infinite values, as a
+    # request that overflowed leaves in pages it freed (a probability of 0 times them is still NaN)
+    k_cache = torch.full((num_pages, page, hkv, d), float("nan"))
+    v_cache = torch.full((num_pages, page, hkv, d), float("inf"))
     qs, ks, vs, slots, k_full, v_full = [], [], [], [], [], []
     used = 0
     for b, (ctx, new) in enumerate(seqs):

@@ -41,11 +41,14 @@ def mla_decode_ref(
     """
     bsz, heads, lkv, rope = check_decode_inputs(q_lat, q_rope, kv_cache, block_table, seq_lens)
     rows = kv_cache[block_table.long()].flatten(1, 2).float()  # [B, P*S, Lkv+R]
+    pos = torch.arange(rows.shape[1], device=q_lat.device)
+    valid = pos[None, :] < seq_lens[:, None].long()  # [B, P*S]
+    # rows past a sequence's end hold another request's leftovers (freed pages are not cleared): zeroed,
+    # since a probability of 0 times a NaN or inf left there is NaN
+    rows = rows.masked_fill(~valid[..., None], 0.0)
     c_kv = rows[..., :lkv]
     scores = torch.einsum("bhl,btl->bht", q_lat.float(), c_kv)
     scores = scores + torch.einsum("bhr,btr->bht", q_rope.float(), rows[..., lkv:])
-    pos = torch.arange(rows.shape[1], device=q_lat.device)
-    valid = pos[None, :] < seq_lens[:, None].long()  # [B, P*S]
     probs = torch.softmax((scores * scale).masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
     o = torch.einsum("bht,btl->bhl", probs, c_kv)
     o = torch.where((seq_lens > 0)[:, None, None], o, 0.0)  # softmax of no token is NaN

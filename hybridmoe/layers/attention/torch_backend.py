@@ -35,7 +35,10 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     valid = pos[None, :] < meta.seq_lens[:, None].long()  # [B, P*S]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, vals.float())
+    # The rows past a sequence's end are another request's leftovers (freed pages are not cleared): a
+    # probability of 0 times a NaN or inf left there is NaN, so they are zeroed, not just weighted 0.
+    vals = vals.float().masked_fill(~valid[:, :, None, None], 0.0)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, vals)
     return out.reshape(b, hq, d).to(q.dtype)
 
 
