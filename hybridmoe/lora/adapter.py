@@ -120,6 +120,27 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
     return default
 
 
+def _patterns(cfg: dict, field: str, cfg_file: Path, rank: bool) -> dict[str, float]:
+    """rank_pattern / alpha_pattern checked: module regex -> a positive integer rank / a finite alpha."""
+    raw = cfg.get(field) or {}
+    if not isinstance(raw, dict):
+        raise LoRAAdapterError(f"{cfg_file}: {field} must map module patterns to numbers, got {raw!r}")
+    out: dict[str, float] = {}
+    for key, value in raw.items():
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise LoRAAdapterError(f"{cfg_file}: {field} key {key!r} is not a valid pattern ({e})") from None
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if rank:
+            ok = ok and value == int(value) and value > 0
+        if not ok:
+            want = "a positive integer" if rank else "a finite number"
+            raise LoRAAdapterError(f"{cfg_file}: {field}[{key!r}] is {value!r}; expected {want}")
+        out[key] = int(value) if rank else float(value)
+    return out
+
+
 def read_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
     """Parse an adapter directory (host tensors, their dtype). Raises LoRAAdapterError."""
     from safetensors import safe_open
@@ -154,8 +175,10 @@ def read_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
         raise LoRAAdapterError(f"{cfg_file}: needs an integer `r` and a number `lora_alpha` ({e})") from e
     if r <= 0:
         raise LoRAAdapterError(f"{cfg_file}: r must be positive, got {r}")
+    if not math.isfinite(alpha):  # a NaN or infinite scaling makes every output of the adapter NaN
+        raise LoRAAdapterError(f"{cfg_file}: lora_alpha must be a finite number, got {alpha}")
     rslora = bool(cfg.get("use_rslora", False))
-    ranks, alphas = dict(cfg.get("rank_pattern") or {}), dict(cfg.get("alpha_pattern") or {})
+    ranks, alphas = _patterns(cfg, "rank_pattern", cfg_file, True), _patterns(cfg, "alpha_pattern", cfg_file, False)
     adapter = LoRAAdapter(name=name or d.name, path=str(d), rank=r)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(w_file), framework="pt") as f:
@@ -168,6 +191,12 @@ def read_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
             t = f.get_tensor(key)
             if t.dim() != 2:
                 raise LoRAAdapterError(f"{w_file}: {key} has shape {tuple(t.shape)}; expected 2-D")
+            if not t.is_floating_point():
+                raise LoRAAdapterError(f"{w_file}: {key} is {str(t.dtype).removeprefix('torch.')}; expected a "
+                                       "floating-point type")
+            wide = t if t.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else t.float()
+            if not torch.isfinite(wide).all():  # served, it would make this adapter's outputs NaN (fp8: no isfinite)
+                raise LoRAAdapterError(f"{w_file}: {key} holds NaN or infinite values")
             pairs.setdefault((layer, module), {})[ab] = t
     for (layer, module), ab in sorted(pairs.items()):
         where = f"{w_file}: model.layers.{layer}.{module}"
