@@ -55,6 +55,7 @@ def load_checked_config(model_path: str, trust_remote_code: bool = False, flag: 
         hf_logging.set_verbosity_error()
     try:
         config = load_hf_config(model_path, trust_remote_code)
+        _check_spec_inputs(config, raw, path)
         spec = arch_spec(config, str(path))
     except (CheckpointError, ValueError) as e:
         raise CheckpointError(one_line(str(e))) from e
@@ -62,6 +63,25 @@ def load_checked_config(model_path: str, trust_remote_code: bool = False, flag: 
         hf_logging.set_verbosity(level)
     check_config(config, spec, raw, path)
     return config, spec
+
+
+# config values the architecture specs compute with (models/*.py) before check_config sees them; an alias
+# (num_local_experts -> num_experts) reaches the config without transformers' own type check
+_SPEC_INTS = (*_EXPERT_KEYS, "num_experts_per_tok", "num_hidden_layers", "decoder_sparse_step", "first_k_dense_replace",
+              "moe_layer_freq", "moe_intermediate_size", "intermediate_size", "n_shared_experts", "n_group",
+              "topk_group")
+
+
+def _check_spec_inputs(config, raw: dict, path: Path) -> None:
+    """Integers where the architecture specs need them, and mlp_only_layers a list of them."""
+    for key in _SPEC_INTS:
+        v = raw[key] if key in raw else getattr(config, key, None)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise CheckpointError(f"{path}: {key} is {v!r}, expected an integer")
+    only = raw.get("mlp_only_layers", getattr(config, "mlp_only_layers", None))
+    if only is not None and (not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                                    for i in only)):
+        raise CheckpointError(f"{path}: mlp_only_layers is {only!r}, expected a list of layer indices")
 
 
 def check_config(config, spec, raw: dict, path: Path) -> None:

@@ -88,6 +88,9 @@ def _break(kind: str, path: Path) -> str:
     if kind == "groups":
         _edit_config(path, n_group=3, topk_group=1)
         return "config.json: n_group is 3, expected a divisor of num_experts (8)"
+    if kind == "experts_alias_a_list":  # an alias transformers does not type-check; was "TypeError: '>' not supported"
+        _edit_config(path, num_local_experts=[])
+        return "config.json: num_local_experts is [], expected an integer"
     if kind == "config_not_json":
         (path / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"],')
         return "config.json: not valid JSON"
@@ -118,7 +121,7 @@ def _break(kind: str, path: Path) -> str:
 
 
 MODEL_CASES = ["top_k_above_experts", "kv_heads_not_dividing", "zero_hidden", "float_experts", "negative_moe_size",
-               "groups",
+               "groups", "experts_alias_a_list",
                "config_not_json", "eos_outside_vocab", "truncated_shard", "wrong_shape", "tokenizer_not_json",
                "tokenizer_bad_model"]
 CONVERT_CASES = [c for c in MODEL_CASES if not c.startswith(("tokenizer", "eos"))]  # convert reads no tokenizer
