@@ -13,6 +13,7 @@ working on hybridmoe itself:
 | `HYBRIDMOE_TEST_THREADS` | 2 | threads of the CPU engine tests' shared pool (tests/cpu/conftest.py) |
 | `HYBRIDMOE_HUGEPAGES` | 1 | `0`: CPU weights on plain 4 KB pages, not advised for huge ones (hybridmoe/cpu/hugepages.py; A/B runs) |
 | `HYBRIDMOE_PIN_CALLER` | 0 | `1`: CPU-only decode steps on the pool leader's CPU, its spin 0 (hybridmoe/cpu/caller_pin.py; A/B runs) |
+| `HYBRIDMOE_AMX_INLINE` | 0 | `1`: synchronous CPU MoE tasks of AMX layers run on the calling thread too (CPUThreadPool.inline_amx; tests/cpu/test_amx_caller_thread.py) |
 
 Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
 loads by file path before the package is importable, loads this file by path too.
@@ -30,6 +31,7 @@ MOE_CONFIG_DIR = "HYBRIDMOE_MOE_CONFIG_DIR"
 TEST_THREADS = "HYBRIDMOE_TEST_THREADS"
 HUGEPAGES = "HYBRIDMOE_HUGEPAGES"
 PIN_CALLER = "HYBRIDMOE_PIN_CALLER"
+AMX_INLINE = "HYBRIDMOE_AMX_INLINE"
 
 
 def _get(name: str) -> str | None:
@@ -88,3 +90,8 @@ def pin_caller() -> bool | None:
     if v not in ("0", "1"):
         raise ValueError(f"{PIN_CALLER}={v!r}: expected 0 or 1")
     return v == "1"
+
+
+def amx_inline() -> bool:
+    """HYBRIDMOE_AMX_INLINE=1: new CPU pools run AMX layers' synchronous tasks on the caller too."""
+    return _get(AMX_INLINE) == "1"

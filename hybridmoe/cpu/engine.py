@@ -21,6 +21,7 @@ import threading
 
 import torch
 
+from hybridmoe import envs
 from hybridmoe.cpu import native
 from hybridmoe.cpu.lora_slots import CPULoRASlots, check_lora_idx
 from hybridmoe.cpu.quant import ACTIVATIONS, PackedLayer, PackedMatrix, method_code
@@ -50,6 +51,8 @@ class CPUThreadPool:
         if not handle:
             raise native.CpuIsaError(err.value.decode())
         self._h = handle
+        if envs.amx_inline():
+            self.inline_amx = True
         self.settings = settings
         self.cpus = cpus
         self.threads = len(cpus)
@@ -118,7 +121,18 @@ class CPUThreadPool:
 
     @run_inline.setter
     def run_inline(self, on: bool) -> None:
-        native.lib().hm_pool_inline(self._h, int(bool(on)))
+        native.lib().hm_pool_inline(self._h, (2 if self.inline_amx else 1) if on else 0)
+
+    @property
+    def inline_amx(self) -> bool:
+        """Whether run_inline covers the tasks of AMX layers too (off: they go to the pool threads; see
+        hm_run_task in csrc/api.cpp). HYBRIDMOE_AMX_INLINE=1 sets it at creation (a development knob until
+        tests/cpu/test_amx_caller_thread.py has passed on an AMX host)."""
+        return native.lib().hm_pool_inline(self._h, -1) == 2
+
+    @inline_amx.setter
+    def inline_amx(self, on: bool) -> None:  # turns run_inline on
+        native.lib().hm_pool_inline(self._h, 2 if on else 1)
 
     @property
     def prefetch_bytes(self) -> int:

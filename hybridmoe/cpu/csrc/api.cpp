@@ -186,12 +186,14 @@ int hm_run_task(void* p, const HmTask* task, int64_t spin_us, char* err, int err
       x.err = "CPU MoE task failed (unknown exception)";
     }
   };
-  // A layer on the AMX path keeps its task on the pool's threads: on the H200 host the inline run of
-  // an AMX task on the calling (Python) thread died with SIGILL (tests/cpu/test_layer_decode.py under
-  // HYBRIDMOE_CPU_ISA=amx), while the pool threads have run the AMX kernels all along. Not understood
-  // yet (tile data permission or state of a thread the library did not start), so not inline.
+  // A layer on the AMX path keeps its task on the pool's threads unless hm_pool_inline(p, 2): on the
+  // H200 host the inline run of an AMX task on the calling (Python) thread died with SIGILL
+  // (tests/cpu/test_layer_decode.py under HYBRIDMOE_CPU_ISA=amx), while the pool threads have run the
+  // AMX kernels all along. The likely cause, fixed in moe_amx.cpp configure_tiles: a per-thread
+  // "tiles configured" flag, stale after torch's AMX matmuls released the caller's tiles. Inline stays
+  // off for AMX until tests/cpu/test_amx_caller_thread.py has passed on an AMX host.
   const bool amx = task->layer && static_cast<const hm::HmLayer*>(task->layer)->isa == hm::ISA_AMX;
-  if (!amx && pool->tp.run_inline(fn, &run)) {
+  if ((!amx || pool->inline_amx.load(std::memory_order_relaxed)) && pool->tp.run_inline(fn, &run)) {
     if (run.err.empty()) return 0;
     put(err, errlen, run.err);
     return 1;
@@ -210,12 +212,17 @@ int64_t hm_pool_leader_spin(void* p, int64_t us) {
   return was < 0 ? -1 : was / 1000;
 }
 
-// Whether synchronous calls may run on their caller (ThreadPool::run_inline); on by default.
-// on < 0: only reads it. Returns the setting before.
+// Whether synchronous calls may run on their caller (ThreadPool::run_inline): 0 no, 1 yes but not the
+// tasks of AMX layers (the default), 2 those too (hm_run_task). on < 0: only reads it. Returns the
+// setting before.
 int hm_pool_inline(void* p, int on) {
-  hm::ThreadPool& tp = static_cast<Pool*>(p)->tp;
-  const int was = tp.inline_on() ? 1 : 0;
-  if (on >= 0) tp.set_inline(on != 0);
+  Pool* pool = static_cast<Pool*>(p);
+  hm::ThreadPool& tp = pool->tp;
+  const int was = tp.inline_on() ? (pool->inline_amx.load() ? 2 : 1) : 0;
+  if (on >= 0) {
+    tp.set_inline(on != 0);
+    pool->inline_amx.store(on >= 2);
+  }
   return was;
 }
 

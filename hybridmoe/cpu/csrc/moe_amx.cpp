@@ -34,10 +34,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-thread_local bool t_configured = false;
-
+// Loaded at every AMX GEMM call, not once per thread: TILERELEASE (oneDNN's AMX kernels, torch's bf16
+// matmuls, run it when done) puts a thread's tiles back to the unconfigured state, and a tile load after
+// it is #UD (SIGILL). A thread-local "configured" flag went stale that way on a thread that also runs
+// torch (the calling thread of an inline task); one LDTILECFG per GEMM item costs nothing beside it.
 void configure_tiles() {
-  if (t_configured) return;
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
@@ -46,7 +47,6 @@ void configure_tiles() {
     cfg.rows[i] = 16;
   }
   _tile_loadconfig(&cfg);
-  t_configured = true;
 }
 
 // pf > 0: software prefetch of both weight blocks ahead of their tile loads (each k step reads 1 KiB =

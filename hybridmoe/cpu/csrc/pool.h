@@ -55,6 +55,8 @@ struct Pool {
   std::vector<TraceEv> trace;
   std::atomic<int64_t> trace_n{0};
   std::atomic<bool> tracing{false};
+  // hm_run_task may run a task of an AMX layer on its caller too (hm_pool_inline 2); off by default
+  std::atomic<bool> inline_amx{false};
 
   Pool(int n, const int* cpus, int nsub, const HmPoolSettings& s)
       : settings(s), tp(n, cpus, nsub, s.spin_us * 1000), ws(workspace_create(tp.size())) {}
