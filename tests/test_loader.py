@@ -79,3 +79,19 @@ def test_missing_directory_and_bad_option(tmp_path):
         LLM(str(tmp_path), device="cpu", progress=False, kt_num_gpu_expert=3)
     with pytest.raises(ConfigError, match="--kt-method"):
         LLM(str(tmp_path), device="cpu", progress=False, kt_method="INT3")
+
+
+def test_generation_config_warnings_stay_quiet(tmp_path):
+    """Only the eos ids of generation_config.json are read: transformers' warnings about its sampling
+    flags (printed on stderr as "[transformers] The following generation flags are not valid ...")
+    are not shown. In a subprocess: transformers' logger writes to the stream it found at import."""
+    import subprocess
+    import sys
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": None, "temperature": 0.7, "top_k": 40,
+                                                                 "eos_token_id": [7, 3]}))
+    code = ("import sys; from hybridmoe.engine.model_files import _eos_ids; "
+            "print(_eos_ids(sys.argv[1], None, None))")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[3, 7]", p.stderr
+    assert "generation flags" not in p.stderr, p.stderr

@@ -37,12 +37,17 @@ def _eos_ids(model_path: str, hf_config, tokenizer) -> list[int]:
             ids.update(x for x in v if isinstance(x, int))
 
     add(getattr(hf_config, "eos_token_id", None))
-    try:
-        from transformers import GenerationConfig
+    from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
 
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # only its eos ids are read: its warnings about sampling flags are noise
+    try:
         add(GenerationConfig.from_pretrained(model_path).eos_token_id)
     except Exception:  # no generation_config.json: the config's eos is enough
         pass
+    finally:
+        hf_logging.set_verbosity(level)
     if tokenizer is not None:
         add(tokenizer.eos_token_id)
     return sorted(ids)
