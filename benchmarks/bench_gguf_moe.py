@@ -90,46 +90,81 @@ def main(argv=None) -> dict:
                     help="task: submit -> done of prebuilt tasks (bench_cpu_moe.py's way); forward: layer.forward")
     ap.add_argument("--profile", action="store_true", help="print the native phase times (us per task)")
     ap.add_argument("--prefetch", type=lambda s: [int(v) for v in s.split(",")], default=None,
-                    help="software prefetch distances (bytes) to compare, e.g. 0,1024,2048,4096, one pool each in turn "
-                         "(default: CPUEngineSettings')")
+                    help="software prefetch distances (bytes) to compare, e.g. 0,1024,2048,4096: one pool, its "
+                         "distance switched between runs, the distances interleaved in every round")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeats of the whole (distance x T x type) set, the distances' order rotated each round; "
+                         "with several, the summary gives medians and each distance's per-round ratio to the first")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    prefetch = a.prefetch if a.prefetch is not None else [CPUEngineSettings().prefetch_bytes]
-    settings = [dataclasses.replace(CPUEngineSettings(), prefetch_bytes=pf) for pf in prefetch]  # validated here
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    base = CPUEngineSettings()
+    prefetch = a.prefetch if a.prefetch is not None else [base.prefetch_bytes]
+    for pf in prefetch:
+        dataclasses.replace(base, prefetch_bytes=pf)  # validated here (a bad distance: its own error)
     packs = {typ: [make_layer(typ, a.E, a.H, a.I, s) for s in range(a.layers)] for typ in a.types.split(",")}
-    rows, probes, kernel, threads = [], [], "", 0
-    for st in settings:  # one pool at a time (two would share the cores), on the same packed weights
-        pool = CPUThreadPool(threads=a.threads, settings=st)
-        sets = {typ: [GGUFMoELayer(p, isa=a.isa, pool=pool) for p in ps] for typ, ps in packs.items()}
-        kernel, threads = next(iter(sets.values()))[0].kernel_name, pool.threads
-        probes.append(pool.stream_read_gbps(a.stream_bytes, 5))
-        for t in a.T:
-            for typ, layers in sets.items():  # interleaved with a probe per T: the host's bandwidth swings
-                sec, touched = measure(layers, t, a.k, a.E, a.H, a.seconds, a.min_iters, a.max_iters, a.timing)
-                prof = native.profile(reset=True)
-                per_expert = sum(m.numel() for m in layers[0].packed.tensors().values()) / a.E
-                gbs = touched * per_expert / sec / 1e9
-                tflops = 2 * 3 * a.H * a.I * t * a.k / sec / 1e12
-                phases = {p: v / max(1.0, prof["tasks"]) * 1e6 for p, v in prof.items() if p != "tasks"}
-                rows.append({"type": typ, "T": t, "prefetch": st.prefetch_bytes, "ms": sec * 1e3, "GB/s": gbs,
-                             "TFLOP/s": tflops, "phases_us": phases})
-            probes.append(pool.stream_read_gbps(a.stream_bytes, 5))
-        del sets
-        pool.close()
+    pool = CPUThreadPool(threads=a.threads, settings=dataclasses.replace(base, prefetch_bytes=prefetch[0]))
+    sets = {typ: [GGUFMoELayer(p, isa=a.isa, pool=pool) for p in ps] for typ, ps in packs.items()}
+    kernel, threads = next(iter(sets.values()))[0].kernel_name, pool.threads
+    rows, probes = [], [pool.stream_read_gbps(a.stream_bytes, 5)]
+    for rnd in range(a.rounds):
+        k0 = rnd % len(prefetch)
+        for pf in prefetch[k0:] + prefetch[:k0]:
+            pool.prefetch_bytes = pf
+            for t in a.T:
+                for typ, layers in sets.items():  # a probe per T: the host's bandwidth swings
+                    sec, touched = measure(layers, t, a.k, a.E, a.H, a.seconds, a.min_iters, a.max_iters, a.timing)
+                    prof = native.profile(reset=True)
+                    per_expert = sum(m.numel() for m in layers[0].packed.tensors().values()) / a.E
+                    gbs = touched * per_expert / sec / 1e9
+                    tflops = 2 * 3 * a.H * a.I * t * a.k / sec / 1e12
+                    phases = {p: v / max(1.0, prof["tasks"]) * 1e6 for p, v in prof.items() if p != "tasks"}
+                    rows.append({"type": typ, "T": t, "prefetch": pf, "round": rnd, "ms": sec * 1e3, "GB/s": gbs,
+                                 "TFLOP/s": tflops, "phases_us": phases, "probe_before": probes[-1]})
+                probes.append(pool.stream_read_gbps(a.stream_bytes, 5))
+                for r in rows:
+                    r.setdefault("probe_after", probes[-1])
+    del sets
+    pool.close()
     best = max(probes)
     print(f"kernel {kernel}, threads {threads}, stream-read probe best {best:.1f} GB/s (all {probes})")
     for r in rows:
         r["ratio_to_stream"] = r["GB/s"] / best
-        print(f"{r['type']:7s} T={r['T']:5d} pf={r['prefetch']:5d}  {r['ms']:9.3f} ms  {r['GB/s']:7.1f} GB/s  ratio {r['ratio_to_stream']:.2f}"
-              f"  {r['TFLOP/s']:.3f} TFLOP/s")
+        r["ratio_to_adjacent"] = r["GB/s"] / max(r["probe_before"], r["probe_after"])
+        print(f"{r['type']:7s} T={r['T']:5d} pf={r['prefetch']:5d} round {r['round']}  {r['ms']:9.3f} ms  "
+              f"{r['GB/s']:7.1f} GB/s  ratio {r['ratio_to_stream']:.2f} (adjacent {r['ratio_to_adjacent']:.2f})  "
+              f"{r['TFLOP/s']:.3f} TFLOP/s")
         if a.profile:
             print("         phases (us/task): " + ", ".join(f"{p} {v:.1f}" for p, v in r["phases_us"].items()))
+    summary = summarize(rows, prefetch, best)
+    if a.rounds > 1 or len(prefetch) > 1:
+        for s in summary:
+            print(f"median {s['type']:7s} T={s['T']:5d} pf={s['prefetch']:5d}  {s['GB/s']:7.1f} GB/s  ratio "
+                  f"{s['ratio_to_stream']:.2f} (adjacent {s['ratio_to_adjacent']:.2f})  vs pf={prefetch[0]}: "
+                  f"{s['vs_first']:.3f} (rounds {s['rounds']})")
     res = {"kernel": kernel, "threads": threads, "timing": a.timing, "stream_read_gbps": best, "probes": probes, "rows": rows,
-           "shape": {"E": a.E, "k": a.k, "H": a.H, "I": a.I}}
+           "summary": summary, "shape": {"E": a.E, "k": a.k, "H": a.H, "I": a.I}}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     return res
+
+
+def summarize(rows: list[dict], prefetch: list[int], best: float) -> list[dict]:
+    """Per (type, T, distance): the medians over rounds of GB/s and of the ratio to the adjacent probes, and
+    the median over rounds of GB/s / the first distance's GB/s in the same round (the bandwidth drifts between
+    rounds, less within one)."""
+    by = {(r["type"], r["T"], r["prefetch"], r["round"]): r for r in rows}
+    out = []
+    for typ, t, pf in dict.fromkeys((r["type"], r["T"], r["prefetch"]) for r in rows):
+        mine = [r for r in rows if (r["type"], r["T"], r["prefetch"]) == (typ, t, pf)]
+        vs = [r["GB/s"] / by[(typ, t, prefetch[0], r["round"])]["GB/s"] for r in mine]
+        gbs = statistics.median(r["GB/s"] for r in mine)
+        out.append({"type": typ, "T": t, "prefetch": pf, "rounds": len(mine), "GB/s": gbs, "ratio_to_stream": gbs / best,
+                    "ratio_to_adjacent": statistics.median(r["ratio_to_adjacent"] for r in mine),
+                    "vs_first": statistics.median(vs)})
+    return out
 
 
 if __name__ == "__main__":

@@ -123,8 +123,13 @@ if want cpu-attn; then
 fi
 if want gguf; then
   log bench-gguf-moe
-  timeout "${GGUF_MOE_TIMEOUT:-240}" $PY benchmarks/bench_gguf_moe.py --types Q4_K,Q8_0 --T 1,4,16,1024,4096 --profile \
-    --json "$out/gguf_moe.json" 2>&1 | grep -v Warning | tee "$out/bench_gguf_moe.log" | tail -20
+  # decode sizes: software prefetch distances interleaved in 3 rounds (session 12 saw Q4_K at 0.68 with 4096 against
+  # 0.57-0.61 with the default 2048, the two run one after the other); then large T at the default distance
+  timeout "${GGUF_MOE_TIMEOUT:-300}" $PY benchmarks/bench_gguf_moe.py --types Q4_K,Q8_0 --T 1,4,16 --profile \
+    --prefetch "${GGUF_PREFETCH:-2048,0,4096,8192}" --rounds "${GGUF_ROUNDS:-3}" --json "$out/gguf_moe.json" 2>&1 \
+    | grep -v Warning | tee "$out/bench_gguf_moe.log" | grep -E "^(kernel|median)"
+  timeout "${GGUF_LARGE_TIMEOUT:-200}" $PY benchmarks/bench_gguf_moe.py --types Q4_K,Q8_0 --T 1024,4096 \
+    --json /tmp/gguf_moe_large.json 2>&1 | grep -v Warning | tee -a "$out/bench_gguf_moe.log" | tail -6
   log bench-hybrid-decode-gguf
   # the file (~16 GB at 48 layers) goes to /tmp, not $OUT
   timeout "${GGUF_HYBRID_TIMEOUT:-420}" $PY benchmarks/bench_hybrid_decode.py --gguf "${GGUF_TYPE:-Q4_K}" \
