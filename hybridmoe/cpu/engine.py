@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes as C
+import re
 import threading
 
 import torch
@@ -30,7 +31,17 @@ from hybridmoe.cpu.topology import node_of, plan_threads
 
 
 class CPUMoEError(RuntimeError):
-    """A CPU expert task failed."""
+    """A CPU expert task failed. `token`: the row of the task's input (the forward's token) whose own
+    values caused it, where the native error names one (a non-finite routing weight); None otherwise."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        m = _TOKEN_ERROR.search(message)
+        self.token: int | None = int(m.group(1)) if m else None
+
+
+# the native errors that name the token at fault (csrc/moe.cpp route)
+_TOKEN_ERROR = re.compile(r"non-finite routing weight at token (\d+)")
 
 
 class CPUThreadPool:

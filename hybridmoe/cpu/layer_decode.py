@@ -51,7 +51,7 @@ from hybridmoe.cpu import native
 from hybridmoe.cpu.attn_decode import AttnDecode, AttnDecodeLayers
 from hybridmoe.cpu.dense import DenseTask, set_int8
 from hybridmoe.cpu.dense_linears import DenseLinears
-from hybridmoe.cpu.engine import CPUMoELayer
+from hybridmoe.cpu.engine import CPUMoEError, CPUMoELayer
 from hybridmoe.layers.norm import RMSNorm
 
 MAX_ROWS = 4  # the dense linears' decode limit (dense_linears.MAX_TOKENS)
@@ -223,12 +223,12 @@ class LayerDecodeLayers:
     def _run(self, d: LayerDecode) -> None:
         """The native call (a method of its own: benchmarks/decode_split.py times it)."""
         if _lib().hm_layer_decode(self.dl.pool.handle, C.byref(d), self._err, len(self._err)):
-            raise RuntimeError(self._err.value.decode())
+            raise CPUMoEError(self._err.value.decode())  # a RuntimeError; .token when the MoE part names one
 
     def _run_stack(self, plan: _Plan) -> None:
         """The stacked native call (timed by benchmarks/decode_split.py as layer_native)."""
         if _lib().hm_layers_decode(self.dl.pool.handle, plan.ptrs, C.byref(plan.stack), self._err, len(self._err)):
-            raise RuntimeError(self._err.value.decode())
+            raise CPUMoEError(self._err.value.decode())
 
     # ---- every layer in one call ----
     def _stackable(self, model: nn.Module) -> bool:

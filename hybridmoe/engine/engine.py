@@ -252,6 +252,32 @@ class Engine:
         self.scheduler.finish(req, finish_abort(message))  # pages freed if it still held them
         return self._retire(req) if req.rid in self.reqs else req
 
+    def _fail_culprit(self, batch, error: Exception) -> list[Req] | None:
+        """The model forward raised before any of its work was kept, naming the token whose own values
+        caused it (CPUMoEError.token: a non-finite routing weight, from a request whose activations
+        overflowed): end that token's request alone and leave the others of the batch running (their
+        progress was not advanced; the next step computes the same tokens again). None when the error
+        names no token of a live request: the whole batch fails."""
+        token = getattr(error, "token", None)
+        if token is None:
+            return None
+        row = 0
+        for req, n in zip(batch.reqs, batch.num_tokens):  # rows in the forward's order (ModelRunner)
+            if n <= 0:
+                continue
+            if row <= token < row + n:
+                if req.finished:
+                    return None
+                others = sum(1 for r, k in zip(batch.reqs, batch.num_tokens) if k > 0 and not r.finished) - 1
+                log.error("the model forward failed on a token of request %s; failing it alone, the %d other(s) of "
+                          "its batch compute the step again: %s: %s", req.rid, others, type(error).__name__, error)
+                self.failed_requests += 1
+                self.scheduler.finish(req, dict(finish_abort(f"request failed: {type(error).__name__}: {error}"),
+                                                status_code=500))
+                return [self._retire(req)]
+            row += n
+        return None
+
     def _fail_batch(self, live: list[Req], error: Exception) -> list[Req]:
         """The model forward raised: end the live requests of its batch (pages freed, nothing of
         the step kept); the others, and the next steps, go on."""

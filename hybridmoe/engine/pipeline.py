@@ -96,7 +96,8 @@ class StepPipeline:
             updated += self._process(prev, launched)
         if error is not None:
             assert batch is not None
-            updated += self.engine._fail_batch(live(batch), error)
+            alone = self.engine._fail_culprit(batch, error)  # nothing of the step launched: the others retry it
+            updated += alone if alone is not None else self.engine._fail_batch(live(batch), error)
         elif launched is not None:
             if self.overlap and launched.rows is None:
                 self.inflight = launched

@@ -1,0 +1,45 @@
+"""A request whose own values blow up (its hidden state non-finite: an overflow, a hostile adapter) fails
+alone; the requests batched with it compute the step again and get the tokens they get alone.
+
+The CPU experts refuse a non-finite routing weight and name the token (CPUMoEError.token); the engine
+maps it to its request (Engine._fail_culprit). Before, the whole batch ended with "engine failure".
+Here one token's embedding row is NaN, so exactly the request whose prompt holds it goes non-finite.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmoe import LLM
+
+GREEDY = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+POISON = 77  # the token whose embedding is NaN
+A, C = [5, 6, 7, 8], [9, 10, 11]
+
+
+@pytest.mark.parametrize("kw", [
+    {"dtype": "float32", "kt_method": "BF16", "kt_num_gpu_experts": 0},
+    {"dtype": "bfloat16", "kt_method": "BF16", "kt_num_gpu_experts": 0},  # CPU-only: native layer decode
+    {"dtype": "float32", "kt_method": "BF16", "kt_num_gpu_experts": 3},  # experts on both sides
+], ids=["fp32-cpu-experts", "bf16-cpu-only", "fp32-hybrid"])
+@pytest.mark.parametrize("where", ["prompt", "decode"])
+def test_the_request_at_fault_fails_alone(tiny_model_dir, kw, where):
+    llm = LLM(str(tiny_model_dir("qwen3_moe")), device="cpu", progress=False, **kw)
+    alone = [llm.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in (A, C)]
+    bad = [3, POISON, 4] if where == "prompt" else [3, 4]
+    if where == "decode":  # the poisoned token is the one it samples first: it fails at its first decode step
+        POISONED = llm.generate(input_ids=bad, sampling_params=dict(GREEDY, max_new_tokens=1))["output_ids"][0]
+    else:
+        POISONED = POISON
+    with torch.no_grad():
+        llm.engine.runner.model.model.embed_tokens.weight[POISONED] = float("nan")
+    if where == "decode" and POISONED in [t for p in (A, C) for t in p + alone[(A, C).index(p)]]:
+        pytest.skip(f"token {POISONED} is in the other requests' prompts or outputs too")
+    outs = llm.generate(input_ids=[A, bad, C], sampling_params=GREEDY)
+    reasons = [o["meta_info"]["finish_reason"] for o in outs]
+    assert reasons[1]["type"] == "abort" and reasons[1]["status_code"] == 500, reasons
+    assert "non-finite routing weight" in reasons[1]["message"]
+    assert [outs[0]["output_ids"], outs[2]["output_ids"]] == alone
+    assert reasons[0]["type"] == reasons[2]["type"] == "length"
+    assert llm.engine.stats()["kv_used_pages"] == 0 and llm.engine.failed_requests == 1
