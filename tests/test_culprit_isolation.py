@@ -22,7 +22,9 @@ A, C = [5, 6, 7, 8], [9, 10, 11]
     {"dtype": "float32", "kt_method": "BF16", "kt_num_gpu_experts": 0},
     {"dtype": "bfloat16", "kt_method": "BF16", "kt_num_gpu_experts": 0},  # CPU-only: native layer decode
     {"dtype": "float32", "kt_method": "BF16", "kt_num_gpu_experts": 3},  # experts on both sides
-], ids=["fp32-cpu-experts", "bf16-cpu-only", "fp32-hybrid"])
+    # deferred CPU experts: two failed tasks in the step (the deferred one's error reported with it)
+    {"dtype": "bfloat16", "kt_method": "AMXINT8", "kt_num_gpu_experts": 2, "kt_max_deferred_experts_per_token": 2},
+], ids=["fp32-cpu-experts", "bf16-cpu-only", "fp32-hybrid", "int8-deferred"])
 @pytest.mark.parametrize("where", ["prompt", "decode"])
 def test_the_request_at_fault_fails_alone(tiny_model_dir, kw, where):
     llm = LLM(str(tiny_model_dir("qwen3_moe")), device="cpu", progress=False, **kw)
