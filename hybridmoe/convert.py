@@ -204,8 +204,14 @@ class Converter:
                 gate_up, down = fut.result()
                 if e1 < self.e:
                     fut = prefetch.submit(self._read_chunk, layer, e1, min(e1 + self.chunk, self.e))
-                part = native_pack.pack_layer(gate_up, down, self.method, self.opts.group_size, True, self.activation,
-                                              chunk=e1 - e0, pool=native_pack.load_pool()).tensors()
+                try:
+                    part = native_pack.pack_layer(gate_up, down, self.method, self.opts.group_size, True,
+                                                  self.activation, chunk=e1 - e0, pool=native_pack.load_pool()).tensors()
+                except native_pack.NonFiniteWeights as bad:  # name the checkpoint tensor
+                    names = dict(zip(("gate_proj", "up_proj", "down_proj"),
+                                     self.spec.expert_tensor_names(layer, e0 + bad.expert), strict=True))
+                    raise CheckpointError(f"tensor '{names[bad.proj]}': row {bad.row} holds NaN or infinite values: "
+                                          "the checkpoint is damaged") from None
                 del gate_up, down
                 if wfut is not None:
                     wfut.result()

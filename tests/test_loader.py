@@ -95,3 +95,25 @@ def test_generation_config_warnings_stay_quiet(tmp_path):
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[3, 7]", p.stderr
     assert "generation flags" not in p.stderr, p.stderr
+
+
+def test_non_finite_expert_weights_at_load_time_name_the_expert(tiny_model_dir, tmp_path):
+    """Load-time quantization (no --kt-weight-path) of a checkpoint with an infinity in an expert: one
+    CheckpointError naming the layer, expert, projection and row (the native quantizer's check)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hybridmoe import LLM
+    from hybridmoe.weights.loader import CheckpointError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir("qwen3_moe"), bad)
+    shard = next(bad.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = "model.layers.2.mlp.experts.6.up_proj.weight"  # layer 1 is dense in this model
+    tensors[name] = tensors[name].clone()
+    tensors[name][20, 9] = float("inf")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="layer 2 routed experts: expert 6 up_proj row 20: NaN or infinite"):
+        LLM(str(bad), device="cpu", progress=False, kt_method="AMXINT8", kt_num_gpu_experts=0)

@@ -15,6 +15,7 @@ a GPU) goes to quant.pack_layer.
 from __future__ import annotations
 
 import ctypes as C
+import re
 
 import torch
 
@@ -82,7 +83,26 @@ def quantize_into(src: torch.Tensor | None, out: PackedMatrix, method: str, grou
     pool = pool or load_pool()
     err = C.create_string_buffer(512)
     if native.lib().hm_quantize(pool.handle, C.byref(s), C.byref(d), err, len(err)):
-        raise ValueError(err.value.decode())
+        msg = err.value.decode()
+        m = _NON_FINITE.match(msg)
+        if m is None:
+            raise ValueError(msg)
+        ex, row = e0 + int(m.group(1)), int(m.group(2))  # the source's expert and row (w13: [gate; up])
+        proj = "down_proj" if not w13_inter else "gate_proj" if row < w13_inter else "up_proj"
+        row = row - w13_inter if proj == "up_proj" else row
+        raise NonFiniteWeights(f"expert {ex} {proj} row {row}{m.group(3)}", ex, proj, row)
+
+
+class NonFiniteWeights(ValueError):
+    """Source weights with a NaN or an infinity (a damaged checkpoint): the expert (index in the layer),
+    its projection (gate_proj, up_proj, down_proj) and row."""
+
+    def __init__(self, message: str, expert: int, proj: str, row: int) -> None:
+        super().__init__(message)
+        self.expert, self.proj, self.row = expert, proj, row
+
+
+_NON_FINITE = re.compile(r"expert (\d+) row (\d+)(: NaN or infinite values.*)$")  # csrc/quantize.cpp quantize_run
 
 
 def native_supported(method: str, gate_up: torch.Tensor, device) -> bool:

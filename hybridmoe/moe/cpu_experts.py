@@ -22,10 +22,11 @@ import torch
 from hybridmoe.config import HybridConfig
 from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool, default_pool
 from hybridmoe.cpu.gguf_engine import GGUFExperts, GGUFMoELayer
-from hybridmoe.cpu.pack import pack_layer  # native quantizers (the torch reference where they do not apply)
+from hybridmoe.cpu.pack import NonFiniteWeights, pack_layer  # native quantizers (the torch reference elsewhere)
 from hybridmoe.cpu.quant import PackedLayer, page_aligned_layer
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts
 from hybridmoe.moe.options import ExpertsOptions
+from hybridmoe.weights.loader import CheckpointError
 
 
 def cpu_pool_for(cfg: HybridConfig) -> CPUThreadPool:
@@ -59,6 +60,8 @@ class CPUExperts(MoEExperts):
                     fp8_block=weights.block,
                     pool=options.pool,
                 )
+            except NonFiniteWeights as e:  # a damaged checkpoint: one line naming the layer, expert and row
+                raise CheckpointError(f"layer {layer_idx} routed experts: {e}") from e
             except ValueError as e:  # bad fp8 blocks or NaN weights: say which layer
                 raise ValueError(f"layer {layer_idx} routed experts: {e}") from e
         if isinstance(packed, GGUFExperts):  # --kt-method LLAMAFILE: the GGUF blocks themselves

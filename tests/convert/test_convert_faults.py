@@ -162,3 +162,19 @@ def test_disk_full(bf16_checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.undo()
     assert run_convert(src, tmp_path / "o", "int8", "--resume") == 0
     assert cli_main(["convert", "--verify", str(tmp_path / "o")]) == 0
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_non_finite_weights_are_named(bf16_checkpoint, tmp_path, capsys, method):
+    """A NaN in an expert tensor of the source (a damaged download) stops the conversion with one line
+    naming the tensor and row, instead of converting it to plausible-looking garbage."""
+    broken = tmp_path / "nan"
+    shutil.copytree(bf16_checkpoint("qwen3_moe"), broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    name = "model.layers.2.mlp.experts.6.up_proj.weight"
+    tensors[name] = tensors[name].clone()
+    tensors[name][5, 3] = float("nan")
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    err = _error(capsys, broken, tmp_path / "out", method=method)
+    assert f"tensor '{name}': row 5 holds NaN or infinite values: the checkpoint is damaged" in err
+    assert "Traceback" not in err and sum(ln.startswith("hybridmoe convert: error:") for ln in err.splitlines()) == 1

@@ -160,3 +160,23 @@ def test_random_packed_layer_runs(qpool):
     gu, dn = lay.dequantized()
     out = CPUMoELayer(lay, pool=qpool).forward(x, ids, w)
     assert rel_error(out, moe_reference(x, ids, w, gu, dn, act_quant="int8")) < 2e-2
+
+
+@pytest.mark.parametrize(("method", "group", "sym"), CASES[:3])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(("where", "proj"), [("gate_up", "gate_proj"), ("gate_up", "up_proj"), ("down", "down_proj")])
+def test_native_refuses_non_finite_weights(method, group, sym, bad, where, proj, qpool):
+    """A NaN or an infinity in the source (a damaged checkpoint) is an error naming its expert, projection
+    and row. Before, amax_of's max dropped a NaN (maxps returns its other operand) and the row was quantized to
+    values that looked fine."""
+    g = torch.Generator().manual_seed(3)
+    e, i, h = 5, 48, 256
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    row = {"gate_proj": 17, "up_proj": 30, "down_proj": 201}[proj]
+    if where == "gate_up":
+        gate_up[3, row + (i if proj == "up_proj" else 0), 77] = bad
+    else:
+        down[3, row, 40] = bad
+    with pytest.raises(pack.NonFiniteWeights, match=f"expert 3 {proj} row {row}: NaN or infinite") as info:
+        pack.pack_layer(gate_up, down, method, group, sym, pool=qpool)
+    assert (info.value.expert, info.value.proj, info.value.row) == (3, proj, row)

@@ -334,7 +334,7 @@ double hm_stream_read(void* p, int64_t bytes, int iters) {
 }
 
 // Quantizes and packs one stacked matrix on all pool threads (quantize.h); waits for it. Returns 0,
-// or 1 with what is wrong in err.
+// or 1 with what is wrong in err (bad arguments, or a source row with a NaN or an infinity).
 int hm_quantize(void* p, const HmQuantSrc* src, const HmQuantDst* dst, char* err, int errlen) {
   Pool* pool = static_cast<Pool*>(p);
   const char* bad = hm::quantize_check(*src, *dst);
@@ -344,9 +344,12 @@ int hm_quantize(void* p, const HmQuantSrc* src, const HmQuantDst* dst, char* err
   }
   const HmQuantSrc s = *src;
   const HmQuantDst d = *dst;
-  int64_t id = pool->tp.submit([&] { hm::quantize_run(pool->tp, s, d); });
+  std::string what;
+  int64_t id = pool->tp.submit([&] { what = hm::quantize_run(pool->tp, s, d); });
   pool->tp.wait_task(id);
-  return 0;
+  if (what.empty()) return 0;
+  put(err, errlen, what);
+  return 1;
 }
 
 }  // extern "C"

@@ -157,11 +157,25 @@ void quant_int4_group(const float* g, int G, bool sym, uint8_t* u, float& d, flo
   m = lo;
 }
 
+// Whether x[0..n) (n % 8 == 0) holds no NaN and no infinity: |x| < inf is false for both.
+inline bool all_finite(const float* x, int n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 inf = _mm256_set1_ps(INFINITY);
+  __m256 bad = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8)
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), inf, _CMP_NLT_UQ));
+  return _mm256_movemask_ps(bad) == 0;
+}
+
 struct Ctx {
   const HmQuantSrc* s;
   const HmQuantDst* d;
   int64_t units, blocks;
   std::atomic<int64_t> next{0};
+  // the first non-finite source row found, as expert * N + row (-1: none). A damaged checkpoint: its
+  // NaN would otherwise be dropped by the max of amax_of (maxps returns the other operand) and the row
+  // quantized to garbage that looks fine.
+  std::atomic<int64_t> bad{-1};
 };
 
 // Source row of packed row o (-1: padding).
@@ -182,11 +196,22 @@ void ph_quantize(int, void* p) {
   std::vector<uint8_t> q(size_t(16) * Kp);
   for (int64_t u = c.next.fetch_add(1); u < c.units; u = c.next.fetch_add(1)) {
     const int e = int(u / c.blocks), nb = int(u % c.blocks);
-    for (int r = 0; r < 16; ++r) {
+    bool finite = true;
+    for (int r = 0; r < 16 && finite; ++r) {
       const int row = src_row(s, nb * 16 + r);
-      if (row < 0) std::fill(w.data() + size_t(r) * Kp, w.data() + size_t(r + 1) * Kp, 0.0f);
-      else load_row(s, e, row, Kp, w.data() + size_t(r) * Kp);
+      if (row < 0) {
+        std::fill(w.data() + size_t(r) * Kp, w.data() + size_t(r + 1) * Kp, 0.0f);
+      } else {
+        load_row(s, e, row, Kp, w.data() + size_t(r) * Kp);
+        if (!all_finite(w.data() + size_t(r) * Kp, Kp)) {
+          int64_t none = -1;
+          c.bad.compare_exchange_strong(none, int64_t(e) * s.N + row);
+          c.next.store(c.units);  // the others stop at their next unit
+          finite = false;
+        }
+      }
     }
+    if (!finite) break;
     const int64_t n0 = int64_t(e) * d.Np + int64_t(nb) * 16;  // first row of the block, all experts
     if (d.method == 0) {
       int8_t* qs = reinterpret_cast<int8_t*>(q.data());
@@ -239,13 +264,17 @@ const char* quantize_check(const HmQuantSrc& s, const HmQuantDst& d) {
   return "";
 }
 
-void quantize_run(ThreadPool& pool, const HmQuantSrc& s, const HmQuantDst& d) {
+std::string quantize_run(ThreadPool& pool, const HmQuantSrc& s, const HmQuantDst& d) {
   Ctx c;
   c.s = &s;
   c.d = &d;
   c.blocks = d.Np / 16;
   c.units = int64_t(s.E) * c.blocks;
   if (c.units) pool.parallel(ph_quantize, &c);
+  const int64_t bad = c.bad.load();
+  if (bad < 0) return "";
+  return "expert " + std::to_string(bad / s.N) + " row " + std::to_string(bad % s.N) +
+         ": NaN or infinite values in the source weights (a damaged checkpoint?)";
 }
 
 }  // namespace hm

@@ -4,6 +4,7 @@
 // Legend: E experts, N source rows, K source columns, Np/Kp padded sizes, G int4 group size.
 #pragma once
 #include <cstdint>
+#include <string>
 
 extern "C" {
 // The source: a strided stack of float matrices, or (data == nullptr) random values drawn in place
@@ -40,5 +41,7 @@ namespace hm {
 class ThreadPool;
 // "" on success, else what is wrong with the arguments. Runs on the calling thread (a pool task).
 const char* quantize_check(const HmQuantSrc& s, const HmQuantDst& d);
-void quantize_run(ThreadPool& pool, const HmQuantSrc& s, const HmQuantDst& d);
+// "" on success, else the first source row found holding a NaN or an infinity (its expert and row;
+// the rest of the work is skipped, the destination left partly written).
+std::string quantize_run(ThreadPool& pool, const HmQuantSrc& s, const HmQuantDst& d);
 }  // namespace hm
