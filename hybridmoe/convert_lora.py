@@ -76,6 +76,7 @@ def adapter_config(kt: KTInput, half: str, base_model: str) -> dict:
 
 
 def _write_tensors(file: Path, sources: list[Source], kt: KTInput) -> None:
+    import torch
     from safetensors import safe_open
 
     last = {s.layer: i for i, s in enumerate(sources) if s.layer is not None}  # layer -> its last source
@@ -85,7 +86,12 @@ def _write_tensors(file: Path, sources: list[Source], kt: KTInput) -> None:
         for src_file, group in groupby(sources, key=lambda s: s.file):
             with safe_open(str(src_file), framework="pt") as f:
                 for s in group:
-                    w.write(f.get_tensor(s.key))
+                    t = f.get_tensor(s.key)
+                    wide = t if t.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else t.float()
+                    if not torch.isfinite(wide).all():  # served, it would only make its requests' outputs NaN
+                        raise ConvertLoRAError(f"{src_file}: {s.key} holds NaN or infinite values (did the training "
+                                               "diverge?)")
+                    w.write(t)
                     if s.layer is not None and last[s.layer] == i:
                         done += 1
                         log.info("layer %d: %d experts' LoRA written (rank %d) [%d/%d layers]", s.layer,
@@ -122,7 +128,13 @@ def convert(input_path: str | Path, output: str | Path, base_model: str, lora_al
              kt.num_experts, kt.rank, kt.lora_alpha, len(kt.linears))
     for d, half in dests:
         sources = {"both": kt.experts + kt.linears, "expert": kt.experts, "nonexpert": kt.linears}[half]
-        _write_dir(d, sources, adapter_config(kt, half, base_model), kt)
+        created = not d.exists()
+        try:
+            _write_dir(d, sources, adapter_config(kt, half, base_model), kt)
+        except BaseException:  # a tensor found bad while streaming: leave no directory this run made empty
+            if created and d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+            raise
     return dests
 
 

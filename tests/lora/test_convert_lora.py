@@ -245,6 +245,11 @@ BAD = {
     "bad_r": (_cfg_update(r=0), "r 0: expected a positive integer"),
     "bad_targets": (_cfg_update(target_modules="all-linear"), "target_modules 'all-linear': expected a list"),
     "dora": (_cfg_update(use_dora=True), "use_dora is not supported"),
+    # found while streaming (a diverged training run): still one line, and no output directory left behind
+    "nan_expert": (_edit(F, lambda t: t["layers.2.experts.up_lora_b"].view(-1).__setitem__(5, float("nan"))),
+                   f"{F}: layers.2.experts.up_lora_b holds NaN or infinite values (did the training diverge?)"),
+    "inf_nonexpert": (_edit(W, lambda t: t[f"{A0}.lora_B.weight"].view(-1).__setitem__(0, float("-inf"))),
+                      f"{W}: {A0}.lora_B.weight holds NaN or infinite values"),
 }
 
 
