@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.cpu import native
+from hybridmoe.cpu.engine import CPUMoEError
 
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -191,7 +192,7 @@ def dense_linear_int8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None 
     err = C.create_string_buffer(512)
     if _lib().hm_dense(pool.handle, C.byref(task), native.ISAS[native.resolve_isa(isa)], int(spin_us), err,
                        len(err)):
-        raise RuntimeError(err.value.decode())
+        raise CPUMoEError(err.value.decode())  # a RuntimeError; .token: the input row it names
     return out
 
 

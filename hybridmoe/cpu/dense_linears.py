@@ -25,6 +25,7 @@ from torch import nn
 
 from hybridmoe.cpu import native
 from hybridmoe.cpu.dense import DenseTask, Int8Weight, _lib, dense_isa, pack_int8, set_int8
+from hybridmoe.cpu.engine import CPUMoEError
 
 MAX_TOKENS = 4  # rows of x above which torch's GEMM is faster (benchmarks/bench_cpu_dense.py)
 MIN_BYTES = 0  # every size: small weights are read by the calling thread itself (csrc/dense_api.cpp)
@@ -97,7 +98,7 @@ class DenseLinears:
                 int8_on[0] = self.int8_enabled
             task.x, task.ldx, task.T, task.out = x2.data_ptr(), x2.stride(0), rows, out.data_ptr()
             if lb.hm_dense(self.pool.handle, C.byref(task), self.isa_code, self.spin_us, err, len(err)):
-                raise RuntimeError(err.value.decode())
+                raise CPUMoEError(err.value.decode())  # a RuntimeError; .token: the input row it names
             return out
 
         return forward

@@ -31,17 +31,20 @@ from hybridmoe.cpu.topology import node_of, plan_threads
 
 
 class CPUMoEError(RuntimeError):
-    """A CPU expert task failed. `token`: the row of the task's input (the forward's token) whose own
-    values caused it, where the native error names one (a non-finite routing weight); None otherwise."""
+    """A CPU expert task (or a native dense linear, cpu/dense.py) failed. `token`: the row of the task's
+    input (the forward's token) whose own values caused it, where the native error names one (a non-finite
+    routing weight, input row or expert activation); None otherwise."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         m = _TOKEN_ERROR.search(message)
-        self.token: int | None = int(m.group(1)) if m else None
+        self.token: int | None = int(m.group(1) or m.group(2)) if m else None
 
 
-# the native errors that name the token at fault (csrc/moe.cpp route)
-_TOKEN_ERROR = re.compile(r"non-finite routing weight at token (\d+)")
+# the native errors that name the token at fault (csrc/moe.cpp: a non-finite routing weight, input row or
+# expert activation; csrc/dense_api.cpp: a non-finite input row of an int8 dense linear)
+_TOKEN_ERROR = re.compile(r"(?:non-finite routing weight|holds NaN or Inf(?: \(overflow\?\))?) at token (\d+)"
+                          r"|row (\d+) of the input holds NaN or Inf")
 
 
 class CPUThreadPool:

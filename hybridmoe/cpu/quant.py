@@ -355,6 +355,9 @@ def pack_fp8_matrices(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: 
     gu, dn = gate_up.cpu().view(torch.uint8), down.cpu().view(torch.uint8)
     _check_fp8_finite(gu, "gate_up")
     _check_fp8_finite(dn, "down")
+    for name, t in (("gate_up", gate_up_scale), ("down", down_scale)):  # a NaN scale: NaN for its whole block
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"fp8 {name} block scales (weight_scale_inv) hold NaN or infinite values")
     (_, sg), (_, su) = _fp8_split(gate_up, gate_up_scale.cpu(), block)
     s13 = torch.stack([fp8_row_block_scales(sg, i, ip, hp, block), fp8_row_block_scales(su, i, ip, hp, block)], dim=2)
     w13 = PackedMatrix(pack_pairs(interleave_w13(gu, ip, hp)), 2 * ip, hp,

@@ -44,9 +44,37 @@ def test_failing_task_raises_and_next_runs(layer, inputs):
         layer.sync()
     xn = x.clone()
     xn[2, 5] = float("nan")
-    with pytest.raises(CPUMoEError, match="NaN"):
+    with pytest.raises(CPUMoEError, match="NaN") as err:
         layer.forward(xn, ids, w)
+    assert err.value.token == 2  # the engine fails that token's request alone (Engine._fail_culprit)
     assert torch.equal(layer.forward(x, ids, w), good)
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16"])
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_non_finite_errors_name_their_token(pool, method, t):
+    """Each per-token error names the token (CPUMoEError.token): a non-finite input row, a non-finite
+    routing weight, an expert activation that overflows; an error of the whole task names none."""
+    g = torch.Generator().manual_seed(t)
+    layer = CPUMoELayer(pack_layer(torch.randn(6, 64, 128, generator=g) * 0.05,
+                                   torch.randn(6, 128, 32, generator=g) * 0.05, method), pool=pool)
+    x, w = torch.randn(t, 128, generator=g), torch.rand(t, 2, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(t)]).to(torch.int32)
+    bad = t // 2
+    cases = [("input", lambda x, w: x.__setitem__((bad, 7), float("nan")), "input x holds NaN or Inf"),
+             ("weight", lambda x, w: w.__setitem__((bad, 1), float("inf")), "non-finite routing weight"),
+             ("overflow", lambda x, w: x.__setitem__((bad, slice(0, 4)), 3e38), "expert activation holds NaN")]
+    for _, poison, words in cases:
+        xb, wb = x.clone(), w.clone()
+        poison(xb, wb)
+        with pytest.raises(CPUMoEError, match=words) as err:
+            layer.forward(xb, ids, wb)
+        assert err.value.token == bad, str(err.value)
+    wrong = ids.clone()
+    wrong[bad, 0] = 99
+    with pytest.raises(CPUMoEError, match="out of range") as err:
+        layer.forward(x, wrong, w)
+    assert err.value.token is None
 
 
 def test_bad_shapes_raise_at_submit(layer, inputs):

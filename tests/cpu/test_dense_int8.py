@@ -62,8 +62,9 @@ def test_int8_dense_edges(pool):
         dense.dense_linear_int8(torch.randn(17, 128).bfloat16(), q, pool=pool)
     bad = torch.randn(3, 128).bfloat16()
     bad[1, 5] = float("nan")
-    with pytest.raises(RuntimeError, match="row 1 of the input holds NaN or Inf"):
+    with pytest.raises(RuntimeError, match="row 1 of the input holds NaN or Inf") as err:
         dense.dense_linear_int8(bad, q, pool=pool)
+    assert err.value.token == 1  # a CPUMoEError: the engine fails that token's request alone
     with pytest.raises(ValueError, match="bf16 CPU x"):
         dense.dense_linear_int8(torch.randn(1, 64).bfloat16(), q, pool=pool)
 

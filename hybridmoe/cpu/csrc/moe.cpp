@@ -171,6 +171,16 @@ struct Ctx {
   int64_t sub_beg[MAXSUB + 1];
   Counter next[MAXSUB];
   std::atomic<int> bad{0};
+  std::atomic<int64_t> bad_tok{-1};  // a token whose row was found non-finite (-1: none known)
+  void mark_bad(int64_t tok) {  // the error names it: the engine fails that token's request alone
+    int64_t none = -1;
+    bad_tok.compare_exchange_strong(none, tok);
+    bad.store(1);
+  }
+  std::string at_token() const {
+    const int64_t tok = bad_tok.load();
+    return tok < 0 ? "" : " at token " + std::to_string(tok);
+  }
 };
 
 inline void range_of(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
@@ -187,7 +197,7 @@ void ph_quant_tokens(int tid, void* p) {
   for (int64_t r = b; r < e; ++r)
     if (!c.k->quant_row(c.d->method, x + r * c.d->H * c.xes, c.t->x_dtype, c.d->H, c.d->Hp, c.d->group,
                         c.XQ + r * c.ld1, c.XS + r, c.XG + r * c.gs1))
-      c.bad.store(1);
+      c.mark_bad(r);
 }
 
 void ph_gather(int tid, void* p) {
@@ -221,7 +231,7 @@ void ph_quant2(int tid, void* p) {
     if (c.round_act_bf16) round_to_bf16(c.af + s * c.d->Ip, c.d->I);
     if (!c.k->quant_row(c.d->method, c.af + s * c.d->Ip, DT_F32, c.d->I, c.d->Ip, c.d->group, c.A2 + s * c.ld2,
                         c.sx2 + s, c.g2 + s * c.gs2))
-      c.bad.store(1);
+      c.mark_bad(c.slot_tok[s]);
   }
 }
 
@@ -262,7 +272,8 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
         std::atomic<int>& done = c.ws->qdone[size_t(c.ws->qbase[size_t(it.e)] + (it.m0 / MC) * (d.Ip / QBLK) + kb)];
         if (done.fetch_add(n, std::memory_order_acq_rel) + n == QNB)
           for (int r = 0; r < M; ++r)
-            if (!c.k->quant_block(c.af + (r0 + r) * d.Ip, d.Ip, kb, c.A2 + (r0 + r) * c.ld2)) c.bad.store(1);
+            if (!c.k->quant_block(c.af + (r0 + r) * d.Ip, d.Ip, kb, c.A2 + (r0 + r) * c.ld2))
+              c.mark_bad(c.slot_tok[r0 + r]);
       }
     } else {
       ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2, c.prefetch};
@@ -498,7 +509,7 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     // Decode-sized tasks convert their few rows on the leader alone: a parallel phase costs a
     // wake-up and a barrier of every thread (several us), more than the work itself.
     light(pool, c, ph_quant_tokens, c.S <= kInlineRows1);
-    if (c.bad.load()) return "input x holds NaN or Inf";
+    if (c.bad.load()) return "input x holds NaN or Inf" + c.at_token();
     if (c.ngsl) light(pool, c, ph_gather, c.ngsl <= kInlineRows1);
     sw.lap(1);
     c.lora = lora_begin(L.lora, L.isa, t.lora_idx, t.x, t.x_dtype, d.H, t.T, c.S, c.slot_tok, ws.offs.data());
@@ -513,7 +524,7 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     if (c.lora) lora_mid(*c.lora, c.af);  // the down units read the activations before they are quantized
     sw.lap(2);
     if (!c.fuse_q2) light(pool, c, ph_quant2, c.S <= kInlineRows2);
-    if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)";
+    if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)" + c.at_token();
     sw.lap(3);
     build_items(c, d.w2, CW2, 1);
     pool.parallel(ph_gemm<false>, &c, dyn);
