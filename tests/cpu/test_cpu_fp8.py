@@ -187,6 +187,11 @@ def test_nan_input_raises_and_nan_weights_are_refused(pool):
     with pytest.raises(ValueError, match="NaN"):
         quant.pack_layer(w.gate_up, bad.view(torch.float8_e4m3fn), "FP8", fp8_scales=(w.gate_up_scale, w.down_scale),
                          fp8_block=w.block)
+    for v in (float("nan"), float("inf")):  # a damaged weight_scale_inv: NaN for its whole block
+        scale = w.gate_up_scale.clone()
+        scale[1, 0, 1] = v
+        with pytest.raises(ValueError, match=r"fp8 gate_up block scales \(weight_scale_inv\) hold NaN or infinite"):
+            quant.pack_layer(w.gate_up, w.down, "FP8", fp8_scales=(scale, w.down_scale), fp8_block=w.block)
 
 
 def test_block_sizes_the_kernels_cannot_take_are_refused():
