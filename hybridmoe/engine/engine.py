@@ -257,9 +257,10 @@ class Engine:
         caused it (CPUMoEError.token: a non-finite routing weight, from a request whose activations
         overflowed): end that token's request alone and leave the others of the batch running (their
         progress was not advanced; the next step computes the same tokens again). None when the error
-        names no token of a live request: the whole batch fails."""
+        names no token of a live request: the whole batch fails. CPU device only: on CUDA the CPU experts'
+        errors are checked after the step (StepPipeline._process) and may be an earlier step's."""
         token = getattr(error, "token", None)
-        if token is None:
+        if token is None or self.runner.device.type != "cpu":
             return None
         row = 0
         for req, n in zip(batch.reqs, batch.num_tokens):  # rows in the forward's order (ModelRunner)
