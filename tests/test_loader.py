@@ -117,3 +117,31 @@ def test_non_finite_expert_weights_at_load_time_name_the_expert(tiny_model_dir, 
     save_file(tensors, str(shard), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="layer 2 routed experts: expert 6 up_proj row 20: NaN or infinite"):
         LLM(str(bad), device="cpu", progress=False, kt_method="AMXINT8", kt_num_gpu_experts=0)
+
+
+def test_dummy_weights_are_the_same_in_every_run():
+    """--load-format dummy draws each tensor from a generator seeded by its name: two runs (whatever the
+    global RNG state) build the same model, so benchmark runs compare one model and smoke tests are
+    reproducible (bench_grammar's smoke test failed in one CI run of a model whose greedy text closed its JSON
+    early)."""
+    from hybridmoe.weights.fp8_loading import Fp8DummyReader
+    from hybridmoe.weights.loader import DummyWeights
+
+    def draw(reader, name, dtype=torch.float32):
+        t = torch.empty(64, 48, dtype=dtype)
+        reader.fill(name, t)
+        return t
+
+    torch.manual_seed(1)
+    a = draw(DummyWeights(), "model.layers.0.self_attn.q_proj.weight")
+    torch.manual_seed(2)
+    assert torch.equal(a, draw(DummyWeights(), "model.layers.0.self_attn.q_proj.weight"))
+    assert not torch.equal(a, draw(DummyWeights(), "model.layers.0.self_attn.k_proj.weight"))
+    assert not torch.equal(a, draw(DummyWeights(seed=1), "model.layers.0.self_attn.q_proj.weight"))
+    assert 0.015 < a.std().item() < 0.025 and torch.equal(draw(DummyWeights(), "model.norm.weight"),
+                                                          torch.ones(64, 48))
+    f8 = Fp8DummyReader(DummyWeights(), (128, 128))
+    w = draw(f8, "model.layers.0.mlp.experts.0.up_proj.weight", torch.float8_e4m3fn)
+    torch.manual_seed(3)
+    assert torch.equal(w.view(torch.uint8),
+                       draw(f8, "model.layers.0.mlp.experts.0.up_proj.weight", torch.float8_e4m3fn).view(torch.uint8))

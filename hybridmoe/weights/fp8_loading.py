@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -172,10 +173,11 @@ class Fp8DummyReader:
     def fill(self, name: str, dst: torch.Tensor) -> None:
         if dst.dtype == torch.float8_e4m3fn:
             gen_dev = "cuda" if torch.cuda.is_available() else dst.device  # drawn on the GPU: ~100x faster
+            g = torch.Generator(device=gen_dev).manual_seed(zlib.crc32(name.encode()))  # the same in every run
             step = max(1, (1 << 26) // max(1, dst[0].numel()))  # fp32 draws of <= 256 MB, not a whole stack
             for i in range(0, dst.shape[0], step):
                 part = dst[i:i + step]
-                part.copy_(torch.empty(part.shape, device=gen_dev).normal_(0.0, self.CODE_STD)
+                part.copy_(torch.empty(part.shape, device=gen_dev).normal_(0.0, self.CODE_STD, generator=g)
                            .clamp_(-448.0, 448.0).to(torch.float8_e4m3fn))
         elif name.endswith("weight_scale_inv"):
             dst.fill_(self.dummy.std / self.CODE_STD)

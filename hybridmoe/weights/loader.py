@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,13 +157,18 @@ class DummyWeights:
         return True
 
     def fill(self, name: str, dst: torch.Tensor) -> None:
+        """The same values for the same name, seed and device in every process (a generator per tensor:
+        the global one left them to the process, so two runs of a benchmark measured two models)."""
         if "norm" in name:
             dst.fill_(1.0)
-        elif dst.device.type == "cpu" and torch.cuda.is_available():
+            return
+        seed = (self.seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
+        if dst.device.type == "cpu" and torch.cuda.is_available():
             # host-side tensors (CPU experts) are drawn on the GPU: ~100x faster than on the CPU
-            dst.copy_(torch.empty(dst.shape, dtype=dst.dtype, device="cuda").normal_(0.0, self.std))
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            dst.copy_(torch.empty(dst.shape, dtype=dst.dtype, device="cuda").normal_(0.0, self.std, generator=g))
         else:
-            dst.normal_(0.0, self.std)
+            dst.normal_(0.0, self.std, generator=torch.Generator(device=dst.device).manual_seed(seed))
 
 
 ExpertsBuilder = Callable[[ExpertWeights, int], MoEExperts]
