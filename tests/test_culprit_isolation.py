@@ -48,3 +48,29 @@ def test_the_request_at_fault_fails_alone(tiny_model_dir, kw, where):
         assert [outs[0]["output_ids"], outs[2]["output_ids"]] == alone
     assert reasons[0]["type"] == reasons[2]["type"] == "length"
     assert llm.engine.stats()["kv_used_pages"] == 0 and llm.engine.failed_requests == 1
+
+
+def test_nan_logits_fail_their_request_alone(tiny_model_dir, monkeypatch):
+    """A request whose logits are NaN (its values blew up after the last check of the CPU experts: the
+    final norm, the LM head) ends with a clear error, and the others of the batch keep their tokens. Before,
+    greedy decoding took token 0 from NaN logits, step after step, and returned it as text."""
+    llm = LLM(str(tiny_model_dir("qwen3_moe")), device="cpu", progress=False, dtype="float32")
+    alone = [llm.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in (A, C)]
+    runner = llm.engine.runner
+    real = runner.model.compute_logits
+    poisoned = {"rows": 0}
+
+    def compute_logits(hidden):  # [B, H] -> [B, V]: the second row of a 3-row step NaN, once
+        out = real(hidden)
+        if out.shape[0] == 3 and not poisoned["rows"]:
+            out = out.clone()
+            out[1] = float("nan")
+            poisoned["rows"] = 1
+        return out
+
+    monkeypatch.setattr(runner.model, "compute_logits", compute_logits)
+    outs = llm.generate(input_ids=[A, [3, 4], C], sampling_params=GREEDY)
+    reasons = [o["meta_info"]["finish_reason"] for o in outs]
+    assert poisoned["rows"] == 1
+    assert reasons[1]["type"] == "abort" and "logits for this request are NaN" in reasons[1]["message"], reasons
+    assert [outs[0]["output_ids"], outs[2]["output_ids"]] == alone

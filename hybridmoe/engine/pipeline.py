@@ -213,6 +213,13 @@ def sample_rows(sampler: Any, logits: torch.Tensor, reqs: list[Req]) -> list[tup
     """
     if not reqs:
         return []
+    if logits.device.type == "cpu":  # a row of NaN logits fails its request alone (no device sync to pay here)
+        bad = torch.isnan(logits).any(dim=-1).tolist()
+        if any(bad):
+            keep = [i for i, b in enumerate(bad) if not b]
+            good = iter(sample_rows(sampler, logits[keep], [reqs[i] for i in keep]) if keep else [])
+            return [NonFiniteLogits("the model's logits for this request are NaN (its activations overflowed?)")
+                    if b else next(good) for b in bad]
     try:
         return _rows(sampler(logits, reqs), len(reqs))
     except Exception as e:
@@ -225,6 +232,10 @@ def sample_rows(sampler: Any, logits: torch.Tensor, reqs: list[Req]) -> list[tup
         except Exception as e:
             rows.append(e)
     return rows
+
+
+class NonFiniteLogits(RuntimeError):
+    """A request's logits hold NaN: its values blew up after the CPU experts' last check."""
 
 
 def _rows(out: Any, n: int) -> list[tuple | Exception]:
