@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe.cpu import hugepages
-from hybridmoe.cpu.quant import PackedLayer, pack_layer
+from hybridmoe.cpu.quant import ACTIVATIONS, METHODS, PackedLayer, pack_layer
 from hybridmoe.weights.loader import CheckpointError
 from hybridmoe.weights.shards import DTYPES, read_header  # noqa: F401 (re-exported for convert)
 
@@ -257,6 +257,10 @@ def _state_problem(m: object) -> str | None:
             return f"field {key!r} is {'missing' if key not in m else repr(m[key])[:60]}"
     if not all(isinstance(v, int) for v in m["moe_layers"]):
         return "field 'moe_layers' is not a list of layer numbers"
+    if m["method"] not in METHODS:  # what convert writes (quant.METHODS); anything else names no kernel
+        return f"field 'method' is {m['method']!r}, expected one of {sorted(METHODS)}"
+    if m["activation"] not in ACTIVATIONS:
+        return f"field 'activation' is {m['activation']!r}, expected one of {sorted(ACTIVATIONS)}"
     for name, v in m["files"].items():
         if not (isinstance(v, dict) and isinstance(v.get("layer"), int) and isinstance(v.get("bytes"), int)
                 and isinstance(v.get("sha256"), str) and len(v["sha256"]) == 64):

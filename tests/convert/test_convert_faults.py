@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -102,6 +103,22 @@ def test_load_checks_method_model_and_source(converted, bf16_checkpoint, tmp_pat
         _load(other, out)
     with pytest.raises(CPUWeightsError, match="no manifest.json"):
         _load(src, tmp_path)
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("method", "", "damaged (field 'method' is '', expected one of"),
+    ("activation", "FP8", "damaged (field 'activation' is 'FP8', expected one of"),
+])
+def test_manifest_names_a_method_and_activation_the_kernels_have(converted, tmp_path, field, value, words):
+    """A manifest edited to an unknown method or activation is damaged (before: an empty method gave 'the
+    weights are  (...) pass --kt-method ', an unknown activation a ValueError naming no file)."""
+    src, out = converted
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps(dict(m, **{field: value})))
+    with pytest.raises(CPUWeightsError, match=re.escape(f"{bad / 'manifest.json'}: {words}")):
+        _load(src, bad)
 
 
 def _error(capsys, src: Path, out: Path, *extra: str, input_type: str = "bf16", method: str = "int8") -> str:
