@@ -262,6 +262,7 @@ class Engine:
         token = getattr(error, "token", None)
         if token is None or self.runner.device.type != "cpu":
             return None
+        self.runner.hooks.discard_failed_step()  # its deferred task's error would fail the retried step
         row = 0
         for req, n in zip(batch.reqs, batch.num_tokens):  # rows in the forward's order (ModelRunner)
             if n <= 0:
@@ -282,6 +283,8 @@ class Engine:
     def _fail_batch(self, live: list[Req], error: Exception) -> list[Req]:
         """The model forward raised: end the live requests of its batch (pages freed, nothing of
         the step kept); the others, and the next steps, go on."""
+        if self.runner.device.type == "cpu":  # nothing of the failed step may fail the next one
+            self.runner.hooks.discard_failed_step()
         log.error("the model forward failed; failing the %d request(s) of its batch: %s: %s", len(live),
                   type(error).__name__, error, exc_info=error if log.isEnabledFor(logging.DEBUG) else None)
         self.failed_batches += 1

@@ -40,6 +40,10 @@ class MoEHooks:
     def check_errors(self) -> None:
         """After a step's results were read on the host: raise what failed out of sight in it."""
 
+    def discard_failed_step(self) -> None:
+        """After a forward that raised, on the CPU device: wait for its work still in flight and drop its
+        errors, so that the next forward reports only its own."""
+
 
 class NoHooks(MoEHooks):
     """For models whose MoE layers keep no shared runtime state."""

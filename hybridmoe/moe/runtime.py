@@ -149,6 +149,27 @@ class HybridRuntime(MoEHooks):
             self.layerwise_active = False
             self.layerwise.end()
 
+    def discard_failed_step(self) -> None:
+        """The failed forward's deferred task and the pool's other tasks waited for, their errors dropped:
+        a deferred task of the failed step reported its error in the next forward, naming a token of the
+        failed batch (the retried step then failed a request that was not at fault). CPU device only: on
+        CUDA the tasks may wait on a stream that will not reach them."""
+        if self.device.type != "cpu":
+            return
+        from hybridmoe.cpu.engine import CPUMoEError
+
+        try:
+            self.collect_pending()
+        except CPUMoEError:
+            pass
+        if self.pool is not None:
+            for _ in range(64):  # each sync reports the errors of the tasks finished by then
+                try:
+                    self.pool.sync()
+                    break
+                except CPUMoEError:
+                    continue
+
     def check_errors(self) -> None:
         """Raise (CPUMoEError) the first error of the CPU expert tasks finished since the last check.
         Tasks run from the CUDA stream (host functions, graph replays) cannot raise where they run:
