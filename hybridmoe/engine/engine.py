@@ -252,6 +252,11 @@ class Engine:
         self.scheduler.finish(req, finish_abort(message))  # pages freed if it still held them
         return self._retire(req) if req.rid in self.reqs else req
 
+    def _discard_failed_step(self) -> None:
+        hooks = getattr(self.runner, "hooks", None)  # (test doubles of the runner have none)
+        if hooks is not None:
+            hooks.discard_failed_step()
+
     def _fail_culprit(self, batch, error: Exception) -> list[Req] | None:
         """The model forward raised before any of its work was kept, naming the token whose own values
         caused it (CPUMoEError.token: a non-finite routing weight, from a request whose activations
@@ -262,7 +267,7 @@ class Engine:
         token = getattr(error, "token", None)
         if token is None or self.runner.device.type != "cpu":
             return None
-        self.runner.hooks.discard_failed_step()  # its deferred task's error would fail the retried step
+        self._discard_failed_step()  # its deferred task's error would fail the retried step
         row = 0
         for req, n in zip(batch.reqs, batch.num_tokens):  # rows in the forward's order (ModelRunner)
             if n <= 0:
@@ -284,7 +289,7 @@ class Engine:
         """The model forward raised: end the live requests of its batch (pages freed, nothing of
         the step kept); the others, and the next steps, go on."""
         if self.runner.device.type == "cpu":  # nothing of the failed step may fail the next one
-            self.runner.hooks.discard_failed_step()
+            self._discard_failed_step()
         log.error("the model forward failed; failing the %d request(s) of its batch: %s: %s", len(live),
                   type(error).__name__, error, exc_info=error if log.isEnabledFor(logging.DEBUG) else None)
         self.failed_batches += 1
