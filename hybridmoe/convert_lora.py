@@ -26,7 +26,7 @@ from itertools import groupby
 from pathlib import Path
 
 from hybridmoe.args import OneLineParser
-from hybridmoe.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from hybridmoe.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, all_finite
 from hybridmoe.lora.kt_checkpoint import EXPERT_PROJS, ConvertLoRAError, KTInput, Source, read_input
 from hybridmoe.weights.safetensors_stream import StreamWriter
 
@@ -76,7 +76,6 @@ def adapter_config(kt: KTInput, half: str, base_model: str) -> dict:
 
 
 def _write_tensors(file: Path, sources: list[Source], kt: KTInput) -> None:
-    import torch
     from safetensors import safe_open
 
     last = {s.layer: i for i, s in enumerate(sources) if s.layer is not None}  # layer -> its last source
@@ -87,8 +86,7 @@ def _write_tensors(file: Path, sources: list[Source], kt: KTInput) -> None:
             with safe_open(str(src_file), framework="pt") as f:
                 for s in group:
                     t = f.get_tensor(s.key)
-                    wide = t if t.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else t.float()
-                    if not torch.isfinite(wide).all():  # served, it would only make its requests' outputs NaN
+                    if t.is_floating_point() and not all_finite(t):  # served, its requests' outputs would be NaN
                         raise ConvertLoRAError(f"{src_file}: {s.key} holds NaN or infinite values (did the training "
                                                "diverge?)")
                     w.write(t)

@@ -112,6 +112,12 @@ class LoRAAdapter:
         self.rank = max(self.rank, other.rank)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in a floating-point LoRA tensor (fp8 has no isfinite: widened first)."""
+    wide = t if t.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else t.float()
+    return bool(torch.isfinite(wide).all())
+
+
 def _pattern_value(patterns: dict, module: str, default: float) -> float:
     """PEFT's rank_pattern / alpha_pattern: the first key that matches the end of the module path."""
     for key, value in patterns.items():
@@ -194,8 +200,7 @@ def read_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
             if not t.is_floating_point():
                 raise LoRAAdapterError(f"{w_file}: {key} is {str(t.dtype).removeprefix('torch.')}; expected a "
                                        "floating-point type")
-            wide = t if t.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else t.float()
-            if not torch.isfinite(wide).all():  # served, it would make this adapter's outputs NaN (fp8: no isfinite)
+            if not all_finite(t):  # served, it would make this adapter's outputs NaN
                 raise LoRAAdapterError(f"{w_file}: {key} holds NaN or infinite values")
             pairs.setdefault((layer, module), {})[ab] = t
     for (layer, module), ab in sorted(pairs.items()):
