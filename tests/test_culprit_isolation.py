@@ -50,11 +50,17 @@ def test_the_request_at_fault_fails_alone(tiny_model_dir, kw, where):
     assert llm.engine.stats()["kv_used_pages"] == 0 and llm.engine.failed_requests == 1
 
 
-def test_nan_logits_fail_their_request_alone(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nan_logits_fail_their_request_alone(tiny_model_dir, monkeypatch, overlap, dtype):
     """A request whose logits are NaN (its values blew up after the last check of the CPU experts: the
     final norm, the LM head) ends with a clear error, and the others of the batch keep their tokens. Before,
-    greedy decoding took token 0 from NaN logits, step after step, and returned it as text."""
-    llm = LLM(str(tiny_model_dir("qwen3_moe")), device="cpu", progress=False, dtype="float32")
+    greedy decoding took token 0 from NaN logits, step after step, and returned it as text. With overlap
+    scheduling the sampled ids are read a step later: the sampler marks the row (no host sync), and the
+    request, computed once more meanwhile, fails when its mark is read."""
+    flag = {"enable_overlap_schedule": True} if overlap else {"disable_overlap_schedule": True}
+    llm = LLM(str(tiny_model_dir("qwen3_moe")), device="cpu", progress=False, dtype=dtype, **flag)
+    assert llm.engine.pipeline.overlap is overlap
     alone = [llm.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in (A, C)]
     runner = llm.engine.runner
     real = runner.model.compute_logits
@@ -74,3 +80,5 @@ def test_nan_logits_fail_their_request_alone(tiny_model_dir, monkeypatch):
     assert poisoned["rows"] == 1
     assert reasons[1]["type"] == "abort" and "logits for this request are NaN" in reasons[1]["message"], reasons
     assert [outs[0]["output_ids"], outs[2]["output_ids"]] == alone
+    assert reasons[0]["type"] == reasons[2]["type"] == "length"
+    assert llm.engine.stats()["kv_used_pages"] == 0 and llm.engine.failed_requests == 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridmoe.engine.request import Req, SamplingParams, SamplingParamsError
-from hybridmoe.engine.sampler import Sampler
+from hybridmoe.engine.sampler import NAN_ROW, Sampler
 
 
 def _req(rid="r", out=(), prompt=(1,), **params) -> Req:
@@ -142,3 +142,42 @@ def test_wait_event_is_for_cuda_results_only():
     s.wait_event = Ev()
     assert s(logits, [_req(temperature=0.0) for _ in range(3)]).next_ids == plain.next_ids
     assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the native argmax on the CPU
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "logprobs", "bias"])
+def test_nan_rows_are_marked(dtype, mode):
+    """A row with one NaN or +inf logit anywhere (the first, the last, a middle column) is sampled as NAN_ROW on
+    every path (sampling drew token 0 from the NaN probabilities of +inf); rows without keep the ids they get
+    alone (-inf is a mask, not an error); padding columns beyond the vocabulary are not looked at."""
+    torch.manual_seed(5)
+    v = 67
+    logits = torch.randn(6, v + 3).to(dtype)
+    logits[:, v:] = float("nan")  # padding: ignored
+    logits[1, 0] = logits[3, v - 1] = logits[4, 30] = float("nan")
+    logits[2, 10] = float("inf")  # (bf16 overflows to inf)
+    logits[5, :] = float("-inf")
+    logits[5, 7] = 0
+    params = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.9, "sampling_seed": 4},
+              "logprobs": {"temperature": 0.0}, "bias": {"temperature": 0.0, "logit_bias": {"3": 0.5}}}[mode]
+    reqs = [Req(rid=str(i), prompt_ids=[1], params=SamplingParams(**params), return_logprob=mode == "logprobs")
+            for i in range(6)]
+    s = Sampler(v, [])
+    out = s(logits, reqs)
+    assert [i for i, t in enumerate(out.next_ids) if t == NAN_ROW] == [1, 2, 3, 4]
+    for i in (0, 5):  # the same as alone, without the marked rows beside
+        assert out.next_ids[i] == s(logits[i:i + 1], reqs[i:i + 1]).next_ids[0]
+    assert out.next_ids[5] == 7
+    assert s.sample_ids(logits, reqs).tolist() == out.next_ids  # the overlap path: the same marks
+    if mode == "logprobs":
+        assert math.isnan(out.logprobs[1]) and out.logprobs[0] <= 0
+
+
+def test_nan_row_is_no_token_and_no_placeholder():
+    from hybridmoe.engine.future import FutureTokens
+
+    f = FutureTokens(max_rows=4, device=torch.device("cpu"))
+    assert NAN_ROW < -f.ring.shape[0] * 1000
+    slot, host = f.publish(torch.tensor([5, NAN_ROW, 9]))
+    assert host.read() == [5, NAN_ROW, 9]  # the host sees the mark
+    assert f.ring[slot:slot + 3].tolist() == [5, 0, 9]  # the device ring a valid id

@@ -63,7 +63,9 @@ class FutureTokens:
             self._next = 1
         slot, self._next = self._next, self._next + n
         ids = ids.to(torch.int64)
-        self.ring[slot:slot + n].copy_(ids, non_blocking=True)
+        # a NaN row's id (sampler.NAN_ROW, < 0) is 0 in the ring: its request may be computed once more before
+        # the host reads the id and fails it, and an embedding lookup of a negative id would kill the device
+        torch.clamp(ids, min=0, out=self.ring[slot:slot + n])
         if not self._cuda:  # the CPU computed them already: nothing to wait for
             return slot, HostIds(ids, None)
         k, self._turn = self._turn, (self._turn + 1) % HOST_BUFFERS

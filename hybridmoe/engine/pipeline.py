@@ -28,6 +28,7 @@ import torch
 
 from hybridmoe.engine.future import HostIds, placeholder
 from hybridmoe.engine.request import Req, finish_length
+from hybridmoe.engine.sampler import NAN_ROW
 from hybridmoe.engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -156,8 +157,7 @@ class StepPipeline:
         try:
             rows = step.rows
             if step.host is not None:
-                ids = step.host.read()
-                rows = [(t, None, []) for t in ids]
+                rows = [_row(t, None, []) for t in step.host.read()]
             elif step.done is not None:
                 step.done.synchronize()
             eng.runner.check_step_errors()  # before any token of a failed step is kept
@@ -213,13 +213,6 @@ def sample_rows(sampler: Any, logits: torch.Tensor, reqs: list[Req]) -> list[tup
     """
     if not reqs:
         return []
-    if logits.device.type == "cpu":  # a row of NaN logits fails its request alone (no device sync to pay here)
-        bad = torch.isnan(logits).any(dim=-1).tolist()
-        if any(bad):
-            keep = [i for i, b in enumerate(bad) if not b]
-            good = iter(sample_rows(sampler, logits[keep], [reqs[i] for i in keep]) if keep else [])
-            return [NonFiniteLogits("the model's logits for this request are NaN (its activations overflowed?)")
-                    if b else next(good) for b in bad]
     try:
         return _rows(sampler(logits, reqs), len(reqs))
     except Exception as e:
@@ -235,9 +228,16 @@ def sample_rows(sampler: Any, logits: torch.Tensor, reqs: list[Req]) -> list[tup
 
 
 class NonFiniteLogits(RuntimeError):
-    """A request's logits hold NaN: its values blew up after the CPU experts' last check."""
+    """A request's logits hold NaN or +inf: its values blew up (after the CPU experts' last check, or on the GPU)."""
+
+
+def _row(token: int, logprob: float | None, top: list) -> tuple | Exception:
+    """One request's (token, logprob, top logprobs), or the error of a row the sampler marked NAN_ROW."""
+    if token == NAN_ROW:
+        return NonFiniteLogits("the model's logits for this request are NaN or infinite (its activations overflowed?)")
+    return token, logprob, top
 
 
 def _rows(out: Any, n: int) -> list[tuple | Exception]:
-    return [(out.next_ids[i], out.logprobs[i] if out.logprobs is not None else None,
-             out.top_logprobs[i] if out.top_logprobs else []) for i in range(n)]
+    return [_row(out.next_ids[i], out.logprobs[i] if out.logprobs is not None else None,
+                 out.top_logprobs[i] if out.top_logprobs else []) for i in range(n)]

@@ -11,6 +11,10 @@ on the sampler's own copy: the bias is one index_add of (index, value) tensors c
 once per batch composition; the grammar's token bitmask is filled on the CPU and applied on the
 device (grammar_mask.py). Neither waits for the device. Logprobs are those of the distribution after
 both (the tokens a grammar forbids have logprob -inf).
+
+A row whose logits hold NaN or +inf (its activations blew up) is sampled as NAN_ROW, on every device and
+with no extra host sync: the caller fails that request alone rather than emit the token argmax makes of
+NaN (or the 0 that sampling draws from the NaN probabilities of +inf). -inf is a mask, not an error.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from hybridmoe.engine.grammar_mask import BatchBitmask
 from hybridmoe.engine.request import Req
 
 _NEG_INF = float("-inf")
+_INF = float("inf")
 LOGPROB_FLOOR = -9999.0
+# The id sampled for a row whose logits hold NaN or +inf. Never a token, nor a placeholder (-slot of the overlap
+# ring, engine/future.py, whose slots are far fewer); the ring stores 0 in its place (FutureTokens.publish).
+NAN_ROW = -(1 << 40)
 
 
 @dataclass
@@ -63,7 +71,7 @@ class Sampler:
         lp = torch.log_softmax(raw, dim=-1)
         if constrained:  # a forbidden token's -inf is not JSON: OpenAI's floor for "never" instead
             lp = lp.clamp_min(LOGPROB_FLOOR)
-        chosen = lp.gather(1, next_ids[:, None])[:, 0]
+        chosen = lp.gather(1, next_ids.clamp_min(0)[:, None])[:, 0]  # (a NaN row's NAN_ROW: any index)
         n_top = max(r.top_logprobs_num for r in reqs)
         ids_list = self._ids(next_ids)
         top: list[list[tuple[float, int]]] | None = None
@@ -80,16 +88,20 @@ class Sampler:
         return self._draw(logits, reqs)[0]
 
     def _draw(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-        """(next ids [B] on the device, the float32 logits after bias and grammar [B, V] or None on the
-        plain greedy path, whether bias or grammar changed them). Queues device work only."""
+        """(next ids [B] on the device, NAN_ROW where a row's logits hold NaN or +inf; the float32 logits after
+        bias and grammar [B, V] or None on the plain greedy path; whether bias or grammar changed them).
+        Queues device work only."""
         constrained = self._constrain(logits, reqs)
         if constrained is not None:
             logits = constrained
         if all(self._plain_greedy(r) for r in reqs):  # one argmax kernel: decode at batch 1 feels every launch
-            ids = argmax_rows(logits[:, : self.vocab_size]) if logits.device.type == "cpu" else None
-            if ids is None:
-                ids = torch.argmax(logits[:, : self.vocab_size], dim=-1)
-            return ids, None, constrained is not None
+            x = logits[:, : self.vocab_size]
+            ids = argmax_rows(x) if logits.device.type == "cpu" else None
+            if ids is None:  # max, not argmax: the same kernel, and its values say which rows hold NaN or +inf
+                top, ids = x.max(dim=-1)
+            else:  # the native argmax ranks NaN above all, as torch does: a NaN row's pick is NaN
+                top = x.gather(1, ids[:, None])[:, 0]
+            return torch.where(top < _INF, ids, NAN_ROW), None, constrained is not None  # (NaN < inf is False)
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         dev = logits.device
@@ -105,7 +117,8 @@ class Sampler:
         probs = torch.softmax(scaled, dim=-1)
         noise = self._exponential_noise(probs, reqs)
         sampled = torch.argmax(probs / noise, dim=-1)  # exponential race: exact categorical sampling
-        return torch.where(greedy, torch.argmax(logits, dim=-1), sampled), raw, constrained is not None
+        ids = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+        return torch.where((raw < _INF).all(dim=-1), ids, NAN_ROW), raw, constrained is not None
 
     def _constrain(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor | None:  # [B, V] float32
         """Logits with the requests' logit_bias added and their grammars' forbidden tokens at -inf; None
