@@ -3,8 +3,12 @@ with overlap scheduling on and off and with decode graphs on and off, and the ot
 tokens they get alone. Before, greedy decoding took the argmax of NaN (token 0 or the first NaN) step after
 step and returned it as text: the GPU has no CPU expert check, and a host-side check would cost a sync.
 
+With CPU experts (hybrid), their tasks run from the CUDA stream and report errors only after the step, so a
+task that failed on one token's NaN failed the whole batch and the next; they now write NaN for that token
+(HmTask.nan_rows) and the sampler fails its request alone.
+
 One token's embedding row is NaN, so exactly the request whose prompt (or first sampled token) holds it goes
-non-finite: everything on the GPU computes per token or per sequence, so the NaN stays in that request."""
+non-finite: everything computes per token or per sequence, so the NaN stays in that request."""
 
 from __future__ import annotations
 
@@ -20,13 +24,18 @@ POISON = 77
 A, C = [5, 6, 7, 8], [9, 10, 11]
 
 
+SETUPS = {"gpu": {}, "hybrid": {"kt_method": "BF16", "kt_num_gpu_experts": 3},
+          "int8-deferred": {"kt_method": "AMXINT8", "kt_num_gpu_experts": 2, "kt_max_deferred_experts_per_token": 2}}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("where", ["prompt", "decode"])
-def test_nan_on_the_gpu_fails_its_request_alone(tiny_model_dir, graphs, overlap, where):
+def test_nan_on_the_gpu_fails_its_request_alone(tiny_model_dir, setup, graphs, overlap, where):
     llm = LLM(str(tiny_model_dir("qwen3_moe")), device="cuda", dtype="float32", progress=False,
               max_total_tokens=2048, cuda_graph_max_bs=4, disable_cuda_graph=not graphs,
-              disable_overlap_schedule=not overlap)
+              disable_overlap_schedule=not overlap, **SETUPS[setup])
     assert llm.engine.overlap is overlap and (llm.engine.runner.graphs is not None) is graphs
     alone = [llm.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in (A, C)]
     bad = [3, POISON, 4] if where == "prompt" else [3, 4]
@@ -41,7 +50,7 @@ def test_nan_on_the_gpu_fails_its_request_alone(tiny_model_dir, graphs, overlap,
     assert reasons[1]["type"] == "abort" and "logits for this request are NaN" in reasons[1]["message"], reasons
     assert [outs[0]["output_ids"], outs[2]["output_ids"]] == alone
     assert reasons[0]["type"] == reasons[2]["type"] == "length"
-    assert llm.engine.kv.num_used() == 0 and llm.engine.failed_requests == 1
+    assert llm.engine.kv.num_used() == 0 and llm.engine.failed_requests == 1 and llm.engine.failed_batches == 0
     # the engine goes on: the poisoned request's pages (NaN KV) reused by the next ones do not leak into them
     with torch.no_grad():
         llm.engine.runner.model.model.embed_tokens.weight[poisoned] = 0.0

@@ -312,9 +312,12 @@ class CPUMoELayer:
             raise ValueError(f"layer {layer_index}: no LoRA slots attached (attach_lora)")
         return self.lora
 
-    def make_task(self, x, topk_ids, topk_weights, out, accumulate=False, skip_mask=None, lora_idx=None):
+    def make_task(self, x, topk_ids, topk_weights, out, accumulate=False, skip_mask=None, lora_idx=None,
+                  nan_rows=False):
         """Validates and converts the arguments; returns (Task struct, tensors to keep alive, out).
-        lora_idx: int32 [T] adapter slot per token (-1: none), read only with LoRA attached."""
+        lora_idx: int32 [T] adapter slot per token (-1: none), read only with LoRA attached. nan_rows: a token
+        whose own values are non-finite (input row, routing weight, expert activation) gets a NaN output row
+        instead of failing the task (CPUMoEError naming it)."""
         p = self.packed
         if x.dim() != 2 or x.shape[1] != p.hidden:
             raise ValueError(f"x must be [T, {p.hidden}], got {tuple(x.shape)}")
@@ -353,7 +356,7 @@ class CPUMoELayer:
             1 if topk_ids.dtype == torch.int64 else 0,
             native.DT_BF16 if out.dtype == torch.bfloat16 else native.DT_F32,
             1 if accumulate else 0,
-            0,
+            1 if nan_rows else 0,
             _ptr(lora_idx),
         )
         return task, (x, topk_ids, topk_weights, out, skip_mask, lora_idx)

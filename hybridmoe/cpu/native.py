@@ -17,7 +17,7 @@ from hybridmoe import envs
 from hybridmoe.cpu import build as _build
 from hybridmoe.cpu.settings import CPUEngineSettings
 
-ABI_VERSION = 19  # csrc/api.cpp hm_abi_version
+ABI_VERSION = 20  # csrc/api.cpp hm_abi_version
 ISAS = {"avx2": 0, "avx512": 1, "amx": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DT_F32, DT_BF16 = 0, 1
@@ -83,7 +83,8 @@ class Task(C.Structure):
         ("skip", C.c_void_p),
         ("out", C.c_void_p),
         ("T", C.c_int64),
-    ] + [(n, C.c_int32) for n in ("K", "x_dtype", "ids_dtype", "out_dtype", "accumulate", "pad_")] + [
+    ] + [(n, C.c_int32) for n in ("K", "x_dtype", "ids_dtype", "out_dtype", "accumulate")] + [
+        ("nan_rows", C.c_int32),  # 1: a token's non-finite values make its output row NaN, not a task error
         ("lora_idx", C.c_void_p),  # int32 [T] adapter slot per token, -1 none (csrc/lora.h); may be None
     ]
 

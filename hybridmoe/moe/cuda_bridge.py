@@ -122,7 +122,11 @@ class StreamCPUTask:
     def _call(self, t: int) -> native.HostCall:
         call = self.calls.get(t)
         if call is None:
-            task, _ = self.layer.make_task(self.x[:t], self.ids[:t], self.w[:t], self.out[:t], lora_idx=self.lora[:t])
+            # nan_rows: a token whose own values are non-finite gets NaN out, and its request fails alone at
+            # sampling (engine/sampler.py NAN_ROW); an error here would surface after the step and fail the
+            # whole batch, and the next one
+            task, _ = self.layer.make_task(self.x[:t], self.ids[:t], self.w[:t], self.out[:t], lora_idx=self.lora[:t],
+                                           nan_rows=True)
             call = self.calls[t] = native.HostCall(self.layer.pool.handle, task, 0, 0, 0, 0)
         # (a failed task is reported with its message by the engine's CPU error check after the
         # step; the status flag only records it here)

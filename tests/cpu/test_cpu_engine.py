@@ -268,3 +268,33 @@ def test_threads_for_tests_variable(monkeypatch):
         monkeypatch.setenv(envs.TEST_THREADS, bad)
         with pytest.raises(ValueError, match=envs.TEST_THREADS):
             envs.threads_for_tests()
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16"])
+@pytest.mark.parametrize("t", [1, 5, 40])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_nan_rows_mode_isolates_the_bad_tokens(pool, method, t, out_dtype):
+    """HmTask.nan_rows (the CUDA path's tasks): the tokens whose own values are non-finite (an input row, a
+    routing weight, an overflowing expert activation) get a NaN output row and the task succeeds; every other
+    row is bit-identical to the same task without the poison, with and without accumulate. (With it off, the
+    same poisons fail the task: test_non_finite_errors_name_their_token.)"""
+    g = torch.Generator().manual_seed(100 + t)
+    layer = CPUMoELayer(pack_layer(torch.randn(6, 64, 128, generator=g) * 0.05,
+                                   torch.randn(6, 128, 32, generator=g) * 0.05, method), pool=pool)
+    x, w = torch.randn(t, 128, generator=g), torch.rand(t, 2, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(t)]).to(torch.int32)
+    bad = sorted({t // 2, t - 1, 0}) if t > 1 else [0]
+    xb, wb = x.clone(), w.clone()
+    poisons = [lambda r: xb.__setitem__((r, 7), float("nan")), lambda r: wb.__setitem__((r, 1), float("inf")),
+               lambda r: xb.__setitem__((r, slice(0, 4)), 3e38)]
+    for i, r in enumerate(bad):
+        poisons[(i + t) % 3](r)
+    for accumulate in (False, True):
+        base = torch.randn(t, 128, generator=g).to(out_dtype)
+        ref, out = base.clone(), base.clone()
+        layer.sync(layer.submit(x, ids, w, ref, accumulate=accumulate))
+        task, keep = layer.make_task(xb, ids, wb, out, accumulate=accumulate, nan_rows=True)
+        pool.sync(pool.submit(task, keep))  # no CPUMoEError
+        good = [r for r in range(t) if r not in bad]
+        assert out[bad].isnan().all(), (method, t, accumulate)
+        assert torch.equal(out[good], ref[good])

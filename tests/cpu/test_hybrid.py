@@ -251,17 +251,57 @@ def test_stream_task_failure_fails_the_step(model, monkeypatch):
 
     def poisoned(self, x, ids, w, *rest):
         state["n"] += 1
-        if state["n"] == state["poison_at"]:  # a decode step's CPU task gets a NaN input
-            x = x * float("nan")
+        if state["n"] == state["poison_at"]:  # a decode step's CPU task gets an expert id out of range
+            ids = ids.clone()
+            ids[0, 0] = 1000
         return orig(self, x, ids, w, *rest)
 
     monkeypatch.setattr(cuda_bridge.StreamCPUTask, "enqueue_submit", poisoned)
     llm = LLM(str(model), **opts)
     failed = llm.generate(input_ids=prompt, sampling_params=GREEDY)["meta_info"]["finish_reason"]
     # the step fails its requests (an abort with the task's message), the engine keeps serving
-    assert failed["type"] == "abort" and "NaN" in failed["message"] and "CPU" in failed["message"], failed
+    assert failed["type"] == "abort" and "out of range" in failed["message"] and "CPU" in failed["message"], failed
     assert llm.engine.kv.num_used() == 0 and not llm.engine.scheduler.has_work()
     assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("poison", ["input", "weight"])
+def test_stream_task_nan_token_fails_its_request_alone(model, monkeypatch, overlap, poison):
+    """On the stream path a token whose own values are non-finite (a NaN input row, an infinite routing
+    weight) does not fail its task: the task writes NaN for that token (HmTask.nan_rows), the NaN reaches
+    the token's logits, and the sampler fails that request alone; the other request of the batch keeps its
+    tokens. Before, the task's error surfaced after the step and failed the whole batch."""
+    from hybridmoe.moe import cuda_bridge
+
+    prompts = [torch.randint(0, 211, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (23, 17)]
+    flag = {"enable_overlap_schedule": True} if overlap else {"disable_overlap_schedule": True}
+    opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3, **flag)
+    _emulate_stream(monkeypatch)
+    llm = LLM(str(model), **opts)
+    ref_tokens = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=GREEDY)]
+    orig = cuda_bridge.StreamCPUTask.enqueue_submit
+    state = {"poisoned": 0}
+
+    def poisoned(self, x, ids, w, *rest):
+        if x.shape[0] == 2 and not state["poisoned"]:  # the first decode step's task: row 1 is the second request
+            state["poisoned"] = 1
+            x, w = x.clone(), w.clone()
+            if poison == "input":
+                x[1, 3] = float("nan")
+            else:
+                w[1, 0] = float("inf")
+        return orig(self, x, ids, w, *rest)
+
+    monkeypatch.setattr(cuda_bridge.StreamCPUTask, "enqueue_submit", poisoned)
+    outs = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+    reasons = [o["meta_info"]["finish_reason"] for o in outs]
+    assert state["poisoned"] and reasons[0]["type"] == "length", reasons
+    assert reasons[1]["type"] == "abort" and "logits for this request are NaN" in reasons[1]["message"], reasons
+    assert outs[0]["output_ids"] == ref_tokens[0]
+    assert llm.engine.failed_requests == 1 and llm.engine.failed_batches == 0
+    assert llm.engine.kv.num_used() == 0 and not llm.engine.scheduler.has_work()
     llm.shutdown()
 
 

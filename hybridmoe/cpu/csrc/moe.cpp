@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <new>
 #include <vector>
@@ -132,7 +133,7 @@ HM_AVX2 inline __m128i f32_to_bf16_8(__m256 v) {
 }  // namespace
 
 struct Workspace {
-  Buf a1, a2, sx1, sx2, g1, g2, af, y, slot_tok, slot_w, tok_slot, xq, xs, xg, gsl;
+  Buf a1, a2, sx1, sx2, g1, g2, af, y, slot_tok, slot_w, tok_slot, xq, xs, xg, gsl, badrow;
   std::vector<Buf> cbuf;
   std::vector<int64_t> count, offs, pos, qbase;
   std::unique_ptr<std::atomic<int>[]> qdone;  // [units] w13 N-blocks done per (expert, row chunk, block)
@@ -172,7 +173,14 @@ struct Ctx {
   Counter next[MAXSUB];
   std::atomic<int> bad{0};
   std::atomic<int64_t> bad_tok{-1};  // a token whose row was found non-finite (-1: none known)
+  uint8_t* badrow = nullptr;  // HmTask.nan_rows: [T] tokens whose output row is written NaN (else null)
+  std::atomic<int> any_badrow{0};
   void mark_bad(int64_t tok) {  // the error names it: the engine fails that token's request alone
+    if (badrow) {  // or its output row is NaN and the task goes on
+      __atomic_store_n(&badrow[tok], uint8_t(1), __ATOMIC_RELAXED);
+      any_badrow.store(1, std::memory_order_relaxed);
+      return;
+    }
     int64_t none = -1;
     bad_tok.compare_exchange_strong(none, tok);
     bad.store(1);
@@ -320,6 +328,19 @@ HM_AVX2 void ph_reduce(int tid, void* p) {
   }
 }
 
+// The output rows of the tokens marked in c.badrow, NaN (HmTask.nan_rows; rare: on the leader).
+void nan_rows(const Ctx& c) {
+  const HmTask& t = *c.t;
+  const int64_t H = c.d->H;
+  for (int64_t tok = 0; tok < t.T; ++tok) {
+    if (!c.badrow[tok]) continue;
+    if (t.out_dtype == DT_F32)
+      std::fill_n(static_cast<float*>(t.out) + tok * H, H, std::numeric_limits<float>::quiet_NaN());
+    else
+      std::fill_n(static_cast<uint16_t*>(t.out) + tok * H, H, uint16_t(0x7FC0));  // bf16 quiet NaN
+  }
+}
+
 constexpr int64_t kInlineRows1 = 16;  // slots up to which x is converted and gathered inline
 constexpr int64_t kInlineRows2 = 8;   // slots up to which the activation is converted inline
 
@@ -409,12 +430,20 @@ std::string route(Ctx& c) {
   auto id_at = [&](int64_t i) -> int64_t {
     return t.ids_dtype == 1 ? static_cast<const int64_t*>(t.ids)[i] : static_cast<const int32_t*>(t.ids)[i];
   };
+  // nan_rows: every pair of a token with a non-finite routing weight is left out (its row is NaN)
+  auto dropped = [&](int64_t i) { return c.badrow && c.badrow[i / t.K]; };
   for (int64_t i = 0; i < TK; ++i) {
     int64_t id = id_at(i);
     if (id < 0) continue;
     if (id >= E) return "expert id " + std::to_string(id) + " out of range [0, " + std::to_string(E) + ")";
-    if (!std::isfinite(t.weights[i])) return "non-finite routing weight at token " + std::to_string(i / t.K);
-    if (t.skip && t.skip[id]) continue;
+    if (!std::isfinite(t.weights[i])) {
+      if (!c.badrow) return "non-finite routing weight at token " + std::to_string(i / t.K);
+      c.mark_bad(i / t.K);
+    }
+  }
+  for (int64_t i = 0; i < TK; ++i) {
+    int64_t id = id_at(i);
+    if (id < 0 || (t.skip && t.skip[id]) || dropped(i)) continue;
     ws.count[size_t(id)]++;
   }
   for (int e = 0; e < E; ++e) ws.offs[size_t(e) + 1] = ws.offs[size_t(e)] + ws.count[size_t(e)];
@@ -430,7 +459,7 @@ std::string route(Ctx& c) {
   ws.pos.assign(ws.offs.begin(), ws.offs.end() - 1);
   for (int64_t i = 0; i < TK; ++i) {
     int64_t id = id_at(i);
-    if (id < 0 || (t.skip && t.skip[id])) {
+    if (id < 0 || (t.skip && t.skip[id]) || dropped(i)) {
       c.tok_slot[i] = -1;
       continue;
     }
@@ -484,6 +513,10 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
   c.ws = &ws;
   c.prefetch = prefetch_bytes;
   c.xes = t.x_dtype == DT_F32 ? 4 : 2;
+  if (t.nan_rows) {
+    c.badrow = ws.badrow.get<uint8_t>(size_t(t.T));
+    std::memset(c.badrow, 0, size_t(t.T));
+  }
   Stopwatch sw;
   std::string err = route(c);
   if (!err.empty()) return err;
@@ -534,6 +567,7 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
   }
   // a decode-sized sum (T * K <= 16 rows of H) costs a few us on one thread, less than a phase
   light(pool, c, ph_reduce, t.T * int64_t(t.K) <= kInlineRows1);
+  if (c.any_badrow.load()) nan_rows(c);
   sw.lap(5);
   g_profile[6] += 1;  // task count
   return "";

@@ -19,7 +19,13 @@ struct HmTask {
   const uint8_t* skip;     // [E] nonzero = skip this expert; may be null
   void* out;               // [T, H] out_dtype
   int64_t T;
-  int32_t K, x_dtype, ids_dtype, out_dtype, accumulate, pad_;
+  int32_t K, x_dtype, ids_dtype, out_dtype, accumulate;
+  // A token whose own values are non-finite (its input row, a routing weight, an expert activation):
+  // 0 fails the task, naming the token ("... at token N": the CPU device fails that token's request and
+  // runs the step again); 1 writes NaN over the token's output row and goes on (the CUDA path, whose
+  // task errors surface a step late: the NaN reaches the token's logits and the sampler fails that
+  // request alone, engine/sampler.py NAN_ROW).
+  int32_t nan_rows;
   const int32_t* lora_idx;  // [T] adapter slot of each token (-1: none); may be null (lora.h)
 };
 }
