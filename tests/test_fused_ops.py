@@ -61,6 +61,30 @@ def check(device: str, dtype: torch.dtype, tol: float) -> None:
         assert torch.equal(ids.cpu().sort(-1).values, rids.cpu().sort(-1).values), "topk ids"
         close(w.sort(-1).values, rw.sort(-1).values, "topk weights")
         assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    check_topk_non_finite(device, dtype)
+
+
+def check_topk_non_finite(device: str, dtype: torch.dtype) -> None:
+    """A row whose router logits hold NaN or +inf (its hidden state blew up) still gets K distinct expert ids in
+    [0, E) (the kernel returned E, read past the GPU experts' weights) and NaN weights (its request then fails
+    alone at sampling), as the reference does; -inf logits are ordinary; the other rows are unchanged."""
+    from hybridmoe.layers import fused_ops as F
+
+    g = torch.Generator().manual_seed(2)
+    for e, k in ((128, 8), (10, 3), (6, 6), (60, 4)):
+        logits = torch.randn(5, e, generator=g)
+        clean = {fn: fn(logits.to(device, dtype), k, True) for fn in (F.topk_softmax, F.topk_softmax_ref)}
+        logits[1] = float("nan")
+        logits[2, e // 2] = float("nan")
+        logits[3, 0] = float("inf")
+        logits[4, : e // 2] = float("-inf")
+        for fn in (F.topk_softmax, F.topk_softmax_ref):
+            w, ids = (v.cpu() for v in fn(logits.to(device, dtype), k, True))
+            what = f"{fn.__name__} E={e} K={k} {dtype}"
+            assert bool(((ids >= 0) & (ids < e)).all()), f"{what}: ids {ids.tolist()}"
+            assert all(len(set(r)) == k for r in ids.tolist()), f"{what}: repeated ids {ids.tolist()}"
+            assert bool(w[1:4].isnan().all()) and bool(w[4].isfinite().all()), f"{what}: {w}"
+            assert torch.equal(ids[0], clean[fn][1][0].cpu()) and torch.equal(w[0], clean[fn][0][0].cpu()), what
 
 
 def test_interpreter_fp32():

@@ -53,14 +53,52 @@ def check(device: str, dtype: torch.dtype, every: int = 1) -> int:
     return n
 
 
+def check_non_finite(device: str) -> int:
+    """A token whose router logits are NaN or infinite (its hidden state blew up) still gets K distinct expert ids
+    in [0, E) (an id out of range read past the GPU experts' weights, or failed the CPU experts' whole task), and
+    a NaN weight where its scores are NaN (its request then fails alone at sampling); the other tokens of the
+    batch get what they get without it."""
+    from hybridmoe.moe.routing import RoutingConfig, route
+
+    g = torch.Generator().manual_seed(1)
+    n = 0
+    for (e, ng, tg, k), (scoring, method, with_bias) in itertools.product(SHAPES, FORMS):
+        cfg = RoutingConfig(top_k=k, scoring=scoring, method=method, renormalize=True, n_group=ng, topk_group=tg,
+                            scaling=1.0)
+        logits = torch.randn(5, e, generator=g)
+        bias = (torch.randn(e, generator=g) * 0.1).to(device) if with_bias else None
+        clean_w, clean_ids = route(logits.to(device), cfg, bias)
+        logits[1] = float("nan")
+        logits[2, e // 2] = float("nan")
+        logits[3, 0] = float("inf")
+        logits[4, -1] = float("-inf")
+        w, ids = route(logits.to(device), cfg, bias)
+        what = f"E={e} G={ng}/{tg} K={k} {scoring} {method} bias={with_bias}"
+        ids, w = ids.long().cpu(), w.cpu()
+        assert bool(((ids >= 0) & (ids < e)).all()), f"{what}: ids {ids.tolist()}"
+        assert all(len(set(r)) == k for r in ids.tolist()), f"{what}: repeated ids {ids.tolist()}"
+        assert bool(w[1].isnan().all() and w[2].isnan().all()), f"{what}: {w[1:3]}"
+        assert bool(w[3].isnan().all()) == (scoring == "softmax") and bool(w[4].isfinite().all()), f"{what}: {w[3:]}"
+        assert torch.equal(ids[0], clean_ids[0].long().cpu()) and torch.equal(w[0], clean_w[0].cpu()), what
+        n += 1
+    return n
+
+
 def test_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = ("import torch, test_routing_triton as t; n = t.check('cpu', torch.float32); "
-            "n += t.check('cpu', torch.bfloat16, every=3); print(n)")
+            "n += t.check('cpu', torch.bfloat16, every=3); n += t.check_non_finite('cpu'); print(n)")
     res = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert int(res.stdout.split()[-1]) == len(cases()) + len(cases(3))
+    assert int(res.stdout.split()[-1]) == len(cases()) + len(cases(3)) + len(SHAPES) * len(FORMS)
+
+
+def test_reference_non_finite():
+    """The torch path (the CPU device's) keeps ids in range too."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter routes CPU tensors through the kernel")
+    assert check_non_finite("cpu") == len(SHAPES) * len(FORMS)
 
 
 def test_the_cpu_path_is_the_reference():
@@ -80,6 +118,8 @@ def test_the_cpu_path_is_the_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda(dtype):
     check("cuda", dtype)
+    if dtype == torch.float32:
+        check_non_finite("cuda")
 
 
 @pytest.mark.parametrize("method", [0, 1, 2])

@@ -196,6 +196,13 @@ if HAVE_TRITON:
         m = tl.max(lg, axis=0)
         e = tl.where(mask, tl.exp(lg - m), 0.0)
         p = e / tl.sum(e, axis=0)
+        # A row with NaN or +inf logits (its hidden state blew up) has NaN probabilities, which compare false:
+        # the first-index picks below would return BLOCK, an expert id out of range (a read past the GPU
+        # experts' weights). Its picks rank the NaN ones after every real probability and before the taken
+        # (-1) and padding (-2) lanes, so they stay distinct and in range, and its weights are all NaN, as the
+        # reference's are: its output goes NaN and its request fails alone at sampling.
+        corrupt = tl.max(tl.where(mask & (p != p), 1, 0), axis=0) > 0
+        p = tl.where(mask, tl.where(p != p, -0.5, p), -2.0)
         total = 1.0
         if RENORM:  # first pass: the sum of the top-k probabilities
             total = 0.0
@@ -207,7 +214,7 @@ if HAVE_TRITON:
         for j in tl.static_range(K):
             best = tl.max(p, axis=0)
             idx = tl.min(tl.where(p == best, offs, BLOCK), axis=0)  # first index of the max
-            tl.store(w_ptr + row * K + j, best / total)
+            tl.store(w_ptr + row * K + j, tl.where(corrupt, float("nan"), best / total))
             tl.store(ids_ptr + row * K + j, idx.to(tl.int32))
             p = tl.where(offs == idx, -1.0, p)
 

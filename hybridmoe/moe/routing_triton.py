@@ -50,6 +50,12 @@ def _grouped_topk_kernel(
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     choice = tl.where(valid, choice, float("-inf"))
+    # A token whose scores hold NaN (its hidden state blew up): NaN compares false, so the picks below would
+    # return an index past E (a read out of bounds in the GPU experts). Its choices rank last but stay
+    # distinct and in range (-1e30: a group's sum of two does not reach -inf), and all its weights are NaN,
+    # as the reference's are (torch ranks NaN first): its output goes NaN and its request fails alone.
+    corrupt = tl.max(tl.where(scores != scores, 1, 0), axis=0) > 0
+    choice = tl.where(choice != choice, -1.0e30, choice)
 
     if METHOD != 0 and N_GROUP > 1:
         group = offs // per_group  # [BLOCK_E] group of each expert
@@ -89,7 +95,7 @@ def _grouped_topk_kernel(
         choice = tl.where(offs == i, float("-inf"), choice)
     if RENORM:
         wv = wv / (tl.sum(wv, axis=0) + 1e-20)
-    wv = wv * scaling
+    wv = tl.where(corrupt, float("nan"), wv * scaling)
     kmask = koffs < K
     tl.store(w_ptr + t * K + koffs, wv, mask=kmask)
     tl.store(ids_ptr + t * K + koffs, iv, mask=kmask)
