@@ -28,9 +28,12 @@ SETUPS = {"gpu": {}, "hybrid": {"kt_method": "BF16", "kt_num_gpu_experts": 3},
           "int8-deferred": {"kt_method": "AMXINT8", "kt_num_gpu_experts": 2, "kt_max_deferred_experts_per_token": 2}}
 
 
-@pytest.mark.parametrize("setup", list(SETUPS))
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+# (setup, CUDA graphs, overlap scheduling): every setup with both on and both off, all-GPU with graphs alone too
+CASES = [(s, g, o) for s in SETUPS for g, o in ((True, True), (False, False))] + [("gpu", True, False)]
+
+
+@pytest.mark.parametrize("setup,graphs,overlap", CASES, ids=[f"{s}-{'graphs' if g else 'eager'}-{'overlap' if o else 'sync'}"
+                                                              for s, g, o in CASES])
 @pytest.mark.parametrize("where", ["prompt", "decode"])
 def test_nan_on_the_gpu_fails_its_request_alone(tiny_model_dir, setup, graphs, overlap, where):
     llm = LLM(str(tiny_model_dir("qwen3_moe")), device="cuda", dtype="float32", progress=False,
