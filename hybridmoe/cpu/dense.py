@@ -209,19 +209,21 @@ def set_int8(task: DenseTask, w: Int8Weight | None) -> None:
 NATIVE_ARGMAX = [True]  # benchmarks switch it off to time the torch path (bench_cpu_decode.py --dense off)
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+def argmax_rows(logits: torch.Tensor, nonfinite: int | None = None) -> torch.Tensor | None:
     """torch.argmax(logits, dim=-1) for a 2-D CPU bf16 tensor with unit column stride, natively
     (greedy decode: torch's bf16 argmax over a 152k vocabulary took ~0.5 ms, 1% of a CPU-only step);
-    the same answer (first maximum, NaN above all). None when it does not apply here."""
+    the same answer (first maximum, NaN above all), or `nonfinite` for a row that holds NaN or +inf (the
+    sampler's mark, found in the same pass). None when it does not apply here."""
     if not NATIVE_ARGMAX[0] or logits.dim() != 2 or logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.stride(1) != 1 \
             or logits.shape[1] < 1:
         return None
     lb = _lib()
     if not getattr(lb, "_hm_argmax_declared", False):
         lb.hm_argmax_bf16.restype = C.c_int
-        lb.hm_argmax_bf16.argtypes = [C.c_void_p, C.c_int64, C.c_int64, C.c_int64, C.c_void_p]
+        lb.hm_argmax_bf16.argtypes = [C.c_void_p, C.c_int64, C.c_int64, C.c_int64, C.c_void_p, C.c_int32, C.c_int64]
         lb._hm_argmax_declared = True
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    if lb.hm_argmax_bf16(logits.data_ptr(), logits.shape[1], logits.shape[0], logits.stride(0), out.data_ptr()):
+    if lb.hm_argmax_bf16(logits.data_ptr(), logits.shape[1], logits.shape[0], logits.stride(0), out.data_ptr(),
+                         int(nonfinite is not None), 0 if nonfinite is None else nonfinite):
         return None
     return out

@@ -96,12 +96,11 @@ class Sampler:
             logits = constrained
         if all(self._plain_greedy(r) for r in reqs):  # one argmax kernel: decode at batch 1 feels every launch
             x = logits[:, : self.vocab_size]
-            ids = argmax_rows(x) if logits.device.type == "cpu" else None
+            ids = argmax_rows(x, NAN_ROW) if logits.device.type == "cpu" else None  # (marks the rows itself)
             if ids is None:  # max, not argmax: the same kernel, and its values say which rows hold NaN or +inf
                 top, ids = x.max(dim=-1)
-            else:  # the native argmax ranks NaN above all, as torch does: a NaN row's pick is NaN
-                top = x.gather(1, ids[:, None])[:, 0]
-            return torch.where(top < _INF, ids, NAN_ROW), None, constrained is not None  # (NaN < inf is False)
+                ids = torch.where(top < _INF, ids, NAN_ROW)  # (NaN < inf is False)
+            return ids, None, constrained is not None
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         dev = logits.device

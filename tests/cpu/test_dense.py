@@ -200,4 +200,9 @@ def test_argmax_rows_is_torch_argmax(n):
         elif case == 5:
             x[1, -1] = float("inf")
         assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1)), case
+        # the sampler's mark: rows holding NaN or +inf (in any column, up to the last) get it, others the index
+        marked = argmax_rows(x, -77)
+        bad = ~(x.float() < float("inf")).all(dim=-1)
+        assert torch.equal(marked, torch.where(bad, -77, torch.argmax(x, dim=-1))), case
+        assert bool(bad.any()) == (case in (1, 5)), case
     assert argmax_rows(torch.zeros(2, 4)) is None  # not bf16: the caller uses torch

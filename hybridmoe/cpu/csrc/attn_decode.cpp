@@ -459,7 +459,10 @@ inline int32_t key_of(uint16_t b) {
 }
 }  // namespace
 
-extern "C" void hm_argmax_bf16_avx2(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out) {
+// nonfinite_key: rows whose maximum key is at least this (key_of: 0x7f80 is +inf, NaN is above it) get
+// out = nonfinite instead of the index (INT32_MAX: never).
+extern "C" void hm_argmax_bf16_avx2(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out,
+                                    int32_t nonfinite_key, int64_t nonfinite) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* p = x + r * ld;
     int32_t best = INT32_MIN;
@@ -483,7 +486,7 @@ extern "C" void hm_argmax_bf16_avx2(const uint16_t* x, int64_t n, int64_t rows, 
     for (; i < n; ++i) best = std::max(best, key_of(p[i]));
     int64_t at = 0;
     while (at < n && key_of(p[at]) != best) ++at;
-    out[r] = at;
+    out[r] = best >= nonfinite_key ? nonfinite : at;
   }
 }
 

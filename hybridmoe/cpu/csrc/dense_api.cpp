@@ -220,15 +220,19 @@ void hm_wait_task(void* p, int64_t id, int64_t spin_us) {
 
 }  // extern "C"
 
-extern "C" void hm_argmax_bf16_avx2(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out)
+extern "C" void hm_argmax_bf16_avx2(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out,
+                                    int32_t nonfinite_key, int64_t nonfinite)
     __attribute__((weak));
 
 extern "C" {
 
-// out[r] = torch.argmax(x[r, :n]) for bf16 rows (attn_decode.cpp); 0, or 1 without AVX2 / n < 1.
-int hm_argmax_bf16(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out) {
+// out[r] = torch.argmax(x[r, :n]) for bf16 rows (attn_decode.cpp), or `nonfinite` where the row holds NaN or
+// +inf and mark_nonfinite is set (the sampler's NAN_ROW: no second pass over the logits); 0, or 1 without
+// AVX2 / n < 1.
+int hm_argmax_bf16(const uint16_t* x, int64_t n, int64_t rows, int64_t ld, int64_t* out, int32_t mark_nonfinite,
+                   int64_t nonfinite) {
   if (n < 1 || rows < 0 || !hm_argmax_bf16_avx2 || !hm_isa_check(hm::ISA_AVX2, nullptr, 0)) return 1;
-  hm_argmax_bf16_avx2(x, n, rows, ld, out);
+  hm_argmax_bf16_avx2(x, n, rows, ld, out, mark_nonfinite ? 0x7f80 : INT32_MAX, nonfinite);
   return 0;
 }
 
