@@ -130,3 +130,17 @@ def test_release_more_than_taken_is_an_error():
     kv.release(p, [])
     with pytest.raises(RuntimeError):
         kv.release(p, [])
+
+
+def test_ids_between_is_a_slice_of_all_ids():
+    """Req.ids_between(start, stop) == all_ids[start:stop] for every range, with and without output and
+    pending placeholders (the runner reads a step's tokens with it, not the whole sequence)."""
+    rng = random.Random(3)
+    for _ in range(200):
+        req = Req(rid="r", prompt_ids=[rng.randrange(100) for _ in range(rng.randrange(0, 6))],
+                  params=SamplingParams(), output_ids=[rng.randrange(100) for _ in range(rng.randrange(0, 5))])
+        req.pending = [-(i + 1) for i in range(rng.randrange(0, 3))]
+        full = req.all_ids
+        for start in range(len(full) + 2):
+            for stop in range(start, len(full) + 3):
+                assert req.ids_between(start, stop) == full[start:stop], (req, start, stop)

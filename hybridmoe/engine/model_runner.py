@@ -215,8 +215,7 @@ class ModelRunner:
         table = [r.pages + [0] * (width - len(r.pages)) for r, _, _ in live]
         for r, n, smp in live:
             start = r.num_computed
-            all_ids = r.all_ids
-            ids.extend(all_ids[start:start + n])
+            ids.extend(r.ids_between(start, start + n))
             pos.extend(range(start, start + n))
             slots.extend(r.pages[j // s] * s + j % s for j in range(start, start + n))
             qsl.append(qsl[-1] + n)

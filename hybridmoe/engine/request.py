@@ -258,6 +258,18 @@ class Req:
         """Prompt, output and pending placeholder ids: the sequence whose KV the steps compute."""
         return self.prompt_ids + self.output_ids + self.pending if self.pending else self.prompt_ids + self.output_ids
 
+    def ids_between(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] (0 <= start <= stop) without building the whole list: a decode step reads one
+        token of a sequence that may be tens of thousands long."""
+        p, o = self.prompt_ids, self.output_ids
+        n, m = len(p), len(o)
+        out = p[start:stop] if start < n else []
+        if stop > n and start < n + m:
+            out += o[max(start - n, 0):stop - n]
+        if stop > n + m and self.pending:
+            out += self.pending[max(start - n - m, 0):stop - n - m]
+        return out
+
     def token_at(self, pos: int) -> int:
         """all_ids[pos] without building the list."""
         n, m = len(self.prompt_ids), len(self.output_ids)
