@@ -190,3 +190,32 @@ def test_activation_overflow_is_a_clear_error(isa, pool, t):
     small = _q8_0_constant(i, h, 1e-3, 1)
     ok = GGUFMoELayer(GGUFExperts.of(small, small, _q8_0_constant(h, i, 1e-3, 1), ("Q8_0",) * 3), isa=isa, pool=pool)
     assert torch.isfinite(ok.forward(torch.ones(t, h), ids, w)).all()
+
+
+@pytest.mark.parametrize("types", TRIPLES[:2], ids=TRIPLE_IDS[:2])
+@pytest.mark.parametrize("t", [1, 6, 40])
+def test_nan_rows_mode(types, isa, pool, t):
+    """HmTask.nan_rows (the CUDA path's tasks) on GGUF layers: a token with a NaN input row or a non-finite
+    routing weight gets a NaN output row and the task succeeds; the other rows equal the clean task's."""
+    e, k, h, i = 8, 3, 256, 512
+    ex, _ = experts(types, e, h, i)
+    layer = GGUFMoELayer(ex, isa=isa, pool=pool)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g)
+    ids, w = routing(t, e, k, seed=t)
+    ids, w = ids.to(torch.int32).contiguous(), w.float().contiguous()
+    ref = layer.forward(x, ids, w)
+    bad = sorted({0, t // 2, t - 1})
+    xb, wb = x.clone(), w.clone()
+    for n, r in enumerate(bad):
+        if n % 3 == 0:
+            xb[r, 5] = float("nan")
+        elif n % 3 == 1:
+            wb[r, 2] = float("inf")
+        else:
+            wb[r, 0] = float("nan")
+    out = torch.zeros(t, h)
+    task, keep = layer.make_task(xb, ids, wb, out, nan_rows=True)
+    pool.sync(pool.submit(task, keep))
+    good = [r for r in range(t) if r not in bad]
+    assert out[bad].isnan().all() and torch.equal(out[good], ref[good])
