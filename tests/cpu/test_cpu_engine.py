@@ -297,4 +297,9 @@ def test_nan_rows_mode_isolates_the_bad_tokens(pool, method, t, out_dtype):
         pool.sync(pool.submit(task, keep))  # no CPUMoEError
         good = [r for r in range(t) if r not in bad]
         assert out[bad].isnan().all(), (method, t, accumulate)
-        assert torch.equal(out[good], ref[good])
+        if method != "BF16":  # integer sums: bit for bit
+            assert torch.equal(out[good], ref[good])
+        else:  # a dropped pair changes its expert's row count, which may move it between the AMX tile and
+            # the few-row kernels (fp32 sums in another order: a last-bit difference, one bf16 ulp at most)
+            tol = 1e-5 if out_dtype == torch.float32 else 8e-3
+            torch.testing.assert_close(out[good], ref[good], rtol=tol, atol=tol)
