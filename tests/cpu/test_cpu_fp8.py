@@ -420,8 +420,8 @@ def test_nan_rows_mode(isa, pool, t, dtype):
     pool.sync(pool.submit(task, keep))
     good = [r for r in range(t) if r not in bad]
     assert out[bad].isnan().all()
-    if dtype == torch.bfloat16:
-        assert torch.equal(out[good], ref[good])
-    else:  # the dropped pairs change their experts' row counts, and with fp32 activations the FP8 kernels'
-        # summation order follows the row count: last-bit differences (measured 6e-8 at most on outputs ~1)
-        torch.testing.assert_close(out[good], ref[good], rtol=1e-6, atol=1e-6)
+    # the dropped pairs change their experts' row counts, and the FP8 kernels' summation order follows the row
+    # count (fp32 activations here; the AMX tiles past a few rows on an AMX host): last-bit differences
+    # (measured here: 6e-8 at most on outputs ~1 in fp32, none in bf16), one bf16 ulp at most
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out[good], ref[good], rtol=tol, atol=tol)
