@@ -79,6 +79,7 @@ def test_nan_logits_fail_their_request_alone(tiny_model_dir, monkeypatch, overla
     reasons = [o["meta_info"]["finish_reason"] for o in outs]
     assert poisoned["rows"] == 1
     assert reasons[1]["type"] == "abort" and "logits for this request are NaN" in reasons[1]["message"], reasons
+    assert reasons[1]["status_code"] == 500
     assert [outs[0]["output_ids"], outs[2]["output_ids"]] == alone
     assert reasons[0]["type"] == reasons[2]["type"] == "length"
     assert llm.engine.stats()["kv_used_pages"] == 0 and llm.engine.failed_requests == 1

@@ -51,6 +51,7 @@ def test_nan_on_the_gpu_fails_its_request_alone(tiny_model_dir, setup, graphs, o
     outs = llm.generate(input_ids=[A, bad, C], sampling_params=GREEDY)
     reasons = [o["meta_info"]["finish_reason"] for o in outs]
     assert reasons[1]["type"] == "abort" and "logits for this request are NaN" in reasons[1]["message"], reasons
+    assert reasons[1]["status_code"] == 500
     assert [outs[0]["output_ids"], outs[2]["output_ids"]] == alone
     assert reasons[0]["type"] == reasons[2]["type"] == "length"
     assert llm.engine.kv.num_used() == 0 and llm.engine.failed_requests == 1 and llm.engine.failed_batches == 0

@@ -249,7 +249,10 @@ class Engine:
         message = f"request failed: {type(error).__name__}: {error}"
         log.warning("request %s failed alone: %s", req.rid, message, exc_info=log.isEnabledFor(logging.DEBUG))
         self.failed_requests += 1
-        self.scheduler.finish(req, finish_abort(message))  # pages freed if it still held them
+        reason = finish_abort(message)
+        if getattr(error, "status_code", None):  # a server-side failure (NonFiniteLogits: 500), as _fail_culprit's
+            reason["status_code"] = error.status_code
+        self.scheduler.finish(req, reason)  # pages freed if it still held them
         return self._retire(req) if req.rid in self.reqs else req
 
     def _discard_failed_step(self) -> None:

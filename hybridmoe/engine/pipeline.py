@@ -230,6 +230,8 @@ def sample_rows(sampler: Any, logits: torch.Tensor, reqs: list[Req]) -> list[tup
 class NonFiniteLogits(RuntimeError):
     """A request's logits hold NaN or +inf: its values blew up (after the CPU experts' last check, or on the GPU)."""
 
+    status_code = 500  # the request's finish reason says so, as a failed forward's does
+
 
 def _row(token: int, logprob: float | None, top: list) -> tuple | Exception:
     """One request's (token, logprob, top logprobs), or the error of a row the sampler marked NAN_ROW."""

@@ -299,6 +299,7 @@ def test_stream_task_nan_token_fails_its_request_alone(model, monkeypatch, overl
     reasons = [o["meta_info"]["finish_reason"] for o in outs]
     assert state["poisoned"] and reasons[0]["type"] == "length", reasons
     assert reasons[1]["type"] == "abort" and "logits for this request are NaN" in reasons[1]["message"], reasons
+    assert reasons[1]["status_code"] == 500
     assert outs[0]["output_ids"] == ref_tokens[0]
     assert llm.engine.failed_requests == 1 and llm.engine.failed_batches == 0
     assert llm.engine.kv.num_used() == 0 and not llm.engine.scheduler.has_work()
