@@ -557,7 +557,8 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     if (c.lora) lora_mid(*c.lora, c.af);  // the down units read the activations before they are quantized
     sw.lap(2);
     if (!c.fuse_q2) light(pool, c, ph_quant2, c.S <= kInlineRows2);
-    if (c.bad.load()) return "expert activation holds NaN or Inf (overflow?)" + c.at_token();
+    if (c.bad.load())  // the token's values overflowed, or the expert's weights hold NaN (a damaged GGUF block's scale)
+      return "expert activation holds NaN or Inf (an overflow, or non-finite expert weights)" + c.at_token();
     sw.lap(3);
     build_items(c, d.w2, CW2, 1);
     pool.parallel(ph_gemm<false>, &c, dyn);
