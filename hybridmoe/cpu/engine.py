@@ -43,7 +43,7 @@ class CPUMoEError(RuntimeError):
 
 # the native errors that name the token at fault (csrc/moe.cpp: a non-finite routing weight, input row or
 # expert activation; csrc/dense_api.cpp: a non-finite input row of an int8 dense linear)
-_TOKEN_ERROR = re.compile(r"(?:non-finite routing weight|holds NaN or Inf(?: \(overflow\?\))?) at token (\d+)"
+_TOKEN_ERROR = re.compile(r"(?:non-finite routing weight|holds NaN or Inf(?: \([^()]*\))?) at token (\d+)"
                           r"|row (\d+) of the input holds NaN or Inf")
 
 
