@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import struct
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from hybridmoe.cpu import hugepages
 from hybridmoe.layers.fp8_kernels import fp8_gemm_supported, kernel_block_ok
 from hybridmoe.models.base import ArchSpec, MoECausalLM
 from hybridmoe.models.registry import arch_spec
@@ -29,6 +32,7 @@ from hybridmoe.weights.fp8_loading import (
     swap_fp8_linears,
 )
 from hybridmoe.weights.progress import LoadProgress, tensor_bytes
+from hybridmoe.weights.readahead import LayerReadahead, TensorSpan, read_into, tensor_spans
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,8 @@ class SafetensorsIndex:
                     for name in h.keys():
                         self.file_of[name] = f
         self._handles: dict[Path, object] = {}
+        self._spans: dict[Path, dict[str, TensorSpan]] = {}
+        self._fds: dict[Path, int] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
@@ -128,8 +134,46 @@ class SafetensorsIndex:
         return t
 
     def fill(self, name: str, dst: torch.Tensor) -> None:
-        """Copy tensor `name` into dst, checking its shape."""
+        """Copy tensor `name` into dst, checking its shape. A contiguous CPU dst of the stored dtype
+        and shape is read straight from the file (readahead.read_into); anything else through get()."""
+        span = self._span(name) if dst.device.type == "cpu" and dst.is_contiguous() else None
+        if (span is not None and span.shape == tuple(dst.shape) and _FLOAT_CODES.get(span.dtype) == dst.dtype
+                and dst.dtype not in FP8_DTYPES and span.end - span.start == dst.nbytes):
+            f = self.file_of[name]
+            try:
+                fd = self._fds.get(f)
+                if fd is None:
+                    fd = self._fds[f] = os.open(f, os.O_RDONLY)
+                read_into(fd, span.start, span.end, dst)
+            except (OSError, EOFError) as e:
+                raise CheckpointError(f"{f.name}: tensor {name!r} cannot be read: {e}") from e
+            return
         dst.copy_(self.get(name, tuple(dst.shape)))
+
+    def _span(self, name: str) -> TensorSpan | None:
+        """Where tensor `name` lies in its file (header parsed once per file); None when the file's
+        header is not understood here (get() reports it)."""
+        f = self.file_of.get(name)
+        if f is None:
+            return None
+        spans = self._spans.get(f)
+        if spans is None:
+            try:
+                self._handle(name)  # safetensors validates the file first (errors name it)
+                spans = self._spans[f] = tensor_spans(f)
+            except (OSError, ValueError, KeyError, struct.error):
+                spans = self._spans[f] = {}
+        return spans.get(name)
+
+    def close(self) -> None:
+        """Close the file descriptors fill() opened."""
+        fds = getattr(self, "_fds", {})  # (__init__ may have failed before setting it)
+        for fd in fds.values():
+            os.close(fd)
+        fds.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def checkpoint_index(model_path: str):
@@ -254,31 +298,42 @@ def load_model(
         parts_ = name.split(".")
         (by_layer.setdefault(int(parts_[2]), []) if parts_[:2] == ["model", "layers"] else top).append(name)
 
-    with torch.no_grad():
-        for name in top:
-            if name == "lm_head.weight" and name not in index and model.tie_word_embeddings:
-                reader.fill("model.embed_tokens.weight", params[name])
-            else:
-                fill(name, params[name])
-        expert_elt = 1 if block is not None and not fp8_dequantize else torch.finfo(dtype).bits // 8
-        experts_total = (len(spec.moe_layers) * spec.num_experts * 3 * config.hidden_size * spec.moe_intermediate
-                         * expert_elt if read_experts else 0)
-        bar = LoadProgress(config.num_hidden_layers, sum(p.nbytes for p in params.values()) + experts_total, progress)
-        bar.add_bytes(sum(params[name].nbytes for name in top))
-        for i in bar.layers(config.num_hidden_layers):
-            for name in by_layer.get(i, []):
-                fill(name, params[name])
-                bar.add_bytes(params[name].nbytes)
-            layer = model.model.layers[i]
-            if layer.is_moe:
-                moe = getattr(layer, spec.moe_module)
-                dev = expert_device(i) if expert_device else device
-                weights = None
-                if read_experts:
-                    fp8_block = block if block is not None and not fp8_dequantize else None
-                    weights = read_expert_weights(reader, spec, i, config.hidden_size, dtype, dev, fp8_block)
-                    bar.add_bytes(tensor_bytes(weights))
-                moe.experts = make_experts(weights, i)
+    # routed experts from --kt-weight-path (read_experts False) are not read here: not read ahead either
+    ahead = (LayerReadahead(index.file_of, skip=None if read_experts else ".experts.")
+             if isinstance(index, SafetensorsIndex) else None)
+    if ahead is not None:
+        ahead.layer(0)  # read while the embeddings and the head are copied
+    try:
+        with torch.no_grad():
+            for name in top:
+                if name == "lm_head.weight" and name not in index and model.tie_word_embeddings:
+                    reader.fill("model.embed_tokens.weight", params[name])
+                else:
+                    fill(name, params[name])
+            expert_elt = 1 if block is not None and not fp8_dequantize else torch.finfo(dtype).bits // 8
+            experts_total = (len(spec.moe_layers) * spec.num_experts * 3 * config.hidden_size * spec.moe_intermediate
+                             * expert_elt if read_experts else 0)
+            bar = LoadProgress(config.num_hidden_layers, sum(p.nbytes for p in params.values()) + experts_total, progress)
+            bar.add_bytes(sum(params[name].nbytes for name in top))
+            for i in bar.layers(config.num_hidden_layers):
+                if ahead is not None and i + 1 < config.num_hidden_layers:  # (not the unread MTP layers)
+                    ahead.layer(i + 1)  # the disk reads layer i + 1 while layer i is copied and packed
+                for name in by_layer.get(i, []):
+                    fill(name, params[name])
+                    bar.add_bytes(params[name].nbytes)
+                layer = model.model.layers[i]
+                if layer.is_moe:
+                    moe = getattr(layer, spec.moe_module)
+                    dev = expert_device(i) if expert_device else device
+                    weights = None
+                    if read_experts:
+                        fp8_block = block if block is not None and not fp8_dequantize else None
+                        weights = read_expert_weights(reader, spec, i, config.hidden_size, dtype, dev, fp8_block)
+                        bar.add_bytes(tensor_bytes(weights))
+                    moe.experts = make_experts(weights, i)
+    finally:
+        if ahead is not None:
+            ahead.close()
     model.eval()
     return model
 
@@ -313,8 +368,12 @@ def read_expert_weights(
     g0 = spec.expert_tensor_names(layer, 0)[0]
     if fp8_block is not None and getattr(index, "is_fp8", None) is not None and index.is_fp8(g0):
         return _read_fp8_experts(index, spec, layer, hidden, device, fp8_block)
-    gate_up = torch.empty(e_n, 2 * i_n, hidden, dtype=dtype, device=device)
-    down = torch.empty(e_n, hidden, i_n, dtype=dtype, device=device)
+    if torch.device(device).type == "cpu":  # 2 MB pages: one first-touch fault per 2 MB of the layer's copy
+        gate_up = hugepages.empty((e_n, 2 * i_n, hidden), dtype)
+        down = hugepages.empty((e_n, hidden, i_n), dtype)
+    else:
+        gate_up = torch.empty(e_n, 2 * i_n, hidden, dtype=dtype, device=device)
+        down = torch.empty(e_n, hidden, i_n, dtype=dtype, device=device)
     if _is_dummy(index):  # random benchmark weights: one draw per tensor, not per expert
         g, _, d = spec.expert_tensor_names(layer, 0)
         index.fill(g, gate_up)
