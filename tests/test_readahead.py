@@ -117,8 +117,7 @@ def test_merged():
     assert merged([(0, 10), (5, 8), (12, 30)], gap=3) == [(0, 30)]
 
 
-@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
-def test_layer_readahead_advises_each_layers_bytes(ckpt):
+def test_layer_readahead_reads_each_layers_bytes(ckpt):
     root, t = ckpt
     idx = SafetensorsIndex(str(root))
     size = {n: t[n].nbytes for n in t}
@@ -126,13 +125,13 @@ def test_layer_readahead_advises_each_layers_bytes(ckpt):
     ra.layer(1)
     ra.close()
     # layer 1's two tensors lie in one file, less than the merge gap apart: one range covering both
-    assert ra.advised_bytes >= size["model.layers.1.self_attn.q_proj.weight"] + size[
+    assert ra.ahead_bytes >= size["model.layers.1.self_attn.q_proj.weight"] + size[
         "model.layers.1.mlp.experts.3.down_proj.weight"]
-    assert ra.advised_bytes < sum(size.values())
+    assert ra.ahead_bytes < sum(size.values())
     ra = LayerReadahead(idx.file_of, skip=".experts.")
     for i in (0, 1, 2, 10, 99):  # 2 and 99: no such layer
         ra.layer(i)
     ra.close()
     kept = ("model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.q_proj.weight",
             "model.layers.10.mlp.gate.weight")
-    assert ra.advised_bytes == sum(size[n] for n in kept)  # each alone in its range: the experts skipped
+    assert ra.ahead_bytes == sum(size[n] for n in kept)  # each alone in its range: the experts skipped

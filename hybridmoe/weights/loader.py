@@ -331,9 +331,12 @@ def load_model(
                         weights = read_expert_weights(reader, spec, i, config.hidden_size, dtype, dev, fp8_block)
                         bar.add_bytes(tensor_bytes(weights))
                     moe.experts = make_experts(weights, i)
-    finally:
+    except BaseException:
         if ahead is not None:
-            ahead.close()
+            ahead.close(wait=False)
+        raise
+    if ahead is not None:
+        ahead.close()
     model.eval()
     return model
 

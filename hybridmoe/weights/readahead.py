@@ -1,18 +1,18 @@
 """Checkpoint bytes off the disk fast: the next decoder layer read ahead while the current one is
 packed, and tensors read straight into their destination.
 
-The loader copies each layer's tensors out of the mmapped safetensors files and then quantizes the
-experts (seconds of CPU work a layer). From a cold page cache every first touch of a page waits
-for the disk, one readahead window at a time. Here a daemon thread asks the kernel for the next
-layer's byte ranges (posix_fadvise WILLNEED: the kernel reads them into the page cache on its
-own), so the disk works while the CPU quantizes. Advisory only: where the call is unavailable or
-fails, loading is unchanged, only slower.
+The loader copies each layer's tensors out of the safetensors files and then quantizes the experts
+(seconds of CPU work a layer). From a cold page cache every first read waits for the disk, one
+readahead window at a time. Here a daemon thread reads the next layer's byte ranges into a small
+scratch buffer, which leaves them in the page cache, so the disk works while the CPU quantizes.
+(posix_fadvise WILLNEED was tried first: on the 2-core CI-like machine, ext4 on virtio, it returned
+in 2 ms and a read 3 s later still ran at disk speed, so the thread reads.) Only one layer ahead: the
+page cache holds at most that much more than the loader would have read anyway. Failures here are
+ignored: the loader reads, and reports, the file itself.
 
-`read_into` fills a CPU tensor with one positioned read (os.preadv) instead of copying from the
-mmap: no page fault per 4 KB page, and no second pass over the bytes.
+`read_into` fills a CPU tensor with positioned reads (os.preadv) instead of copying from the mmap:
+no page fault per 4 KB page, and no second pass over the bytes.
 """
-
-from __future__ import annotations
 
 import json
 import os
@@ -28,6 +28,7 @@ import torch
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _MERGE_GAP = 1 << 20  # ranges closer than this are read as one (the norms between the big tensors)
 _CHUNK = 1 << 30  # bytes per preadv (Linux returns at most ~2 GB a call)
+_SCRATCH = 16 << 20  # the read-ahead thread's buffer
 
 
 class TensorSpan(NamedTuple):
@@ -76,7 +77,8 @@ def merged(ranges: list[tuple[int, int]], gap: int = _MERGE_GAP) -> list[tuple[i
 
 class LayerReadahead:
     """`layer(i)` queues layer i's tensors (names with `layers.{i}.`, less those containing `skip`)
-    for the kernel to read ahead; returns at once. Headers are parsed once per file, in the thread."""
+    to be read ahead into the page cache; returns at once. Headers are parsed once per file, in the
+    thread."""
 
     def __init__(self, file_of: dict[str, Path], skip: str | None = None) -> None:
         self._by_layer: dict[int, dict[Path, list[str]]] = {}
@@ -87,39 +89,48 @@ class LayerReadahead:
         self._headers: dict[Path, dict[str, TensorSpan]] = {}
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.advised_bytes = 0  # for tests and logs
+        self._stop = threading.Event()
+        self.ahead_bytes = 0  # bytes read ahead (tests)
 
     def layer(self, i: int) -> None:
-        if not hasattr(os, "posix_fadvise") or i not in self._by_layer:
+        if i not in self._by_layer:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="hm-readahead", daemon=True)
             self._thread.start()
         self._queue.put(i)
 
-    def close(self) -> None:
-        """Stop the thread once the queued layers are advised (waits for it)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the thread: after the queued layers (wait), or at its next chunk (not wait: the load
+        failed). Waits for it either way."""
         if self._thread is not None:
+            if not wait:
+                self._stop.set()
             self._queue.put(None)
             self._thread.join()
             self._thread = None
 
     def _run(self) -> None:
+        scratch = memoryview(bytearray(_SCRATCH))
         while (i := self._queue.get()) is not None:
             for f, names in self._by_layer[i].items():
                 try:
-                    self._advise(f, names)
+                    self._read(f, names, scratch)
                 except (OSError, ValueError, KeyError, struct.error):
-                    pass  # advice only: the loader reads (and reports) the file itself
+                    pass  # only a head start: the loader reads (and reports) the file itself
 
-    def _advise(self, f: Path, names: list[str]) -> None:
+    def _read(self, f: Path, names: list[str], scratch: memoryview) -> None:
         ranges = self._headers.get(f)
         if ranges is None:
             ranges = self._headers[f] = tensor_spans(f)
         fd = os.open(f, os.O_RDONLY)
         try:
             for s, e in merged([ranges[n][2:] for n in names if n in ranges]):
-                os.posix_fadvise(fd, s, e - s, os.POSIX_FADV_WILLNEED)
-                self.advised_bytes += e - s
+                while s < e and not self._stop.is_set():
+                    n = os.preadv(fd, [scratch[:min(len(scratch), e - s)]], s)
+                    if n <= 0:
+                        return
+                    s += n
+                    self.ahead_bytes += n
         finally:
             os.close(fd)
