@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -161,7 +160,7 @@ class SafetensorsIndex:
             try:
                 self._handle(name)  # safetensors validates the file first (errors name it)
                 spans = self._spans[f] = tensor_spans(f)
-            except (OSError, ValueError, KeyError, struct.error):
+            except (OSError, ValueError, KeyError, TypeError):
                 spans = self._spans[f] = {}
         return spans.get(name)
 

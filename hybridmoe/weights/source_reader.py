@@ -13,6 +13,7 @@ import torch
 
 from hybridmoe.weights.fp8 import FP8_DTYPES, block_dequant, block_size_of, scale_name
 from hybridmoe.weights.loader import CheckpointError, SafetensorsIndex
+from hybridmoe.weights.readahead import read_into
 from hybridmoe.weights.shards import DTYPES, read_header
 
 INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
@@ -66,14 +67,9 @@ class SourceReader:
             raise ConvertError(f"{path}: tensor {name!r} is missing or has an unsupported dtype")
         b, e = info["data_offsets"]
         buf = torch.empty(e - b, dtype=torch.uint8)
-        view, done = memoryview(buf.numpy()), 0
         try:
-            while done < e - b:
-                n = os.preadv(fd, [view[done:]], start + b + done)
-                if n == 0:
-                    raise OSError(f"unexpected end of file at byte {start + b + done} (truncated file?)")
-                done += n
-        except OSError as err:
+            read_into(fd, start + b, start + e, buf)
+        except (OSError, EOFError) as err:
             raise ConvertError(f"{path}: tensor {name!r} cannot be read: {err}") from err
         return buf.view(DTYPES[info["dtype"]]).reshape(info["shape"])
 
