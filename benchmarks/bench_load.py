@@ -30,7 +30,7 @@ from hybridmoe.weights.cpu_format import write_safetensors
 def write_checkpoint(root: Path, a: argparse.Namespace) -> tuple[float, float]:
     """config.json, one shard per layer plus one for the embeddings and head; (GB of experts, GB in all)."""
     root.mkdir(parents=True)
-    h, i, e, hq, hkv, d = a.hidden, a.inter, a.experts, 32, 4, 128
+    h, i, e, hq, hkv, d = a.hidden, a.inter, a.experts, a.heads, a.kv_heads, a.head_dim
     cfg = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=h,
                intermediate_size=4 * i, moe_intermediate_size=i, num_hidden_layers=a.layers,
                num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, num_experts=e,
@@ -100,6 +100,9 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768)
     p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--methods", default="AMXINT8,AMXINT4")
     p.add_argument("--threads", type=int, default=0, help="--kt-cpuinfer (default: the engine's choice)")
     p.add_argument("--repeats", type=int, default=1)
@@ -117,6 +120,7 @@ def main() -> int:
         print(f"checkpoint: {total_gb:.2f} GB ({experts_gb:.2f} GB of bf16 experts) written in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
         res: dict = {"layers": a.layers, "cold": a.cold, "experts_gb": round(experts_gb, 3), "total_gb": round(total_gb, 3),
+                     "experts_bytes": round(experts_gb * 1e9),
                      "runs": []}
         for r in range(a.repeats):
             for m in a.methods.split(","):
