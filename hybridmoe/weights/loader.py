@@ -21,6 +21,7 @@ from hybridmoe.layers.fp8_kernels import fp8_gemm_supported, kernel_block_ok
 from hybridmoe.models.base import ArchSpec, MoECausalLM
 from hybridmoe.models.registry import arch_spec
 from hybridmoe.moe.experts import ExpertWeights, MoEExperts
+from hybridmoe.weights.errors import CheckpointError
 from hybridmoe.weights.fp8 import FP8_DTYPES
 from hybridmoe.weights.fp8_loading import (
     Fp8DummyReader,
@@ -34,10 +35,6 @@ from hybridmoe.weights.progress import LoadProgress, tensor_bytes
 from hybridmoe.weights.readahead import LayerReadahead, TensorSpan, read_into, tensor_spans
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A model directory that cannot be loaded; the message names the file or tensor."""
 
 
 def load_hf_config(model_path: str, trust_remote_code: bool = False):

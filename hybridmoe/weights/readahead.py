@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from hybridmoe.weights.shards import read_header
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _MERGE_GAP = 1 << 20  # ranges closer than this are read as one (the norms between the big tensors)
 _CHUNK = 1 << 30  # bytes per preadv (Linux returns at most ~2 GB a call)
@@ -39,8 +41,6 @@ class TensorSpan(NamedTuple):
 def tensor_spans(path: Path) -> dict[str, TensorSpan]:
     """Each tensor of a safetensors file: dtype code, shape and absolute byte range, from its header.
     Raises CheckpointError (a ValueError), KeyError or TypeError for a file that is not one."""
-    from hybridmoe.weights.shards import read_header  # (shards imports the loader, which imports this)
-
     header, base = read_header(path)
     return {k: TensorSpan(v["dtype"], tuple(v["shape"]), base + v["data_offsets"][0], base + v["data_offsets"][1])
             for k, v in header.items() if k != "__metadata__"}

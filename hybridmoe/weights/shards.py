@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.weights.loader import CheckpointError
+from hybridmoe.weights.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 DTYPES: dict[str, torch.dtype] = {
