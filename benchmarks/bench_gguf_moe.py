@@ -22,7 +22,7 @@ import time
 import torch
 
 from hybridmoe.cpu import gguf_quant as gq
-from hybridmoe.cpu import native
+from hybridmoe.cpu import hugepages, native
 from hybridmoe.cpu.engine import CPUThreadPool
 from hybridmoe.cpu.gguf_engine import GGUFExperts, GGUFMoELayer
 from hybridmoe.cpu.settings import CPUEngineSettings
@@ -32,6 +32,12 @@ def make_layer(typ: str, e: int, h: int, i: int, seed: int) -> GGUFExperts:
     g = torch.Generator().manual_seed(seed)
     mats = [gq.random_blocks(typ, e * n, k, generator=g).view(e, n, -1) for n, k in ((i, h), (i, h), (h, i))]
     return GGUFExperts.of(*mats, (typ,) * 3)
+
+
+def on_huge_pages(x: GGUFExperts) -> GGUFExperts:
+    """A copy of x's matrices on 2 MB pages (hugepages.to_huge; the kernel may fall back to 4 KB ones)."""
+    return dataclasses.replace(x, gate=hugepages.to_huge(x.gate), up=hugepages.to_huge(x.up),
+                               down=hugepages.to_huge(x.down))
 
 
 def routing(t: int, k: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,15 +101,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeats of the whole (distance x T x type) set, the distances' order rotated each round; "
                          "with several, the summary gives medians and each distance's per-round ratio to the first")
+    ap.add_argument("--pages", default="4k", help="where the blocks live: 4k (plain memory, as a file's page-cache "
+                    "mapping on 4 KB pages), 2m (2 MB transparent huge pages), or 4k,2m: both sets, interleaved "
+                    "(rows of the 2m set are named TYPE@2m)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    pages = a.pages.split(",")
+    if not pages or any(p not in ("4k", "2m") for p in pages):
+        ap.error(f"--pages takes 4k, 2m or 4k,2m, got {a.pages!r}")
     if a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
     base = CPUEngineSettings()
     prefetch = a.prefetch if a.prefetch is not None else [base.prefetch_bytes]
     for pf in prefetch:
         dataclasses.replace(base, prefetch_bytes=pf)  # validated here (a bad distance: its own error)
-    packs = {typ: [make_layer(typ, a.E, a.H, a.I, s) for s in range(a.layers)] for typ in a.types.split(",")}
+    packs = {}
+    for typ in a.types.split(","):
+        plain = [make_layer(typ, a.E, a.H, a.I, s) for s in range(a.layers)]
+        for pg in pages:
+            packs[typ if pg == "4k" else f"{typ}@2m"] = plain if pg == "4k" else [on_huge_pages(x) for x in plain]
+        if "4k" not in pages:
+            del plain
     pool = CPUThreadPool(threads=a.threads, settings=dataclasses.replace(base, prefetch_bytes=prefetch[0]))
     sets = {typ: [GGUFMoELayer(p, isa=a.isa, pool=pool) for p in ps] for typ, ps in packs.items()}
     kernel, threads = next(iter(sets.values()))[0].kernel_name, pool.threads
