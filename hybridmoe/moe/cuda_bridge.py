@@ -81,19 +81,20 @@ class SubmitProgram:
 
 class PinnedIO:
     """Pinned host buffers for up to `cap` tokens: x [cap, H], ids [cap, K], w [cap, K], out [cap, H],
-    lora [cap] (the tokens' LoRA slots, -1: none; read by a task only with LoRA attached).
+    lora [cap] (the tokens' LoRA slots, -1: none; read by a task only with LoRA attached; `lora` passed
+    in: a buffer every layer shares, copied once a forward).
 
     Their addresses never change, so a captured graph keeps using them. Layers share them (the
     stream runs one layer after the other): see HybridRuntime.pinned_io."""
 
-    def __init__(self, cap: int, k: int, hidden: int, x_dtype: torch.dtype) -> None:
+    def __init__(self, cap: int, k: int, hidden: int, x_dtype: torch.dtype, lora: torch.Tensor | None = None) -> None:
         self.cap = cap
         pin = torch.cuda.is_available()  # (False only in the CPU test that emulates the stream)
         self.x = torch.empty(cap, hidden, dtype=x_dtype, pin_memory=pin)  # [cap, H]
         self.ids = torch.full((cap, k), -1, dtype=torch.int32, pin_memory=pin)  # [cap, K]
         self.w = torch.zeros(cap, k, dtype=torch.float32, pin_memory=pin)  # [cap, K]
         self.out = torch.zeros(cap, hidden, dtype=torch.float32, pin_memory=pin)  # [cap, H]
-        self.lora = torch.full((cap,), -1, dtype=torch.int32, pin_memory=pin)  # [cap]
+        self.lora = torch.full((cap,), -1, dtype=torch.int32, pin_memory=pin) if lora is None else lora  # [cap]
 
 
 class StreamCPUTask:
@@ -146,7 +147,8 @@ class StreamCPUTask:
     def enqueue_submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                        lora: torch.Tensor | None = None) -> None:
         """Copy the inputs out (stream-ordered) and start the CPU task once they have landed. lora:
-        int32 [T] the tokens' LoRA slots (None: leave the buffer, all -1 unless LoRA wrote it)."""
+        int32 [T] the tokens' LoRA slots (None: leave the buffer as it is: all -1 unless LoRA wrote it,
+        or written by an earlier layer of this forward into the buffer the layers share)."""
         t = x.shape[0]
         self._begin_submit(t)
         self.x[:t].copy_(x, non_blocking=True)

@@ -152,8 +152,10 @@ class HybridExperts(MoEExperts):
         from hybridmoe.moe.cuda_bridge import StreamCPUTask
 
         rt, t = self.runtime, x.shape[0]
-        if self.is_first and rt.pending is not None:  # left by an interrupted forward: not ours
-            rt.collect_pending()
+        if self.is_first:
+            rt.lora_staged = False
+            if rt.pending is not None:  # left by an interrupted forward: not ours
+                rt.collect_pending()
         tasks = None
         if self.cpu is not None:
             cap = 1 << max(0, (t - 1).bit_length())
@@ -168,8 +170,13 @@ class HybridExperts(MoEExperts):
                     self.cpu.layer, io(1), shared_input=io(0), submitter=rt.submitter) if self.defer else None)
             now, later = self._split(ids, topk_weights)
             w = topk_weights.float()
-            # the tokens' adapter slots: a fixed buffer under graphs (lora/batch.py), copied like x
-            lora = self.cpu_lora.index(t) if self.cpu_lora is not None else None
+            # the tokens' adapter slots: a fixed buffer under graphs (lora/batch.py), copied like x, once a
+            # forward (the layers' tasks share the pinned copy; the last MoE layer defers nothing, so no task
+            # of this forward reads it once the next forward's first copy lands)
+            lora = None
+            if self.cpu_lora is not None and not rt.lora_staged:
+                lora = self.cpu_lora.index(t)
+                rt.lora_staged = True
             if later is None:
                 tasks[0].enqueue_submit(x, now.int(), w, lora)
             else:  # both tasks queued by one host function

@@ -80,6 +80,10 @@ class HybridRuntime(MoEHooks):
         self.layerwise_active = False  # set by forward_scope for the duration of one layerwise forward
         self.layers: dict[int, HybridExperts] = {}  # attached by the runner after loading
         self._pinned: dict[tuple[int, int, int], PinnedIO] = {}  # (parity, slot, cap) -> buffers
+        # the tokens' LoRA slots, the same for every layer of a forward: one pinned buffer per cap that every
+        # layer's tasks read, copied by the forward's first layer with a CPU task (lora_staged: done)
+        self._lora_pinned: dict[int, torch.Tensor] = {}
+        self.lora_staged = False
         self.submitter = GatedSubmitter()  # the layers' stream tasks queue (or, during a capture, record) through it
         self.layerwise = LayerwisePrefill(self) if placement.prefill_threshold is not None else None
         self.num_layerwise_prefills = 0  # forwards run layerwise (metrics)
@@ -116,7 +120,11 @@ class HybridRuntime(MoEHooks):
         key = (self.moe_layers.index(layer_idx) % 2, slot, cap)
         io = self._pinned.get(key)
         if io is None:
-            io = self._pinned[key] = PinnedIO(cap, k, hidden, dtype)
+            lora = self._lora_pinned.get(cap)
+            if lora is None:
+                lora = self._lora_pinned[cap] = torch.full((cap,), -1, dtype=torch.int32,
+                                                           pin_memory=torch.cuda.is_available())
+            io = self._pinned[key] = PinnedIO(cap, k, hidden, dtype, lora=lora)
         return io
 
     # ---- MoEHooks: what the model runner calls ----

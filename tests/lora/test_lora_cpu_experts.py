@@ -167,10 +167,26 @@ def test_stream_path_on_cpu(setup, monkeypatch, defer):
     monkeypatch.setattr(cuda_bridge, "launch_host_func",
                         lambda fn, data: C.CFUNCTYPE(None, C.c_void_p)(fn)(C.addressof(data)))
     monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
+    # per forward (marked "F" at its first MoE layer), whether each submit copies the slots: only the first
+    events: list = []
+    fwd = hybrid.HybridExperts._forward_stream
+
+    def forward_stream(self, *a, **k):
+        if self.is_first:
+            events.append("F")
+        return fwd(self, *a, **k)
+
+    monkeypatch.setattr(hybrid.HybridExperts, "_forward_stream", forward_stream)
+    for name in ("enqueue_submit", "enqueue_submit_with"):
+        orig = getattr(cuda_bridge.StreamCPUTask, name)
+        monkeypatch.setattr(cuda_bridge.StreamCPUTask, name,
+                            lambda self, *a, _o=orig, **k: (events.append(a[-1] is not None), _o(self, *a, **k))[1])
     llm = LLM(str(base), **opts)
     got = [o["output_ids"] for o in llm.generate(input_ids=[prompt, prompt[:9], prompt], sampling_params=GREEDY,
                                                  lora_path=["ex", None, "ex"])]
     assert got == ref_tokens
+    forwards = "".join("F" if e == "F" else "1" if e else "0" for e in events).split("F")[1:]
+    assert forwards and all(f.startswith("1") and f.count("1") == 1 and len(f) >= 2 for f in forwards), forwards[:4]
     if not defer:
         assert got[0] == want
     llm.shutdown()

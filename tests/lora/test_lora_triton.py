@@ -47,8 +47,66 @@ def _case(name: str, dtype: torch.dtype, device: str) -> dict:
     return {"err": err, "shape": list(got.shape)}
 
 
+def _ext_case(name: str, dtype: torch.dtype, device: str) -> dict:
+    """lora_expand_ext on a GEMM against [W; A] (every slot's A stacked under W): the base part plus each
+    token's own slot's delta, as lora_add gives on the base output."""
+    from hybridmoe.lora.ops import lora_delta_ref
+    from hybridmoe.lora.triton_ops import lora_expand_ext
+
+    t, s, r, k, n = CASES[name]
+    x, a, bt, scale, idx, _ = _inputs(t, s, r, k, n, dtype, device, none=name == "allbase")
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(9)).to(dtype).to(device)
+    y_ext = x @ torch.cat([w, a.reshape(s * r, k)]).t()  # [T, N + S*R]
+    got = lora_expand_ext(y_ext, n, bt, scale, idx).double().cpu()
+    want = (x.double() @ w.double().t()).cpu() + lora_delta_ref(x.cpu(), a.cpu(), bt.cpu(), scale.cpu(), idx.cpu())
+    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30) if t else 0.0
+    return {"err": err, "shape": list(got.shape)}
+
+
+def _linear_case(fused: bool, t: int, device: str, dtype: torch.dtype = torch.float32) -> dict:
+    """LoRALinear (q/k/v-style parts, a bias) with two adapters in 3 slots and a cleared one: the forward
+    against the merged reference; fused: the extended-weight form at both T <= FUSED_MAX_T (one GEMM and the
+    expand) and above it (the base weight view, the shrink and the expand over the same A buffer)."""
+    from hybridmoe.lora import linear as L
+    from hybridmoe.lora.batch import LoRABatch
+
+    g = torch.Generator().manual_seed(t)
+    k, parts, slots, rank = 40, (24, 8, 8), 3, 4
+    base = torch.nn.Linear(k, sum(parts), bias=True).to(dtype).to(device)
+    w0, b0 = base.weight.detach().clone(), base.bias.detach().clone()
+    batch = LoRABatch(torch.device(device))
+    lin = L.LoRALinear(base, k, parts, slots, rank, batch, dtype, torch.device(device), fused=fused)
+    assert lin.fused == fused and torch.equal(lin.base.weight, w0)
+    adapters = {}
+    for slot in (0, 2):
+        ps = {p: (torch.randn(r, k, generator=g), torch.randn(parts[p], r, generator=g), 0.5 + slot)
+              for p, r in ((0, 4), (2, 3))}
+        adapters[slot] = ps
+        lin.set_slot(slot, {p: (a.to(dtype).to(device), b.to(dtype).to(device), sc) for p, (a, b, sc) in ps.items()})
+    lin.set_slot(1, {1: (torch.ones(2, k).to(dtype).to(device), torch.ones(8, 2).to(dtype).to(device), 1.0)})
+    lin.clear_slot(1)  # a cleared slot: the base model
+    x = torch.randn(t, k, generator=g)
+    idx = torch.randint(-1, slots, (t,), generator=g, dtype=torch.int32)
+    batch.set(idx.tolist())
+    got = lin(x.to(dtype).to(device)).double().cpu()
+    want = x.double() @ w0.double().cpu().t() + b0.double().cpu()
+    for i in range(t):
+        for p, (a, b, sc) in adapters.get(int(idx[i]), {}).items():
+            o = sum(parts[:p])
+            want[i, o:o + parts[p]] += sc * (b.double() @ (a.double() @ x[i].double()))
+    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30) if t else 0.0
+    return {"err": err, "shape": list(got.shape)}
+
+
+LINEAR_CASES = {"fused-t1": (True, 1), "fused-t7": (True, 7), "fused-long": (True, 600), "plain-t5": (False, 5),
+                "fused-t0": (True, 0)}
+
+
 def _interp_main() -> None:
-    print(json.dumps(collect({f"{c}-fp32": (lambda c=c: _case(c, torch.float32, "cpu")) for c in CASES})))
+    cases = {f"{c}-fp32": (lambda c=c: _case(c, torch.float32, "cpu")) for c in CASES}
+    cases.update({f"ext-{c}-fp32": (lambda c=c: _ext_case(c, torch.float32, "cpu")) for c in CASES})
+    cases.update({f"linear-{c}": (lambda c=c: _linear_case(*LINEAR_CASES[c], "cpu")) for c in LINEAR_CASES})
+    print(json.dumps(collect(cases)))
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +118,31 @@ def interp():
 def test_interpreted(interp, case):
     res = case_result(interp, f"{case}-fp32")
     assert res["err"] <= 1e-5 and res["shape"] == [CASES[case][0], CASES[case][4]]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_interpreted_expand_ext(interp, case):
+    res = case_result(interp, f"ext-{case}-fp32")
+    assert res["err"] <= 1e-5 and res["shape"] == [CASES[case][0], CASES[case][4]]
+
+
+@pytest.mark.parametrize("case", sorted(LINEAR_CASES))
+def test_interpreted_linear(interp, case):
+    res = case_result(interp, f"linear-{case}")
+    assert res["err"] <= 1e-5 and res["shape"] == [LINEAR_CASES[case][1], 40]
+
+
+def test_fused_form_only_where_it_pays():
+    """can_fuse: CUDA, a plain bf16/fp16 nn.Linear of the slots' dtype, the stacked A rows at most 1/8 of its rows."""
+    from hybridmoe.lora.linear import can_fuse
+
+    lin = torch.nn.Linear(64, 256).to(torch.bfloat16)
+    assert not can_fuse(lin, 32, torch.bfloat16, torch.device("cpu"))
+    if torch.cuda.is_available():
+        cu = lin.cuda()
+        assert can_fuse(cu, 32, torch.bfloat16, cu.weight.device)
+        assert not can_fuse(cu, 33, torch.bfloat16, cu.weight.device)
+        assert not can_fuse(cu, 32, torch.float16, cu.weight.device)
 
 
 @pytest.mark.parametrize("t, k, r, want", [(1, 2048, 48, (64, 64, 32)), (1, 4096, 16, (256, 256, 16)),
@@ -82,6 +165,27 @@ def test_split_k(t, k, r, want):
 def test_cuda(case, dtype):
     res = _case(case, dtype, "cuda")
     assert res["err"] <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_expand_ext(case, dtype):
+    res = _ext_case(case, dtype, "cuda")
+    assert res["err"] <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(LINEAR_CASES))
+def test_cuda_linear_bf16(case):
+    """The fused form where it is chosen by itself (bf16 on CUDA) and forced off."""
+    fused, t = LINEAR_CASES[case]
+    if fused:
+        from hybridmoe.lora.linear import can_fuse
+
+        assert can_fuse(torch.nn.Linear(40, 40).to(torch.bfloat16).cuda(), 5, torch.bfloat16, torch.device("cuda"))
+    res = _linear_case(fused, t, "cuda", torch.bfloat16)
+    assert res["err"] <= 2e-2
 
 
 @pytest.mark.gpu
