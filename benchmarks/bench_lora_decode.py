@@ -26,6 +26,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -36,6 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import add_shape_args, parse_shape_args, write_config  # noqa: E402
+
+from hybridmoe import envs  # noqa: E402
 
 
 def write_adapter(d: Path, a: argparse.Namespace, rank: int) -> Path:
@@ -141,6 +144,17 @@ def summarize_setting(runs: list[dict], gpu_experts: int, batch: int, target: fl
     out["added"]["us_per_layer"] = 1e3 * out["added"]["ms_per_step"] / layers
     out["added"]["cpu_phase_us_per_task"] = {k: lo["cpu_phase_us_per_task"][k] - b["cpu_phase_us_per_task"][k]
                                              for k in b["cpu_phase_us_per_task"]}
+    # per repeat (the settings of one repeat ran back to back: the host's drift between repeats cancels)
+    by = {(r["rep"], r["kind"]): r["tokens_per_s"] for r in runs if (r["gpu_experts"], r["batch"]) == (gpu_experts, batch)}
+    reps = sorted({rep for rep, _ in by})
+    per = [by[(rep, "lora")] / by[(rep, "base")] for rep in reps if (rep, "lora") in by and (rep, "base") in by]
+    out["ratio_per_rep"] = per
+    out["ratio_per_rep_median"] = statistics.median(per) if per else None
+    unf = [by[(rep, "lora-unfused")] / by[(rep, "base")] for rep in reps if (rep, "lora-unfused") in by]
+    if unf:
+        out["unfused_ratio_per_rep"] = unf
+        out["fused_over_unfused_per_rep"] = [by[(rep, "lora")] / by[(rep, "lora-unfused")] for rep in reps
+                                             if (rep, "lora-unfused") in by]
     return out
 
 
@@ -153,6 +167,12 @@ def format_setting(s: dict) -> str:
             f"{ad['us_per_layer']:+.1f} us per layer of {s['layers']}): CPU busy {b['cpu_busy_ms_per_step']:.2f} -> "
             f"{lo['cpu_busy_ms_per_step']:.2f} ms ({ad['cpu_busy_ms_per_step']:+.2f}), other "
             f"{b['other_ms_per_step']:.2f} -> {lo['other_ms_per_step']:.2f} ms ({ad['other_ms_per_step']:+.2f})")
+    line += "\n  LoRA / base per repeat: " + " ".join(f"{v:.3f}" for v in s["ratio_per_rep"])
+    if s["ratio_per_rep_median"] is not None:
+        line += f" (median {s['ratio_per_rep_median']:.3f})"
+    if "unfused_ratio_per_rep" in s:
+        line += ("; unfused LoRA / base " + " ".join(f"{v:.3f}" for v in s["unfused_ratio_per_rep"]) +
+                 "; fused / unfused " + " ".join(f"{v:.3f}" for v in s["fused_over_unfused_per_rep"]))
     if b["cpu_tasks_per_step"]:
         ph = ", ".join(f"{k} {v:+.1f}" for k, v in ad["cpu_phase_us_per_task"].items())
         line += (f"\n  per CPU task ({lo['cpu_tasks_per_step']:.0f} a step): run {b['trace_run_us']:.1f} -> "
@@ -190,10 +210,20 @@ def run_setting(a: argparse.Namespace, d: Path, gpu_experts: int, results: dict)
     names = [f"a{k}" for k in range(a.batch)]
     lora = LLM(d, **common, lora_paths=[f"{n}={adapter}" for n in names], max_loras_per_batch=a.batch,
                max_lora_rank=a.rank)
+    unfused = None
+    if a.unfused:  # the same LoRA model with the linears' unfused form (HYBRIDMOE_LORA_FUSED=0 while it loads)
+        os.environ[envs.LORA_FUSED] = "0"
+        try:
+            unfused = LLM(d, **common, lora_paths=[f"{n}={adapter}" for n in names], max_loras_per_batch=a.batch,
+                          max_lora_rank=a.rank)
+        finally:
+            del os.environ[envs.LORA_FUSED]
     print(f"models ready in {time.perf_counter() - t:.1f} s", flush=True)
     results["adapters"] = sorted(loaded(lora.engine))
     settings = [("base", 1, base, [None]), ("lora", 1, lora, names[:1]),
                 ("base", a.batch, base, [None] * a.batch), ("lora", a.batch, lora, names)]
+    if unfused is not None:
+        settings.insert(2, ("lora-unfused", 1, unfused, names[:1]))
     for rep in range(a.repeat):
         for kind, b, llm, loras in settings:
             row = {"gpu_experts": gpu_experts, "layers": s.layers, "rep": rep, "kind": kind, "batch": b,
@@ -208,7 +238,9 @@ def run_setting(a: argparse.Namespace, d: Path, gpu_experts: int, results: dict)
                 Path(a.out).write_text(json.dumps(results, indent=2))
     lora.shutdown()
     base.shutdown()
-    del base, lora
+    if unfused is not None:
+        unfused.shutdown()
+    del base, lora, unfused
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -234,6 +266,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tests), not a measurement")
+    p.add_argument("--unfused", action="store_true",
+                   help="also time batch 1 on a third model whose LoRA linears keep the unfused form (GEMM + shrink + "
+                        "expand; HYBRIDMOE_LORA_FUSED=0), interleaved with the others: what the fused form saves")
     p.add_argument("--out", default=None)
     a = parse_shape_args(p)
 

@@ -13,6 +13,7 @@ working on hybridmoe itself:
 | `HYBRIDMOE_TEST_THREADS` | 2 | threads of the CPU engine tests' shared pool (tests/cpu/conftest.py) |
 | `HYBRIDMOE_HUGEPAGES` | 1 | `0`: CPU weights on plain 4 KB pages, not advised for huge ones (hybridmoe/cpu/hugepages.py; A/B runs) |
 | `HYBRIDMOE_PIN_CALLER` | 0 | `1`: CPU-only decode steps on the pool leader's CPU, its spin 0 (hybridmoe/cpu/caller_pin.py; A/B runs) |
+| `HYBRIDMOE_LORA_FUSED` | 1 | `0`: LoRA linears keep the unfused form, GEMM + shrink + expand (hybridmoe/lora/linear.py; A/B runs) |
 | `HYBRIDMOE_AMX_INLINE` | 0 | `1`: synchronous CPU MoE tasks of AMX layers run on the calling thread too (CPUThreadPool.inline_amx; tests/cpu/test_amx_caller_thread.py) |
 
 Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
@@ -32,6 +33,7 @@ TEST_THREADS = "HYBRIDMOE_TEST_THREADS"
 HUGEPAGES = "HYBRIDMOE_HUGEPAGES"
 PIN_CALLER = "HYBRIDMOE_PIN_CALLER"
 AMX_INLINE = "HYBRIDMOE_AMX_INLINE"
+LORA_FUSED = "HYBRIDMOE_LORA_FUSED"
 
 
 def _get(name: str) -> str | None:
@@ -95,3 +97,8 @@ def pin_caller() -> bool | None:
 def amx_inline() -> bool:
     """HYBRIDMOE_AMX_INLINE=1: new CPU pools run AMX layers' synchronous tasks on the caller too."""
     return _get(AMX_INLINE) == "1"
+
+
+def lora_fused() -> bool:
+    """$HYBRIDMOE_LORA_FUSED: False when "0" (LoRA linears never take the fused form)."""
+    return _get(LORA_FUSED) != "0"

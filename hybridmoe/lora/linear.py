@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridmoe import envs
 from hybridmoe.lora.batch import LoRABatch
 from hybridmoe.lora.ops import add_lora
 
@@ -28,7 +29,7 @@ FUSED_MAX_EXTRA = 1 / 8  # the stacked A rows, as a share of the base weight's r
 
 def can_fuse(base: nn.Module, slot_rows: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `base` can take the fused form (see the module docstring)."""
-    if device.type != "cuda" or type(base) is not nn.Linear or base.weight.dtype != dtype:
+    if device.type != "cuda" or type(base) is not nn.Linear or base.weight.dtype != dtype or not envs.lora_fused():
         return False
     if dtype not in (torch.bfloat16, torch.float16) or slot_rows > base.out_features * FUSED_MAX_EXTRA:
         return False
