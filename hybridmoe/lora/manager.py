@@ -42,6 +42,13 @@ class LoRAManager:
         self.model, self.device, self.dtype = model, device, dtype
         self.num_slots, self.max_rank = slots, max_rank
         self.batch = LoRABatch(device, graph_capacity)
+        # a graph replay's slots go to batch.graph_index from this pinned buffer, asynchronously (a pageable
+        # copy synchronized the stream: with the overlap schedule the host then waited for the step in flight
+        # before launching the next, which left the GPU idle for the launch); `_graph_copied` is recorded after
+        # each copy, waited for before the buffer is rewritten (normally long done)
+        pin = device.type == "cuda"
+        self._graph_host = torch.full((self.batch.graph_index.shape[0],), -1, dtype=torch.int32, pin_memory=pin)
+        self._graph_copied = torch.cuda.Event() if pin else None
         self.wrapped: dict[str, LoRALinear] = targets.wrap(model, target_paths, slots, max_rank, self.batch, dtype,
                                                            device)
         self.expert_slots: dict[int, list] = {}  # layer -> [ExpertLoRASlots | CPUExpertLoRA] (attach_experts)
@@ -170,7 +177,12 @@ class LoRAManager:
     def prepare_graph(self, reqs: list, bs: int) -> None:
         """A graph replay of bs rows: the fixed index buffer (padding rows: the base model)."""
         slots = self.slots_for([getattr(r, "lora_key", None) for r in reqs]) + [-1] * (bs - len(reqs))
-        self.batch.graph_index[:bs].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=False)
+        if self._graph_copied is not None:
+            self._graph_copied.synchronize()
+        self._graph_host[:bs] = torch.tensor(slots, dtype=torch.int32)
+        self.batch.graph_index[:bs].copy_(self._graph_host[:bs], non_blocking=True)
+        if self._graph_copied is not None:
+            self._graph_copied.record()
         self.batch.set_graph(bs)
 
     def nbytes(self) -> tuple[int, int]:

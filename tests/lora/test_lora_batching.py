@@ -80,3 +80,24 @@ def test_prefix_cache_not_shared_across_adapters(adapters):
     assert cached[None] == [0]
     assert all(len(set(map(tuple, v))) == 1 for v in outs.values())
     llm.shutdown()
+
+
+@pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_prepare_graph_fills_the_index_buffer(cuda, monkeypatch):
+    """A graph replay's per-row slots (padding rows -1) reach batch.graph_index from the manager's own host
+    buffer; each replay's rows overwrite the last one's (on CUDA the copy is asynchronous, behind an event)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from hybridmoe.lora.manager import LoRAManager
+
+    if cuda and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    mgr = LoRAManager(nn.Module(), torch.device("cuda" if cuda else "cpu"), torch.float32, 3, 4, [], graph_capacity=8)
+    monkeypatch.setattr(mgr, "slots_for", lambda keys: [{None: -1, "a": 0, "b": 2}[k] for k in keys])
+    for keys, bs in ((["a", None, "b"], 4), (["b"], 2), (["a"] * 8, 8), ([None, "b"], 2)):
+        mgr.prepare_graph([SimpleNamespace(lora_key=k) for k in keys], bs)
+        want = [{None: -1, "a": 0, "b": 2}[k] for k in keys] + [-1] * (bs - len(keys))
+        assert mgr.batch.index(bs).tolist() == want
+        assert mgr.batch.current.data_ptr() == mgr.batch.graph_index.data_ptr()  # the graph's own buffer
