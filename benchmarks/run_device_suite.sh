@@ -35,9 +35,11 @@ if want gpu-tests; then
   # modules that import fastapi & co. fail to collect where those wheels were not carried: go on without them
   # (their GPU tests are few); -v names each test as it ends, so a run cut by the timeout still says which
   # failed (the tail shows only failures, errors and the summary; the whole list is in gpu_tests.log)
-  # GPU_TESTS_WORKERS (default 4) pytest-xdist workers, a module per worker: the suite's time is mostly Triton
-  # compiling on the CPU (16 cores there), its GPU work small; 1 runs serially
-  workers="${GPU_TESTS_WORKERS:-4}"
+  # GPU_TESTS_WORKERS=N: N pytest-xdist workers, a module per worker (the suite's time is mostly Triton compiling
+  # on the CPU, 16 cores there). Default 1 (serial): an engine built without --max-total-tokens sizes its KV cache
+  # from the GPU's free memory (85%), so a worker's engine can leave another's none; use N > 1 on test paths
+  # whose engines all set max_total_tokens
+  workers="${GPU_TESTS_WORKERS:-1}"
   xdist=""
   if [ "$workers" -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then xdist="-n $workers --dist loadfile"; fi
   timeout "${GPU_TESTS_TIMEOUT:-300}" $PY -m pytest -v -p no:cacheprovider -m gpu ${GPU_TESTS_PATHS:-tests} -rf \
