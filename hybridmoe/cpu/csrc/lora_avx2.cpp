@@ -1,6 +1,6 @@
 // The expert LoRA kernels (lora.h LoraKernels) in AVX2 + FMA: 8 fp32 lanes, bf16 widened by a
-// shift, a scalar tail for a dot whose length is not a multiple of 8; tiles of up to four rows of
-// one (expert, slot) in registers.
+// shift, a scalar tail for a dot whose length is not a multiple of 8; up to four rows of one
+// (expert, slot) share each weight load.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -38,48 +38,47 @@ inline const void* row(const void* base, int dt, int64_t off) {
   return static_cast<const uint8_t*>(base) + off * (dt == hm::DT_F32 ? 4 : 2);
 }
 
-// A tile of MM rows x RK ranks (MM * RK accumulators of the 16 ymm registers): each x load serves RK
-// ranks, each A load MM rows; the n % 8 tail in scalar.
-template <int MM, int RK>
-inline void dot_tile(const void* A, int wdt, int64_t lda, int k, const void* const* x, int xdt, int n, float s,
-                     float* out, int64_t ldo) {
-  const int n8 = n / 8 * 8;
-  __m256 c[MM][RK];
-  const void* a[RK];
+// Each weight stream read in order, as in lora_avx512.cpp (which says why): a rank row of A after the
+// other, a 16-column block's R x 16 values of B after the other; x and the rank vector stay in L1.
+
+// MM rows x one rank, CH chains over the row of A (MM * CH accumulators); the n % 8 tail in scalar.
+template <int MM, int CH>
+inline void dot_rank(const void* a, int wdt, const void* const* x, int xdt, int n, float s, float* out,
+                     int64_t ldo) {
+  const int n8 = n / 8 * 8, nc = n8 / (8 * CH) * (8 * CH);
+  __m256 c[CH][MM];
   #pragma GCC unroll 16
-  for (int r = 0; r < RK; ++r) a[r] = row(A, wdt, (k + r) * lda);
-  #pragma GCC unroll 16
-  for (int m = 0; m < MM; ++m)
+  for (int q = 0; q < CH; ++q)
     #pragma GCC unroll 16
-    for (int r = 0; r < RK; ++r) c[m][r] = _mm256_setzero_ps();
-  for (int i = 0; i < n8; i += 8) {
-    __m256 xv[MM];
+    for (int m = 0; m < MM; ++m) c[q][m] = _mm256_setzero_ps();
+  for (int i = 0; i < nc; i += 8 * CH)
     #pragma GCC unroll 16
-    for (int m = 0; m < MM; ++m) xv[m] = load8(x[m], xdt, i);
-    #pragma GCC unroll 16
-    for (int r = 0; r < RK; ++r) {
-      const __m256 av = load8(a[r], wdt, i);
+    for (int q = 0; q < CH; ++q) {
+      const __m256 av = load8(a, wdt, i + 8 * q);
       #pragma GCC unroll 16
-      for (int m = 0; m < MM; ++m) c[m][r] = _mm256_fmadd_ps(av, xv[m], c[m][r]);
+      for (int m = 0; m < MM; ++m) c[q][m] = _mm256_fmadd_ps(av, load8(x[m], xdt, i + 8 * q), c[q][m]);
     }
+  for (int i = nc; i < n8; i += 8) {
+    const __m256 av = load8(a, wdt, i);
+    #pragma GCC unroll 16
+    for (int m = 0; m < MM; ++m) c[0][m] = _mm256_fmadd_ps(av, load8(x[m], xdt, i), c[0][m]);
   }
   #pragma GCC unroll 16
-  for (int m = 0; m < MM; ++m)
+  for (int m = 0; m < MM; ++m) {
+    __m256 v = c[0][m];
     #pragma GCC unroll 16
-    for (int r = 0; r < RK; ++r) {
-      float v = hsum(c[m][r]);
-      for (int i = n8; i < n; ++i) v += load1(a[r], wdt, i) * load1(x[m], xdt, i);
-      out[m * ldo + k + r] = s * v;
-    }
+    for (int q = 1; q < CH; ++q) v = _mm256_add_ps(v, c[q][m]);
+    float f = hsum(v);
+    for (int i = n8; i < n; ++i) f += load1(a, wdt, i) * load1(x[m], xdt, i);
+    out[m * ldo] = s * f;
+  }
 }
 
 template <int MM>
 void dot_m(const void* A, int wdt, int64_t lda, int rows, const void* const* x, int xdt, int n, float s, float* out,
            int64_t ldo) {
-  constexpr int RK = MM <= 2 ? 4 : 2;
-  int k = 0;
-  for (; k + RK <= rows; k += RK) dot_tile<MM, RK>(A, wdt, lda, k, x, xdt, n, s, out, ldo);
-  for (; k < rows; ++k) dot_tile<MM, 1>(A, wdt, lda, k, x, xdt, n, s, out, ldo);
+  constexpr int CH = MM == 1 ? 4 : 2;  // >= 4 chains
+  for (int k = 0; k < rows; ++k) dot_rank<MM, CH>(row(A, wdt, k * lda), wdt, x, xdt, n, s, out + k, ldo);
 }
 
 void dot(const void* A, int wdt, int64_t lda, int rows, const void* const* x, int xdt, int M, int n, float s,
@@ -92,63 +91,58 @@ void dot(const void* A, int wdt, int64_t lda, int rows, const void* const* x, in
   }
 }
 
-// MM rows x NB 16-column blocks (two halves each), the rank sum split KS ways: MM * NB * 2 * KS
-// independent FMA chains; each B load serves MM rows.
-template <int MM, int NB, int KS>
-inline void axpy_tile(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int64_t lda, int b,
-                      int64_t bstep, float* C, int64_t ldc, int64_t cstep) {
-  __m256 acc[KS][MM][2 * NB];
+// One 16-column block (two halves) for MM rows, its R x 16 values in order, the rank sum split KS
+// ways: MM * 2 * KS independent FMA chains, each B load serving MM rows.
+template <int MM, int KS>
+inline void axpy_block(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int64_t lda, float* C,
+                       int64_t ldc) {
+  __m256 acc[KS][MM][2];
   #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m)
     #pragma GCC unroll 16
-    for (int j = 0; j < 2 * NB; ++j) {
-      acc[0][m][j] = _mm256_loadu_ps(C + m * ldc + (b + j / 2) * cstep + (j % 2) * 8);
+    for (int h = 0; h < 2; ++h) {
+      acc[0][m][h] = _mm256_loadu_ps(C + m * ldc + 8 * h);
       #pragma GCC unroll 16
-      for (int q = 1; q < KS; ++q) acc[q][m][j] = _mm256_setzero_ps();
+      for (int q = 1; q < KS; ++q) acc[q][m][h] = _mm256_setzero_ps();
     }
   int k = 0;
   for (; k + KS <= rows; k += KS)
     #pragma GCC unroll 16
     for (int q = 0; q < KS; ++q) {
-      const int64_t o = (k + q) * ldb + b * bstep;
-      __m256 bv[2 * NB];
-      #pragma GCC unroll 16
-      for (int j = 0; j < 2 * NB; ++j) bv[j] = load8(Bt, wdt, o + (j / 2) * bstep + (j % 2) * 8);
+      const __m256 b0 = load8(Bt, wdt, (k + q) * ldb), b1 = load8(Bt, wdt, (k + q) * ldb + 8);
       #pragma GCC unroll 16
       for (int m = 0; m < MM; ++m) {
         const __m256 am = _mm256_set1_ps(a[m * lda + k + q]);
-        #pragma GCC unroll 16
-        for (int j = 0; j < 2 * NB; ++j) acc[q][m][j] = _mm256_fmadd_ps(am, bv[j], acc[q][m][j]);
+        acc[q][m][0] = _mm256_fmadd_ps(am, b0, acc[q][m][0]);
+        acc[q][m][1] = _mm256_fmadd_ps(am, b1, acc[q][m][1]);
       }
     }
   for (; k < rows; ++k) {
-    const int64_t o = k * ldb + b * bstep;
+    const __m256 b0 = load8(Bt, wdt, k * ldb), b1 = load8(Bt, wdt, k * ldb + 8);
     #pragma GCC unroll 16
-    for (int j = 0; j < 2 * NB; ++j) {
-      const __m256 bv = load8(Bt, wdt, o + (j / 2) * bstep + (j % 2) * 8);
-      #pragma GCC unroll 16
-      for (int m = 0; m < MM; ++m) acc[0][m][j] = _mm256_fmadd_ps(_mm256_set1_ps(a[m * lda + k]), bv, acc[0][m][j]);
+    for (int m = 0; m < MM; ++m) {
+      const __m256 am = _mm256_set1_ps(a[m * lda + k]);
+      acc[0][m][0] = _mm256_fmadd_ps(am, b0, acc[0][m][0]);
+      acc[0][m][1] = _mm256_fmadd_ps(am, b1, acc[0][m][1]);
     }
   }
   #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m)
     #pragma GCC unroll 16
-    for (int j = 0; j < 2 * NB; ++j) {
-      __m256 v = acc[0][m][j];
+    for (int h = 0; h < 2; ++h) {
+      __m256 v = acc[0][m][h];
       #pragma GCC unroll 16
-      for (int q = 1; q < KS; ++q) v = _mm256_add_ps(v, acc[q][m][j]);
-      _mm256_storeu_ps(C + m * ldc + (b + j / 2) * cstep + (j % 2) * 8, v);
+      for (int q = 1; q < KS; ++q) v = _mm256_add_ps(v, acc[q][m][h]);
+      _mm256_storeu_ps(C + m * ldc + 8 * h, v);
     }
 }
 
 template <int MM>
 void axpy_m(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int64_t lda, int nblk, int64_t bstep,
             float* C, int64_t ldc, int64_t cstep) {
-  constexpr int NB = MM <= 2 ? 2 : 1;    // <= 8 accumulators
-  constexpr int KS1 = MM == 1 ? 2 : 1;   // chains of a lone block: >= 4
-  int b = 0;
-  for (; b + NB <= nblk; b += NB) axpy_tile<MM, NB, 1>(Bt, wdt, ldb, rows, a, lda, b, bstep, C, ldc, cstep);
-  for (; b < nblk; ++b) axpy_tile<MM, 1, KS1>(Bt, wdt, ldb, rows, a, lda, b, bstep, C, ldc, cstep);
+  constexpr int KS = MM <= 2 ? 2 : 1;  // <= 8 accumulators (16 ymm registers)
+  for (int b = 0; b < nblk; ++b)
+    axpy_block<MM, KS>(row(Bt, wdt, b * bstep), wdt, ldb, rows, a, lda, C + b * cstep, ldc);
 }
 
 void axpy(const void* Bt, int wdt, int64_t ldb, int rows, const float* a, int64_t lda, int M, int nblk,
