@@ -93,6 +93,28 @@ inline void wait_units(const LoraTask& t, int stage, int e) {
 
 }  // namespace
 
+void lora_warm(const HmLoraDesc& d, const int32_t* lora_idx, int64_t T) {
+  // Between two tasks of a layer the experts' weights stream through the caches, so the state
+  // lora_begin reads (a few dozen lines) is cold: a memory latency each, in series on the leader
+  // while the other threads wait. Requested here, before routing, they arrive meanwhile.
+  auto lines = [](const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t o = 0; p && o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+  };
+  const LoraTask& t = g_task;
+  lines(lora_idx, std::min<int64_t>(T, 1024) * 4);
+  lines(d.rank, int64_t(d.slots) * 4);
+  lines(d.scale, int64_t(d.slots) * 4);
+  lines(t.sl.data(), int64_t(t.sl.size()) * 4);
+  lines(t.re.data(), int64_t(t.re.size()) * 4);
+  lines(t.active.data(), int64_t(t.active.capacity()) * 8);
+  lines(t.groups.data(), int64_t(t.groups.capacity()) * int64_t(sizeof(LoraTask::Group)));
+  for (int st = 0; st < 2; ++st) {
+    lines(t.units[st].data(), int64_t(t.units[st].capacity()) * int64_t(sizeof(LoraTask::Unit)));
+    if (t.pending_cap) lines(t.pending[st].get(), int64_t(std::min(t.pending_cap, d.E)) * 4);
+  }
+}
+
 const LoraTask* lora_begin(const HmLoraDesc& d, int isa, const int32_t* lora_idx, const void* x, int x_dtype, int H,
                            int64_t T, int64_t S, const int32_t* slot_tok, const int64_t* offs) {
   if (!d.w || !lora_idx || S <= 0) return nullptr;
@@ -148,8 +170,10 @@ const LoraTask* lora_begin(const HmLoraDesc& d, int isa, const int32_t* lora_idx
       t.units[0].push_back({int32_t(gi), 0, int16_t(k0)});
       t.units[0].push_back({int32_t(gi), 1, int16_t(k0)});
       t.units[1].push_back({int32_t(gi), 0, int16_t(k0)});
-      t.pending[0][e].fetch_add(2, std::memory_order_relaxed);
-      t.pending[1][e].fetch_add(1, std::memory_order_relaxed);
+      // plain read-modify-writes (no locked add): only this thread touches the counters until the
+      // GEMM phase starts, which publishes them to the pool's threads
+      t.pending[0][e].store(t.pending[0][e].load(std::memory_order_relaxed) + 2, std::memory_order_relaxed);
+      t.pending[1][e].store(t.pending[1][e].load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     }
   }
   return &t;

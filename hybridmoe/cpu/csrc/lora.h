@@ -53,6 +53,9 @@ constexpr int LORA_UNIT_RANKS = 4;
 // One task's LoRA state (lora.cpp); null in the driver when no pair of the task has an adapter.
 struct LoraTask;
 
+// At the start of a task of a layer with LoRA slots attached (leader thread): prefetches the state
+// lora_begin will read, so its cache misses overlap the routing and activation work before it.
+void lora_warm(const HmLoraDesc& d, const int32_t* lora_idx, int64_t T);
 // After routing: the state of a task over S slot rows (slot_tok: token of each row, offs: first row
 // of each expert) and its units; nullptr when the layer has no LoRA attached, the task no lora_idx,
 // or no row an adapter. Leader thread only; the state lives until the next call on this thread.

@@ -517,6 +517,7 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     c.badrow = ws.badrow.get<uint8_t>(size_t(t.T));
     std::memset(c.badrow, 0, size_t(t.T));
   }
+  if (L.lora.w && t.lora_idx) lora_warm(L.lora, t.lora_idx, t.T);
   Stopwatch sw;
   std::string err = route(c);
   if (!err.empty()) return err;
