@@ -96,13 +96,16 @@ inline void wait_units(const LoraTask& t, int stage, int e) {
 void lora_warm(const HmLoraDesc& d, const int32_t* lora_idx, int64_t T) {
   // Between two tasks of a layer the experts' weights stream through the caches, so the state
   // lora_begin reads (a few dozen lines) is cold: a memory latency each, in series on the leader
-  // while the other threads wait. Requested here, before routing, they arrive meanwhile.
+  // while the other threads wait. Requested here, before routing, they arrive meanwhile. Only the
+  // head of each buffer (what a decode-sized task touches): the vectors keep the capacity of the
+  // largest task seen, and a prefill-sized task's state is not worth a prefetch per line.
+  static constexpr int64_t kHead = 512;
   auto lines = [](const void* p, int64_t bytes) {
     const char* c = static_cast<const char*>(p);
-    for (int64_t o = 0; p && o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+    for (int64_t o = 0; p && o < std::min(bytes, kHead); o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
   };
   const LoraTask& t = g_task;
-  lines(lora_idx, std::min<int64_t>(T, 1024) * 4);
+  lines(lora_idx, T * 4);
   lines(d.rank, int64_t(d.slots) * 4);
   lines(d.scale, int64_t(d.slots) * 4);
   lines(t.sl.data(), int64_t(t.sl.size()) * 4);
@@ -111,7 +114,10 @@ void lora_warm(const HmLoraDesc& d, const int32_t* lora_idx, int64_t T) {
   lines(t.groups.data(), int64_t(t.groups.capacity()) * int64_t(sizeof(LoraTask::Group)));
   for (int st = 0; st < 2; ++st) {
     lines(t.units[st].data(), int64_t(t.units[st].capacity()) * int64_t(sizeof(LoraTask::Unit)));
-    if (t.pending_cap) lines(t.pending[st].get(), int64_t(std::min(t.pending_cap, d.E)) * 4);
+    // every expert's counter is reset by lora_begin: all of them (E int32s, 1 KB at E = 256)
+    if (t.pending_cap)
+      for (int64_t o = 0; o < int64_t(std::min(t.pending_cap, d.E)) * 4; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(t.pending[st].get()) + o, _MM_HINT_T0);
   }
 }
 
