@@ -13,6 +13,9 @@ same process with the library's own thread pool. Writes JSON with --out.
 blocks, DeepSeek-V3's 128 x 128 by default). A comma list (--method FP8,BF16,AMXINT8) measures the
 methods interleaved: for each T every method in turn, against the same stream probe.
 
+--dynamic on,off measures every row with the pool's dynamic phases on and off in turn (the same
+pool; off: every phase waits for every thread, as the light phases always did before session 23).
+
 --prefetch 0,512,2048 compares software prefetch distances (CPUEngineSettings.prefetch_bytes): a
 pool is created for each (the setting is fixed for a pool's life).
 """
@@ -87,11 +90,14 @@ def run_pool(args, pool: CPUThreadPool, sets: list[tuple[str, list[CPUMoELayer],
         x = torch.randn(t, h).to(torch.bfloat16)
         out = torch.empty(t, h, dtype=torch.bfloat16)
         for method, layers, ebytes in sets:
-            rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf))
+            for dyn in args.dynamic:  # interleaved with the methods, against the same probe
+                pool.dynamic_phases = dyn
+                rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn))
+    pool.dynamic_phases = True
     return rows
 
 
-def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf) -> dict:
+def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn) -> dict:
     """One method at one T: the median time of tasks with fresh random routing."""
     e, k, h, i = args.E, args.k, args.H, args.I
 
@@ -130,6 +136,7 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf) -> dict:
         "method": method,
         "T": t,
         "prefetch": pf,
+        "dynamic_phases": dyn,
         "phase_us": phases,
         "us_per_layer": med * 1e6,
         "eff_bw_gbps": bw,
@@ -142,7 +149,7 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf) -> dict:
     ph = " ".join(f"{k}={v:.0f}" for k, v in phases.items()) if args.profile else ""
     print(
         f"{method:>8} {t:>6} {med * 1e6:>10.1f} {bw:>8.1f} {bw / ref_bw:>6.2f} {tflops:>8.2f} {experts:>8.1f} "
-        f"{ref_bw:>7.1f} {pf:>6}  {ph}", flush=True
+        f"{ref_bw:>7.1f} {pf:>6} {'on' if dyn else 'off':>4}  {ph}", flush=True
     )
     return row
 
@@ -181,7 +188,7 @@ def run(args) -> dict:
               f"subpools={pool.subpools} E={e} k={k} H={h} I={i} layers={args.layers} expert={eb / 1e6:.2f} MB")
     print(f"# prep={prep_s:.1f}s; stream-read bandwidth (library pool, {args.stream_bytes >> 20} MiB): {stream:.1f} GB/s")
     print(f"{'method':>8} {'T':>6} {'us/layer':>10} {'GB/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'experts':>8} "
-          f"{'stream':>7} {'pf':>6}")
+          f"{'stream':>7} {'pf':>6} {'dyn':>4}")
     rows = []
     probes = [stream]
     for st in settings:
@@ -229,6 +236,14 @@ def run(args) -> dict:
     }
 
 
+def _on_off_list(s: str) -> list[bool]:
+    vals = {"on": True, "off": False}
+    try:
+        return [vals[v.strip()] for v in s.split(",")]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of on/off, got {s!r}") from None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--E", type=int, default=128)
@@ -252,6 +267,9 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="print mean us per phase")
     ap.add_argument("--prefetch", type=lambda s: [int(v) for v in s.split(",")], default=None,
                     help="software prefetch distances (bytes) to compare, e.g. 0,512,2048 (default: CPUEngineSettings')")
+    ap.add_argument("--dynamic", type=_on_off_list, default=[True],
+                    help="on,off: every row with the pool's dynamic phases on and off in turn "
+                         "(CPUThreadPool.dynamic_phases; off: each phase waits for every thread)")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     if args.dummy_model is not None:

@@ -156,6 +156,7 @@ struct Ctx {
   Workspace* ws;
   int prefetch = 0;  // software prefetch distance of the few-row kernels (bytes)
   int nth = 1;  // threads sharing the current light phase (1: run inline by the leader)
+  std::atomic<int64_t> light_next{0};  // the next piece of a parallel light phase (Pieces)
   bool round_act_bf16 = false;  // BF16 on the fp32-activation kernel with bf16 x: round like the others
   int64_t S, ld1, ld2;
   int gs1, gs2, xes;
@@ -191,34 +192,53 @@ struct Ctx {
   }
 };
 
-inline void range_of(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
-  b = n * tid / nth;
-  e = n * (tid + 1) / nth;
-}
+// The pieces of [0, n) a thread runs in a light phase: all of it inline (c.nth == 1); in a parallel
+// one, chunks claimed from c.light_next until none is left, the phase being dynamic (light()). With
+// static shares every light phase waited for the slowest pool thread, and one that had lost its core
+// held the task up: 30-40 us for the quant1 and reduce phases of a T = 4 task on the H200 host, a few
+// us of work. A loop object, not a callback: ph_reduce is compiled for AVX2 (a lambda would not be).
+struct Pieces {
+  Ctx& c;
+  const int64_t n, chunk;
+  bool started = false;
+  bool next(int64_t& b, int64_t& e) {
+    if (c.nth == 1) {
+      if (started) return false;
+      started = true;
+      b = 0;
+      e = n;
+      return b < e;
+    }
+    b = c.light_next.fetch_add(chunk, std::memory_order_relaxed);
+    if (b >= n) return false;
+    e = std::min(n, b + chunk);
+    return true;
+  }
+};
 
 // x is converted once per token, then copied to the token's slots (rows grouped by expert).
 void ph_quant_tokens(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
-  int64_t b, e;
-  range_of(c.t->T, tid, c.nth, b, e);
   const uint8_t* x = static_cast<const uint8_t*>(c.t->x);
-  for (int64_t r = b; r < e; ++r)
-    if (!c.k->quant_row(c.d->method, x + r * c.d->H * c.xes, c.t->x_dtype, c.d->H, c.d->Hp, c.d->group,
-                        c.XQ + r * c.ld1, c.XS + r, c.XG + r * c.gs1))
-      c.mark_bad(r);
+  int64_t b, e;
+  for (Pieces pc{c, c.t->T, 1}; pc.next(b, e);)
+    for (int64_t r = b; r < e; ++r)
+      if (!c.k->quant_row(c.d->method, x + r * c.d->H * c.xes, c.t->x_dtype, c.d->H, c.d->Hp, c.d->group,
+                          c.XQ + r * c.ld1, c.XS + r, c.XG + r * c.gs1))
+        c.mark_bad(r);
 }
 
 void ph_gather(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
   int64_t b, e;
-  range_of(c.ngsl, tid, c.nth, b, e);
-  for (int64_t i = b; i < e; ++i) {
-    const int64_t s = c.gsl[i];
-    int64_t r = c.slot_tok[s];
-    std::memcpy(c.A1 + s * c.ld1, c.XQ + r * c.ld1, size_t(c.ld1));
-    c.sx1[s] = c.XS[r];
-    std::memcpy(c.g1 + s * c.gs1, c.XG + r * c.gs1, size_t(c.gs1) * 4);
-  }
+  for (Pieces pc{c, c.ngsl, 4}; pc.next(b, e);)
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t s = c.gsl[i];
+      int64_t r = c.slot_tok[s];
+      std::memcpy(c.A1 + s * c.ld1, c.XQ + r * c.ld1, size_t(c.ld1));
+      c.sx1[s] = c.XS[r];
+      std::memcpy(c.g1 + s * c.gs1, c.XG + r * c.gs1, size_t(c.gs1) * 4);
+    }
 }
 
 // x -> bf16 precision (round to nearest even; NaN and Inf stay so), kept as fp32
@@ -234,13 +254,13 @@ inline void round_to_bf16(float* x, int64_t n) {
 void ph_quant2(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
   int64_t b, e;
-  range_of(c.S, tid, c.nth, b, e);
-  for (int64_t s = b; s < e; ++s) {
-    if (c.round_act_bf16) round_to_bf16(c.af + s * c.d->Ip, c.d->I);
-    if (!c.k->quant_row(c.d->method, c.af + s * c.d->Ip, DT_F32, c.d->I, c.d->Ip, c.d->group, c.A2 + s * c.ld2,
-                        c.sx2 + s, c.g2 + s * c.gs2))
-      c.mark_bad(c.slot_tok[s]);
-  }
+  for (Pieces pc{c, c.S, 1}; pc.next(b, e);)
+    for (int64_t s = b; s < e; ++s) {
+      if (c.round_act_bf16) round_to_bf16(c.af + s * c.d->Ip, c.d->I);
+      if (!c.k->quant_row(c.d->method, c.af + s * c.d->Ip, DT_F32, c.d->I, c.d->Ip, c.d->group, c.A2 + s * c.ld2,
+                          c.sx2 + s, c.g2 + s * c.gs2))
+        c.mark_bad(c.slot_tok[s]);
+    }
 }
 
 template <bool STAGE1>
@@ -296,36 +316,36 @@ HM_AVX2 void ph_reduce(int tid, void* p) {
   const HmTask& t = *c.t;
   const int H = c.d->H, K = t.K;
   int64_t nch = (H + HCHUNK - 1) / HCHUNK, b, e;
-  range_of(t.T * nch, tid, c.nth, b, e);
   alignas(32) float acc[HCHUNK];
-  for (int64_t u = b; u < e; ++u) {
-    int64_t tok = u / nch;
-    int h0 = int(u % nch) * HCHUNK, hn = std::min(HCHUNK, H - h0);
-    float* of = t.out_dtype == DT_F32 ? static_cast<float*>(t.out) + tok * H + h0 : nullptr;
-    uint16_t* ob = t.out_dtype == DT_BF16 ? static_cast<uint16_t*>(t.out) + tok * H + h0 : nullptr;
-    for (int h = 0; h < hn; ++h) acc[h] = !t.accumulate ? 0.0f : of ? of[h] : bf16_to_f32(ob[h]);
-    for (int j = 0; j < K; ++j) {
-      int32_t s = c.tok_slot[tok * K + j];
-      if (s < 0) continue;
-      const float* ys = c.y + int64_t(s) * c.d->Hp + h0;
-      __m256 w = _mm256_set1_ps(c.slot_w[s]);
-      int h = 0;
-      for (; h + 8 <= hn; h += 8)
-        _mm256_store_ps(acc + h, _mm256_fmadd_ps(w, _mm256_loadu_ps(ys + h), _mm256_load_ps(acc + h)));
-      for (; h < hn; ++h) acc[h] += c.slot_w[s] * ys[h];
-    }
-    if (of) {
-      std::memcpy(of, acc, size_t(hn) * 4);
-    } else {
-      int h = 0;
-      for (; h + 8 <= hn; h += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + h), f32_to_bf16_8(_mm256_load_ps(acc + h)));
-      for (; h < hn; ++h) {
-        uint32_t x;
-        std::memcpy(&x, &acc[h], 4);
-        ob[h] = uint16_t((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+  for (Pieces pc{c, t.T * nch, 2}; pc.next(b, e);)
+    for (int64_t u = b; u < e; ++u) {
+      int64_t tok = u / nch;
+      int h0 = int(u % nch) * HCHUNK, hn = std::min(HCHUNK, H - h0);
+      float* of = t.out_dtype == DT_F32 ? static_cast<float*>(t.out) + tok * H + h0 : nullptr;
+      uint16_t* ob = t.out_dtype == DT_BF16 ? static_cast<uint16_t*>(t.out) + tok * H + h0 : nullptr;
+      for (int h = 0; h < hn; ++h) acc[h] = !t.accumulate ? 0.0f : of ? of[h] : bf16_to_f32(ob[h]);
+      for (int j = 0; j < K; ++j) {
+        int32_t s = c.tok_slot[tok * K + j];
+        if (s < 0) continue;
+        const float* ys = c.y + int64_t(s) * c.d->Hp + h0;
+        __m256 w = _mm256_set1_ps(c.slot_w[s]);
+        int h = 0;
+        for (; h + 8 <= hn; h += 8)
+          _mm256_store_ps(acc + h, _mm256_fmadd_ps(w, _mm256_loadu_ps(ys + h), _mm256_load_ps(acc + h)));
+        for (; h < hn; ++h) acc[h] += c.slot_w[s] * ys[h];
+      }
+      if (of) {
+        std::memcpy(of, acc, size_t(hn) * 4);
+      } else {
+        int h = 0;
+        for (; h + 8 <= hn; h += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + h), f32_to_bf16_8(_mm256_load_ps(acc + h)));
+        for (; h < hn; ++h) {
+          uint32_t x;
+          std::memcpy(&x, &acc[h], 4);
+          ob[h] = uint16_t((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+        }
       }
     }
-  }
 }
 
 // The output rows of the tokens marked in c.badrow, NaN (HmTask.nan_rows; rare: on the leader).
@@ -351,7 +371,8 @@ void light(ThreadPool& pool, Ctx& c, ThreadPool::PhaseFn fn, bool inline_) {
     fn(0, &c);
   } else {
     c.nth = pool.size();
-    pool.parallel(fn, &c);
+    c.light_next.store(0, std::memory_order_relaxed);  // published by parallel()'s phase hand-off
+    pool.parallel(fn, &c, true);
   }
 }
 
