@@ -178,6 +178,40 @@ def test_many_tasks_sleeping_and_spinning_pool(weights, inputs, spin_us):
         pool3.close()
 
 
+@pytest.mark.parametrize("method", ["AMXINT8", "BF16"])
+def test_light_phases_do_every_piece(method):
+    """The task's light phases (x conversion, gather, activation conversion, reduce) run on all threads
+    once a task has more than a few rows, their pieces claimed from a counter in a dynamic phase: with
+    the pool's threads asleep between phases (spin 0) they often join after the pieces are all taken.
+    Every task, on fresh inputs (a skipped piece would leave the previous task's rows), gives bit for bit
+    what it gives with dynamic phases off (every phase waits for every thread) and on a one-thread pool
+    (every phase on the leader, whole)."""
+    g = torch.Generator().manual_seed(11)
+    e, h, i, k = 6, 256, 128, 4
+    packed = pack_layer(torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1, method)
+    pool3 = CPUThreadPool(threads=3, settings=CPUEngineSettings(spin_us=0))
+    pool1 = CPUThreadPool(threads=1)
+    try:
+        lay = CPUMoELayer(packed, pool=pool3)
+        lay1 = CPUMoELayer(packed, pool=pool1)
+        for j in range(24):
+            t = (5, 9, 40)[j % 3]  # T * K = 20 .. 160 slots: every light phase runs in parallel
+            x = torch.randn(t, h, generator=g)
+            ids = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k].contiguous()
+            w = torch.rand(t, k, generator=g)
+            pool3.dynamic_phases = True
+            on = lay.forward(x, ids, w)
+            pool3.dynamic_phases = False
+            off = lay.forward(x, ids, w)
+            assert torch.equal(on, off), f"task {j} (T={t}) differs with dynamic light phases"
+            assert torch.equal(on, lay1.forward(x, ids, w)), f"task {j} (T={t}) differs from one thread"
+        pool3.dynamic_phases = True
+        del lay, lay1
+    finally:
+        pool3.close()
+        pool1.close()
+
+
 def test_numa_nodes_option():
     """--kt-numa-nodes: the pool's cores come from the listed nodes, one sub-pool per node at least;
     a node the machine lacks is a clear error, at config validation and when a pool is built."""
