@@ -16,6 +16,9 @@ methods interleaved: for each T every method in turn, against the same stream pr
 --dynamic on,off measures every row with the pool's dynamic phases on and off in turn (the same
 pool; off: every phase waits for every thread, as the light phases always did before session 23).
 
+--reduce-inline 16,0 likewise for CPUThreadPool.reduce_inline_rows (the task's weighted sum on the
+leader alone up to that many rows T * K, on all threads above; column `ri`).
+
 --prefetch 0,512,2048 compares software prefetch distances (CPUEngineSettings.prefetch_bytes): a
 pool is created for each (the setting is fixed for a pool's life).
 """
@@ -40,6 +43,8 @@ from hybridmoe.cpu import native  # noqa: E402
 from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool  # noqa: E402
 from hybridmoe.cpu.quant import PackedLayer, PackedMatrix, pack_layer  # noqa: E402
 from hybridmoe.cpu.settings import CPUEngineSettings  # noqa: E402
+
+REDUCE_INLINE_DEFAULT = 16  # csrc/moe.h kReduceInlineRows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import add_dummy_flags, dummy_config, shape_flags  # noqa: E402
@@ -91,13 +96,16 @@ def run_pool(args, pool: CPUThreadPool, sets: list[tuple[str, list[CPUMoELayer],
         out = torch.empty(t, h, dtype=torch.bfloat16)
         for method, layers, ebytes in sets:
             for dyn in args.dynamic:  # interleaved with the methods, against the same probe
-                pool.dynamic_phases = dyn
-                rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn))
+                for ri in args.reduce_inline:
+                    pool.dynamic_phases = dyn
+                    pool.reduce_inline_rows = ri
+                    rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri))
     pool.dynamic_phases = True
+    pool.reduce_inline_rows = REDUCE_INLINE_DEFAULT
     return rows
 
 
-def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn) -> dict:
+def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri) -> dict:
     """One method at one T: the median time of tasks with fresh random routing."""
     e, k, h, i = args.E, args.k, args.H, args.I
 
@@ -137,6 +145,7 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn) -> 
         "T": t,
         "prefetch": pf,
         "dynamic_phases": dyn,
+        "reduce_inline_rows": ri,
         "phase_us": phases,
         "us_per_layer": med * 1e6,
         "eff_bw_gbps": bw,
@@ -149,7 +158,7 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn) -> 
     ph = " ".join(f"{k}={v:.0f}" for k, v in phases.items()) if args.profile else ""
     print(
         f"{method:>8} {t:>6} {med * 1e6:>10.1f} {bw:>8.1f} {bw / ref_bw:>6.2f} {tflops:>8.2f} {experts:>8.1f} "
-        f"{ref_bw:>7.1f} {pf:>6} {'on' if dyn else 'off':>4}  {ph}", flush=True
+        f"{ref_bw:>7.1f} {pf:>6} {'on' if dyn else 'off':>4} {ri:>4}  {ph}", flush=True
     )
     return row
 
@@ -188,7 +197,7 @@ def run(args) -> dict:
               f"subpools={pool.subpools} E={e} k={k} H={h} I={i} layers={args.layers} expert={eb / 1e6:.2f} MB")
     print(f"# prep={prep_s:.1f}s; stream-read bandwidth (library pool, {args.stream_bytes >> 20} MiB): {stream:.1f} GB/s")
     print(f"{'method':>8} {'T':>6} {'us/layer':>10} {'GB/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'experts':>8} "
-          f"{'stream':>7} {'pf':>6} {'dyn':>4}")
+          f"{'stream':>7} {'pf':>6} {'dyn':>4} {'ri':>4}")
     rows = []
     probes = [stream]
     for st in settings:
@@ -270,6 +279,11 @@ def main(argv=None):
     ap.add_argument("--dynamic", type=_on_off_list, default=[True],
                     help="on,off: every row with the pool's dynamic phases on and off in turn "
                          "(CPUThreadPool.dynamic_phases; off: each phase waits for every thread)")
+    ap.add_argument("--reduce-inline", type=lambda s: [int(v) for v in s.split(",")],
+                    default=[REDUCE_INLINE_DEFAULT],
+                    help="e.g. 16,0: every row with the pool's reduce_inline_rows at each value in turn (the "
+                         "weighted sum of T * K rows on the leader alone up to that many; 0: always on all "
+                         "threads)")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     if args.dummy_model is not None:

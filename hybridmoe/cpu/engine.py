@@ -172,6 +172,18 @@ class CPUThreadPool:
         native.lib().hm_pool_dynamic(self._h, int(bool(on)))
 
     @property
+    def reduce_inline_rows(self) -> int:
+        """Rows (tokens x top-k) up to which a MoE task's weighted sum of the experts' outputs runs on the
+        leader thread alone (default 16: decode sizes); above, on all threads. Benchmarks compare."""
+        return int(native.lib().hm_pool_reduce_inline(self._h, -1))
+
+    @reduce_inline_rows.setter
+    def reduce_inline_rows(self, rows: int) -> None:
+        if not 0 <= rows <= 1 << 30:
+            raise ValueError(f"reduce_inline_rows must be in [0, 2^30], got {rows}")
+        native.lib().hm_pool_reduce_inline(self._h, int(rows))
+
+    @property
     def leader_spin_us(self) -> int:
         """How long the leader thread spins for its next task once its queue is empty before it sleeps
         (us; -1: the pool's spin_us). 0 frees its core at once for a caller leading inline phases."""

@@ -212,6 +212,34 @@ def test_light_phases_do_every_piece(method):
         pool1.close()
 
 
+@pytest.mark.parametrize("method", ["AMXINT8", "BF16"])
+def test_reduce_inline_rows_changes_nothing_but_speed(method):
+    """CPUThreadPool.reduce_inline_rows moves a task's weighted sum between the leader alone and all threads:
+    the same sum per output row either way (bit for bit), for T * K below, at and above the default 16."""
+    g = torch.Generator().manual_seed(12)
+    e, h, i, k = 6, 256, 128, 4
+    packed = pack_layer(torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1, method)
+    pool3 = CPUThreadPool(threads=3)
+    try:
+        assert pool3.reduce_inline_rows == 16
+        lay = CPUMoELayer(packed, pool=pool3)
+        for t in (1, 3, 4, 5, 40):
+            x = torch.randn(t, h, generator=g)
+            ids = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k].contiguous()
+            w = torch.rand(t, k, generator=g)
+            outs = []
+            for rows in (0, 16, 1 << 30):
+                pool3.reduce_inline_rows = rows
+                assert pool3.reduce_inline_rows == rows
+                outs.append(lay.forward(x, ids, w))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), f"T={t}"
+        with pytest.raises(ValueError, match="reduce_inline_rows"):
+            pool3.reduce_inline_rows = -1
+        del lay
+    finally:
+        pool3.close()
+
+
 def test_numa_nodes_option():
     """--kt-numa-nodes: the pool's cores come from the listed nodes, one sub-pool per node at least;
     a node the machine lacks is a clear error, at config validation and when a pool is built."""

@@ -34,7 +34,7 @@ def test_retired_entry_points_are_gone():
     the stacked decoder layers hm_layers_decode; ABI 19 the AVX-512 decode attention span, hm_attn_kernel; ABI 20
     HmTask.nan_rows, in the struct's former padding.)"""
     lb = native.lib()
-    assert lb.hm_abi_version() == native.ABI_VERSION == 20
+    assert lb.hm_abi_version() == native.ABI_VERSION == 21
     for name in ("hm_submit_hostfn", "hm_submit2_hostfn", "hm_set_item_bytes", "hm_set_guided", "hm_set_prefetch",
                  "hm_set_hostfn_spin_us"):
         assert not hasattr(lb, name), name

@@ -508,7 +508,7 @@ struct Stopwatch {
 };
 }  // namespace
 
-std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int prefetch_bytes) {
+std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int prefetch_bytes, int reduce_inline_rows) {
   if (!t.layer) return "null layer";
   const HmLayer& L = *static_cast<const HmLayer*>(t.layer);
   const LayerDesc& d = L.d;
@@ -588,8 +588,10 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
   } else {
     c.y = nullptr;
   }
-  // a decode-sized sum (T * K <= 16 rows of H) costs a few us on one thread, less than a phase
-  light(pool, c, ph_reduce, t.T * int64_t(t.K) <= kInlineRows1);
+  // a decode-sized sum (T * K <= 16 rows of H) costs a few us on one thread, less than a phase, on the
+  // 2-core Zen 4; on the 16-core H100 host the T=1 sum took 11 us of a 504 us Qwen3-30B-A3B task (its rows
+  // written by other cores): reduce_inline_rows lets benchmarks compare (bench_cpu_moe --reduce-inline)
+  light(pool, c, ph_reduce, t.T * int64_t(t.K) <= reduce_inline_rows);
   if (c.any_badrow.load()) nan_rows(c);
   sw.lap(5);
   g_profile[6] += 1;  // task count

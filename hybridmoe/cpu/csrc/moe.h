@@ -44,9 +44,16 @@ struct Workspace;  // scratch buffers, one per pool (tasks run one at a time)
 Workspace* workspace_create(int nthreads);
 void workspace_destroy(Workspace*);
 
+// The default of reduce_inline_rows (below): a decode-sized sum of up to this many rows of H runs on
+// the leader alone.
+constexpr int kReduceInlineRows = 16;
+
 // Runs the task with the pool's threads (call on the leader thread); prefetch_bytes: the few-row
-// kernels' software prefetch distance (0: none). Returns "" or an error text.
-std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& task, int prefetch_bytes);
+// kernels' software prefetch distance (0: none); reduce_inline_rows: the weighted sum of the experts'
+// outputs runs on the leader alone up to this many rows (T * K), on all threads above. Returns "" or
+// an error text.
+std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& task, int prefetch_bytes,
+                         int reduce_inline_rows = kReduceInlineRows);
 
 // Stream-read bandwidth of `bytes` with all pool threads (leader thread), GB/s.
 double stream_read(ThreadPool& pool, int64_t bytes, int iters);
