@@ -44,8 +44,6 @@ from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool  # noqa: E402
 from hybridmoe.cpu.quant import PackedLayer, PackedMatrix, pack_layer  # noqa: E402
 from hybridmoe.cpu.settings import CPUEngineSettings  # noqa: E402
 
-REDUCE_INLINE_DEFAULT = 16  # csrc/moe.h kReduceInlineRows
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import add_dummy_flags, dummy_config, shape_flags  # noqa: E402
 
@@ -86,6 +84,7 @@ def run_pool(args, pool: CPUThreadPool, sets: list[tuple[str, list[CPUMoELayer],
     h = args.H
     pf = pool.settings.prefetch_bytes
     rows = []
+    dyn0, ri0 = pool.dynamic_phases, pool.reduce_inline_rows  # restored after the rows
     for t in args.T:
         # the probe read 94-147 GB/s minutes apart on one machine: each row gets its own, taken
         # right before it, and the ratio is to the median of the first and that one
@@ -95,13 +94,12 @@ def run_pool(args, pool: CPUThreadPool, sets: list[tuple[str, list[CPUMoELayer],
         x = torch.randn(t, h).to(torch.bfloat16)
         out = torch.empty(t, h, dtype=torch.bfloat16)
         for method, layers, ebytes in sets:
-            for dyn in args.dynamic:  # interleaved with the methods, against the same probe
-                for ri in args.reduce_inline:
+            for dyn in args.dynamic or [dyn0]:  # interleaved with the methods, against the same probe
+                for ri in args.reduce_inline or [ri0]:
                     pool.dynamic_phases = dyn
                     pool.reduce_inline_rows = ri
                     rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri))
-    pool.dynamic_phases = True
-    pool.reduce_inline_rows = REDUCE_INLINE_DEFAULT
+    pool.dynamic_phases, pool.reduce_inline_rows = dyn0, ri0
     return rows
 
 
@@ -253,6 +251,16 @@ def _on_off_list(s: str) -> list[bool]:
         raise argparse.ArgumentTypeError(f"expected a comma list of on/off, got {s!r}") from None
 
 
+def _rows_list(s: str) -> list[int]:
+    try:
+        vals = [int(v) for v in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of row counts, got {s!r}") from None
+    if any(not 0 <= v <= 1 << 30 for v in vals):
+        raise argparse.ArgumentTypeError(f"row counts must be in [0, 2^30], got {s!r}")
+    return vals
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--E", type=int, default=128)
@@ -276,11 +284,10 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="print mean us per phase")
     ap.add_argument("--prefetch", type=lambda s: [int(v) for v in s.split(",")], default=None,
                     help="software prefetch distances (bytes) to compare, e.g. 0,512,2048 (default: CPUEngineSettings')")
-    ap.add_argument("--dynamic", type=_on_off_list, default=[True],
+    ap.add_argument("--dynamic", type=_on_off_list, default=None,
                     help="on,off: every row with the pool's dynamic phases on and off in turn "
                          "(CPUThreadPool.dynamic_phases; off: each phase waits for every thread)")
-    ap.add_argument("--reduce-inline", type=lambda s: [int(v) for v in s.split(",")],
-                    default=[REDUCE_INLINE_DEFAULT],
+    ap.add_argument("--reduce-inline", type=_rows_list, default=None,
                     help="e.g. 16,0: every row with the pool's reduce_inline_rows at each value in turn (the "
                          "weighted sum of T * K rows on the leader alone up to that many; 0: always on all "
                          "threads)")
