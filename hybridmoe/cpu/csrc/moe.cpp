@@ -194,9 +194,10 @@ struct Ctx {
 
 // The pieces of [0, n) a thread runs in a light phase: all of it inline (c.nth == 1); in a parallel
 // one, chunks claimed from c.light_next until none is left, the phase being dynamic (light()). With
-// static shares every light phase waited for the slowest pool thread, and one that had lost its core
-// held the task up: 30-40 us for the quant1 and reduce phases of a T = 4 task on the H200 host, a few
-// us of work. A loop object, not a callback: ph_reduce is compiled for AVX2 (a lambda would not be).
+// static shares every light phase waited for the slowest pool thread, so one that had lost its core
+// could hold the task up (the likely cause of 30-40 us quant1 and reduce phases of a T = 4 GGUF task on
+// the H200 host in session 16; the H100 host showed no difference either way in session 23). A loop
+// object, not a callback: ph_reduce is compiled for AVX2 (a lambda would not be).
 struct Pieces {
   Ctx& c;
   const int64_t n, chunk;
