@@ -161,6 +161,20 @@ def test_bad_layers_are_clear_errors(pool):
     layer = GGUFMoELayer(ex, pool=pool)
     with pytest.raises(RuntimeError, match="NaN or Inf"):
         layer.forward(nan, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2))
+    # one bad value among finite ones, either sign (the conversion tests the bits without the sign bit):
+    # NaN, -NaN, Inf, -Inf are refused; the largest finite float is not
+    ids, w = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
+    for bad in (float("nan"), -torch.tensor(float("nan")).item(), float("inf"), float("-inf")):
+        x = torch.randn(1, 256)
+        x[0, 77] = bad
+        with pytest.raises(RuntimeError, match="input x holds NaN or Inf"):
+            layer.forward(x, ids, w)
+    x = torch.zeros(1, 256)
+    x[0, 200] = -torch.finfo(torch.float32).max
+    try:  # the experts' activations may overflow from it, but the input itself is finite
+        layer.forward(x, ids, w)
+    except RuntimeError as e:
+        assert "input x" not in str(e)
 
 
 @pytest.mark.parametrize("types", TRIPLES[:3], ids=TRIPLE_IDS[:3])
