@@ -14,6 +14,7 @@ working on hybridmoe itself:
 | `HYBRIDMOE_HUGEPAGES` | 1 | `0`: CPU weights on plain 4 KB pages, not advised for huge ones (hybridmoe/cpu/hugepages.py; A/B runs) |
 | `HYBRIDMOE_PIN_CALLER` | 0 | `1`: CPU-only decode steps on the pool leader's CPU, its spin 0 (hybridmoe/cpu/caller_pin.py; A/B runs) |
 | `HYBRIDMOE_LORA_FUSED` | 1 | `0`: LoRA linears keep the unfused form, GEMM + shrink + expand (hybridmoe/lora/linear.py; A/B runs) |
+| `HYBRIDMOE_AMX_EMULATE` | 0 | `1` (read by the native library at load): where the CPU lacks AMX but has AVX-512, the `amx` path runs the AMX kernels on a software model of the tiles (csrc/amx_tiles.h; tests, never the default path) |
 | `HYBRIDMOE_AMX_INLINE` | 0 | `1`: synchronous CPU MoE tasks of AMX layers run on the calling thread too (CPUThreadPool.inline_amx; tests/cpu/test_amx_caller_thread.py) |
 
 Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
@@ -33,6 +34,7 @@ TEST_THREADS = "HYBRIDMOE_TEST_THREADS"
 HUGEPAGES = "HYBRIDMOE_HUGEPAGES"
 PIN_CALLER = "HYBRIDMOE_PIN_CALLER"
 AMX_INLINE = "HYBRIDMOE_AMX_INLINE"
+AMX_EMULATE = "HYBRIDMOE_AMX_EMULATE"
 LORA_FUSED = "HYBRIDMOE_LORA_FUSED"
 
 

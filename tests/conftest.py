@@ -10,6 +10,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CPU engine's "amx" path runs on a software model of the AMX tiles where the CPU lacks AMX but has
+# AVX-512 (csrc/amx_tiles.h): the AMX kernels' logic is tested on CI machines too. Read by the native
+# library at its first ISA check; HYBRIDMOE_AMX_EMULATE=0 turns it off.
+os.environ.setdefault("HYBRIDMOE_AMX_EMULATE", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -52,6 +52,7 @@ UNITS: list[tuple[str, list[str], bool]] = [
     ("quantize.cpp", AVX2 + ["-ffp-contract=off"], True),  # no fused multiply-add: bit-identical to torch
     ("moe_avx512.cpp", AVX512, False),
     ("moe_amx.cpp", AMX, False),
+    ("moe_amx_emu.cpp", AVX512, False),  # moe_amx.cpp on a software model of the tiles (amx_tiles.h; tests)
     ("gguf_api.cpp", [], True),  # GGUF block layers (--kt-method LLAMAFILE)
     ("gguf_avx2.cpp", AVX2, True),
     ("gguf_avx512.cpp", AVX512, False),

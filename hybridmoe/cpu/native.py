@@ -17,7 +17,7 @@ from hybridmoe import envs
 from hybridmoe.cpu import build as _build
 from hybridmoe.cpu.settings import CPUEngineSettings
 
-ABI_VERSION = 21  # csrc/api.cpp hm_abi_version
+ABI_VERSION = 22  # csrc/api.cpp hm_abi_version
 ISAS = {"avx2": 0, "avx512": 1, "amx": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DT_F32, DT_BF16 = 0, 1
@@ -178,6 +178,7 @@ def _declare(lib) -> None:
         "hm_cpu_features": (C.c_uint, []),
         "hm_isa_check": (i32, [i32, cp, i32]),
         "hm_isa_best": (i32, []),
+        "hm_amx_emulated": (i32, []),
         "hm_pool_create": (vp, [i32, C.POINTER(C.c_int), i32, C.POINTER(PoolSettings), cp, i32]),
         "hm_pool_destroy": (None, [vp]),
         "hm_pool_size": (i32, [vp]),
@@ -242,6 +243,12 @@ def isa_missing(isa: str) -> str:
 
 def available_isas() -> list[str]:
     return [name for name in ISAS if not isa_missing(name)]
+
+
+def amx_emulated() -> bool:
+    """True when the "amx" path runs on the software model of the AMX tiles (csrc/amx_tiles.h): a CPU
+    without AMX but with AVX-512, and $HYBRIDMOE_AMX_EMULATE=1 set before the library loaded (tests)."""
+    return bool(lib().hm_amx_emulated())
 
 
 def best_isa() -> str:

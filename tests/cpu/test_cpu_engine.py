@@ -365,3 +365,15 @@ def test_nan_rows_mode_isolates_the_bad_tokens(pool, method, t, out_dtype):
             # the few-row kernels (fp32 sums in another order: a last-bit difference, one bf16 ulp at most)
             tol = 1e-5 if out_dtype == torch.float32 else 8e-3
             torch.testing.assert_close(out[good], ref[good], rtol=tol, atol=tol)
+
+
+def test_amx_emulation_is_never_the_default(weights, pool):
+    # tests/conftest.py sets HYBRIDMOE_AMX_EMULATE=1: where the CPU lacks AMX but has AVX-512, the "amx" path
+    # runs on the software model of the tiles (csrc/amx_tiles.h), but only when asked for by name
+    if not native.amx_emulated():
+        pytest.skip("the AMX tiles are not emulated here (AMX present, no AVX-512, or HYBRIDMOE_AMX_EMULATE unset)")
+    if envs.cpu_isa():
+        pytest.skip("HYBRIDMOE_CPU_ISA picks the path")
+    assert "amx" in native.available_isas() and native.best_isa() == "avx512"
+    assert CPUMoELayer(pack_layer(*weights, "AMXINT8"), pool=pool).kernel_name == "avx512"
+    assert CPUMoELayer(pack_layer(*weights, "AMXINT8"), isa="amx", pool=pool).kernel_name == "amx-emulated"

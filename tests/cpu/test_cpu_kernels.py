@@ -180,3 +180,13 @@ def test_other_activations(isa, pool, act):
     check("AMXINT8", 128, True, isa, pool, 5, 8, 2, 128, 64, act=act)
     check("BF16", 128, True, isa, pool, 40, 2, 2, 128, 64, act=act)
     check("FP8", 32, True, isa, pool, 40, 2, 2, 128, 64, act=act)
+
+
+@pytest.mark.parametrize("group,sym", [(64, True), (128, True), (64, False), (128, False)],
+                         ids=["g64", "g128", "g64a", "g128a"])
+@pytest.mark.parametrize("t", [15, 16, 17, 33, 300])
+def test_int4_row_counts(group, sym, isa, pool, t):
+    # E = k = 2: every token on both experts, t rows each. On the AMX path, int4 with a group of 64 or 128
+    # runs the tile kernel from 16 rows (one or two 16-row tile blocks, 32-row passes with a remainder,
+    # 256-row chunks at 300); fewer rows and group 32 take the AVX-512 kernel
+    check("AMXINT4", group, sym, isa, pool, t, 2, 2, 200, 96)

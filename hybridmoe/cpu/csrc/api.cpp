@@ -79,7 +79,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 21; }  // 21: hm_pool_reduce_inline; 20: HmTask.nan_rows, hm_argmax_bf16's nonfinite mark; 19: hm_attn_kernel (the AVX-512 decode attention span); 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
+int hm_abi_version() { return 22; }  // 22: hm_amx_emulated; 21: hm_pool_reduce_inline; 20: HmTask.nan_rows, hm_argmax_bf16's nonfinite mark; 19: hm_attn_kernel (the AVX-512 decode attention span); 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];

@@ -87,3 +87,4 @@ inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 extern "C" const hm::Kernels* hm_kernels_avx2() __attribute__((weak));
 extern "C" const hm::Kernels* hm_kernels_avx512() __attribute__((weak));
 extern "C" const hm::Kernels* hm_kernels_amx() __attribute__((weak));
+extern "C" const hm::Kernels* hm_kernels_amx_emu() __attribute__((weak));  // moe_amx_emu.cpp

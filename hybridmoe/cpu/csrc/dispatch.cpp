@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -82,7 +83,7 @@ unsigned features() {
 }
 
 // What ISA level `isa` needs that this CPU/OS lacks, as text ("" = nothing missing).
-std::string missing(int isa) {
+std::string missing_hw(int isa) {
   unsigned f = features();
   std::string m;
   auto need = [&](unsigned bit, const char* name) {
@@ -109,11 +110,27 @@ std::string missing(int isa) {
   return m;
 }
 
+// The "amx" path on amx_tiles.h's software model of the tiles (moe_amx_emu.cpp): only where the CPU
+// lacks AMX but has AVX-512, and only when HYBRIDMOE_AMX_EMULATE=1 (read once; the tests set it). It
+// tests the AMX kernels' logic on CI machines; it is never the best path (hm_isa_best).
+bool amx_emulated() {
+  static const bool on = [] {
+    const char* v = std::getenv("HYBRIDMOE_AMX_EMULATE");
+    return v && std::strcmp(v, "1") == 0 && !missing_hw(hm::ISA_AMX).empty() && missing_hw(hm::ISA_AVX512).empty() &&
+           hm_kernels_amx_emu != nullptr;
+  }();
+  return on;
+}
+
+std::string missing(int isa) { return isa == hm::ISA_AMX && amx_emulated() ? std::string() : missing_hw(isa); }
+
 const hm::Kernels* table_for(int isa) {
   switch (isa) {
     case hm::ISA_AVX2: return hm_kernels_avx2 ? hm_kernels_avx2() : nullptr;
     case hm::ISA_AVX512: return hm_kernels_avx512 ? hm_kernels_avx512() : nullptr;
-    case hm::ISA_AMX: return hm_kernels_amx ? hm_kernels_amx() : nullptr;
+    case hm::ISA_AMX:
+      if (amx_emulated()) return hm_kernels_amx_emu();
+      return hm_kernels_amx ? hm_kernels_amx() : nullptr;
   }
   return nullptr;
 }
@@ -141,12 +158,16 @@ int hm_isa_check(int isa, char* msg, int len) {
   return why.empty() ? 1 : 0;
 }
 
-// Best ISA available (AMX > AVX-512 > AVX2), or -1 when not even AVX2 can run.
+// Best ISA available (AMX > AVX-512 > AVX2), or -1 when not even AVX2 can run. An emulated AMX path
+// is never the best one.
 int hm_isa_best() {
-  for (int isa = hm::ISA_AMX; isa >= hm::ISA_AVX2; --isa)
+  for (int isa = amx_emulated() ? hm::ISA_AVX512 : hm::ISA_AMX; isa >= hm::ISA_AVX2; --isa)
     if (hm_isa_check(isa, nullptr, 0)) return isa;
   return -1;
 }
+
+// 1 when the "amx" path runs on the software model of the tiles (amx_emulated), else 0.
+int hm_amx_emulated() { return amx_emulated() ? 1 : 0; }
 
 }  // extern "C"
 

@@ -1,16 +1,23 @@
-// AMX kernels (tile + int8 + bf16) for many rows per expert; int4 and small row counts use the
-// AVX-512 kernels (same activation formats: u8 = q + 128 for int8, bf16 rows for BF16 and FP8).
+// AMX kernels (tile + int8 + bf16) for many rows per expert; small row counts (and int4 with group 32) use
+// the AVX-512 kernels (same activation formats: u8 = q + 128 for int8, s8 q for int4, bf16 rows for BF16
+// and FP8).
 // FP8: each block pair is widened to bf16 once per item (fp8_to_bf16: the B-tile layout, exact) and
 // reused by all its rows; each K group's tile dots are scaled by the group's scale into fp32 sums.
+// INT4 the same way: each block pair is unpacked once per item to one nibble per byte (u8 0..15, the
+// int8 B-tile layout), its tile dots with the s8 activations (TDPBSUD) summed per K group in int32 and
+// scaled per group into fp32 sums.
 // Tiles: C0..C3 = 32 rows x 32 outputs (int32 / fp32), A4/A5 = 2 x 16 activation rows,
 // B6/B7 = two N-blocks; the packed block layout is exactly the AMX B-tile (VNNI) layout, so a B
 // tile is 1 KiB of contiguous weights. Rows past M are read from the workspace padding and dropped.
+// The tile ops are amx_tiles.h's hm_tile_*: the hardware's, or (moe_amx_emu.cpp) a software model of
+// them, so that this file's logic is tested on machines without AMX too.
 #include <immintrin.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <new>
 
+#include "amx_tiles.h"
 #include "kernels_avx512.h"
 
 namespace hm {
@@ -46,7 +53,7 @@ void configure_tiles() {
     cfg.colsb[i] = 64;
     cfg.rows[i] = 16;
   }
-  _tile_loadconfig(&cfg);
+  hm_tile_loadconfig(&cfg);
 }
 
 // pf > 0: software prefetch of both weight blocks ahead of their tile loads (each k step reads 1 KiB =
@@ -59,10 +66,10 @@ template <bool INT8>
 void amx_pair(const uint8_t* b0, const uint8_t* b1, int Kd, const ActView& A, int m, int M, const float* sw0,
               const float* sw1, const int32_t* ws0, const int32_t* ws1, float* C, int64_t ldc, int pf) {
   alignas(64) int32_t cb[4][256];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  hm_tile_zero(0);
+  hm_tile_zero(1);
+  hm_tile_zero(2);
+  hm_tile_zero(3);
   const uint8_t* a0 = A.data + int64_t(m) * A.ld;
   const uint8_t* a1 = a0 + 16 * A.ld;
   const int kt_n = INT8 ? Kd / 64 : Kd / 32;
@@ -75,26 +82,26 @@ void amx_pair(const uint8_t* b0, const uint8_t* b1, int Kd, const ActView& A, in
         _mm_prefetch(p1 + l, _MM_HINT_T0);
       }
     }
-    _tile_loadd(4, a0 + kt * 64, A.ld);
-    _tile_loadd(5, a1 + kt * 64, A.ld);
-    _tile_loadd(6, b0 + kt * 1024, 64);
-    _tile_loadd(7, b1 + kt * 1024, 64);
+    hm_tile_loadd(4, a0 + kt * 64, A.ld);
+    hm_tile_loadd(5, a1 + kt * 64, A.ld);
+    hm_tile_loadd(6, b0 + kt * 1024, 64);
+    hm_tile_loadd(7, b1 + kt * 1024, 64);
     if (INT8) {
-      _tile_dpbusd(0, 4, 6);
-      _tile_dpbusd(1, 4, 7);
-      _tile_dpbusd(2, 5, 6);
-      _tile_dpbusd(3, 5, 7);
+      hm_tile_dpbusd(0, 4, 6);
+      hm_tile_dpbusd(1, 4, 7);
+      hm_tile_dpbusd(2, 5, 6);
+      hm_tile_dpbusd(3, 5, 7);
     } else {
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      hm_tile_dpbf16ps(0, 4, 6);
+      hm_tile_dpbf16ps(1, 4, 7);
+      hm_tile_dpbf16ps(2, 5, 6);
+      hm_tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, cb[0], 64);
-  _tile_stored(1, cb[1], 64);
-  _tile_stored(2, cb[2], 64);
-  _tile_stored(3, cb[3], 64);
+  hm_tile_stored(0, cb[0], 64);
+  hm_tile_stored(1, cb[1], 64);
+  hm_tile_stored(2, cb[2], 64);
+  hm_tile_stored(3, cb[3], 64);
   const int rows = imin(32, M - m);
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < 2; ++j) {
@@ -124,29 +131,29 @@ void amx_fp8_pair(const uint16_t* b0, const uint16_t* b1, int Kd, int G, const A
   const int nq = rows > 16 ? 4 : 2;  // rows 16..31 only when there are any
   const int rows16 = rows > 16 ? 16 : rows;  // valid rows of the first tile row block
   for (int g = 0; g < Kd / G; ++g) {
-    _tile_zero(0);
-    _tile_zero(1);
+    hm_tile_zero(0);
+    hm_tile_zero(1);
     if (nq == 4) {
-      _tile_zero(2);
-      _tile_zero(3);
+      hm_tile_zero(2);
+      hm_tile_zero(3);
     }
     for (int kt = g * kpg; kt < (g + 1) * kpg; ++kt) {
-      _tile_loadd(4, a0 + kt * 64, A.ld);
-      _tile_loadd(6, b0 + kt * 512, 64);
-      _tile_loadd(7, b1 + kt * 512, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
+      hm_tile_loadd(4, a0 + kt * 64, A.ld);
+      hm_tile_loadd(6, b0 + kt * 512, 64);
+      hm_tile_loadd(7, b1 + kt * 512, 64);
+      hm_tile_dpbf16ps(0, 4, 6);
+      hm_tile_dpbf16ps(1, 4, 7);
       if (nq == 4) {
-        _tile_loadd(5, a1 + kt * 64, A.ld);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        hm_tile_loadd(5, a1 + kt * 64, A.ld);
+        hm_tile_dpbf16ps(2, 5, 6);
+        hm_tile_dpbf16ps(3, 5, 7);
       }
     }
-    _tile_stored(0, cb[0], 64);
-    _tile_stored(1, cb[1], 64);
+    hm_tile_stored(0, cb[0], 64);
+    hm_tile_stored(1, cb[1], 64);
     if (nq == 4) {
-      _tile_stored(2, cb[2], 64);
-      _tile_stored(3, cb[3], 64);
+      hm_tile_stored(2, cb[2], 64);
+      hm_tile_stored(3, cb[3], 64);
     }
     const __m512 v0 = _mm512_set1_ps(s0[g]), v1 = _mm512_set1_ps(s1[g]);
     for (int q = 0; q < nq; ++q) {
@@ -160,27 +167,27 @@ void amx_fp8_pair(const uint16_t* b0, const uint16_t* b1, int Kd, int G, const A
       std::memcpy(C + int64_t(m + r) * ldc + j * 16, acc[(r / 16) * 2 + j] + (r % 16) * 16, 64);
 }
 
-// The widened (bf16) copy of one item's block pair, per thread.
-struct Fp8Scratch {
-  uint16_t* p = nullptr;
+// The widened (bf16) or unpacked (int4 -> u8) copy of one item's block pair, per thread.
+struct WideScratch {
+  uint8_t* p = nullptr;
   size_t cap = 0;
-  ~Fp8Scratch() { std::free(p); }
-  uint16_t* get(size_t n) {
-    if (n > cap) {
+  ~WideScratch() { std::free(p); }
+  uint8_t* get(size_t bytes) {
+    if (bytes > cap) {
       std::free(p);
-      p = static_cast<uint16_t*>(std::aligned_alloc(64, (n * 2 + 63) / 64 * 64));
+      p = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
       if (!p) throw std::bad_alloc();
-      cap = n;
+      cap = bytes;
     }
     return p;
   }
 };
-thread_local Fp8Scratch t_fp8;
+thread_local WideScratch t_wide;
 
 void gemm_fp8(const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc, int G) {
   const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
   const int64_t steps = W.Kd / 2, ng = W.Kd / G;  // 32-byte steps per block, groups per row
-  uint16_t* wide = t_fp8.get(size_t(2 * steps * 32));
+  uint16_t* wide = reinterpret_cast<uint16_t*>(t_wide.get(size_t(2 * steps * 32) * 2));
   for (int nb = nb0; nb < nb1; nb += 2) {
     avx512::fp8_to_bf16(base + int64_t(nb) * 16 * W.Kd, wide, 2 * steps);  // the two blocks are adjacent
     const float* sc = W.scale + (int64_t(e) * (W.N / 16) + nb) * ng;
@@ -189,12 +196,111 @@ void gemm_fp8(const PackedMat& W, int e, const ActView& A, int M, int nb0, int n
   }
 }
 
+// One 32-row x 32-output tile of INT4: b0/b1 two unpacked blocks (u8 nibbles, B-tile layout), d0/d1
+// (z0/z1: asymmetric) their group scales (and mins) [Kd/G][16]. Per K group g and row r (activation
+// scale sx, group sum gs of its s8 q): sym (w = d (q - 8)): sx d (S - 8 gs); asym (w = d q + m):
+// sx (d S + m gs), S the group's int32 tile dot; sx applied once at the end.
+template <bool ASYM>
+void amx_i4_pair(const uint8_t* b0, const uint8_t* b1, int Kd, int G, const ActView& A, int m, int M,
+                 const float* d0, const float* d1, const float* z0, const float* z1, float* C, int64_t ldc) {
+  alignas(64) int32_t cb[4][256];
+  alignas(64) float acc[4][256];
+  std::memset(acc, 0, sizeof(acc));
+  const uint8_t* a0 = A.data + int64_t(m) * A.ld;
+  const uint8_t* a1 = a0 + 16 * A.ld;
+  const int kpg = G / 64;  // tile depths (64 int8 values) per group
+  const int rows = imin(32, M - m);
+  const int nq = rows > 16 ? 4 : 2;
+  const int rows16 = rows > 16 ? 16 : rows;
+  for (int g = 0; g < Kd / G; ++g) {
+    hm_tile_zero(0);
+    hm_tile_zero(1);
+    if (nq == 4) {
+      hm_tile_zero(2);
+      hm_tile_zero(3);
+    }
+    for (int kt = g * kpg; kt < (g + 1) * kpg; ++kt) {
+      hm_tile_loadd(4, a0 + kt * 64, A.ld);
+      hm_tile_loadd(6, b0 + kt * 1024, 64);
+      hm_tile_loadd(7, b1 + kt * 1024, 64);
+      hm_tile_dpbsud(0, 4, 6);
+      hm_tile_dpbsud(1, 4, 7);
+      if (nq == 4) {
+        hm_tile_loadd(5, a1 + kt * 64, A.ld);
+        hm_tile_dpbsud(2, 5, 6);
+        hm_tile_dpbsud(3, 5, 7);
+      }
+    }
+    hm_tile_stored(0, cb[0], 64);
+    hm_tile_stored(1, cb[1], 64);
+    if (nq == 4) {
+      hm_tile_stored(2, cb[2], 64);
+      hm_tile_stored(3, cb[3], 64);
+    }
+    const __m512 vd[2] = {_mm512_loadu_ps(d0 + g * 16), _mm512_loadu_ps(d1 + g * 16)};
+    __m512 vz[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (ASYM) vz[0] = _mm512_loadu_ps(z0 + g * 16), vz[1] = _mm512_loadu_ps(z1 + g * 16);
+    for (int q = 0; q < nq; ++q) {
+      const int j = q & 1, r0 = (q >> 1) * 16, nr = q < 2 ? rows16 : rows - 16;
+      const int32_t* gs = A.gsum + int64_t(m + r0) * A.gstride + g;
+      for (int r = 0; r < nr; ++r) {
+        __m512i s = _mm512_load_si512(cb[q] + r * 16);
+        float* a = acc[q] + r * 16;
+        if (ASYM) {
+          __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), vd[j], _mm512_load_ps(a));
+          _mm512_store_ps(a, _mm512_fmadd_ps(vz[j], _mm512_set1_ps(float(gs[r * A.gstride])), f));
+        } else {
+          s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * gs[r * A.gstride]));
+          _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), vd[j], _mm512_load_ps(a)));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 sx = _mm512_set1_ps(A.scale[m + r]);
+    for (int j = 0; j < 2; ++j)
+      _mm512_storeu_ps(C + int64_t(m + r) * ldc + j * 16,
+                       _mm512_mul_ps(_mm512_load_ps(acc[(r / 16) * 2 + j] + (r % 16) * 16), sx));
+  }
+}
+
+// `units` packed int4 units (64 bytes: steps 2u and 2u + 1 in the low and high nibbles) -> 2 * units
+// int8-layout steps of one nibble a byte (u8 0..15).
+void unpack_i4(const uint8_t* src, uint8_t* dst, int64_t units) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int64_t u = 0; u < units; ++u) {
+    const __m512i v = _mm512_loadu_si512(src + u * 64);
+    _mm512_store_si512(dst + u * 128, _mm512_and_si512(v, mask));
+    _mm512_store_si512(dst + u * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+  }
+}
+
+void gemm_i4(const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc, int G) {
+  const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
+  const int64_t Kd = W.Kd, NBT = W.N / 16, ng = Kd / G;
+  uint8_t* wide = t_wide.get(size_t(32 * Kd));  // a pair: 2 blocks x Kd/4 steps x 64 bytes
+  for (int nb = nb0; nb < nb1; nb += 2) {
+    unpack_i4(base + nb * 8 * Kd, wide, Kd / 4);  // the two packed blocks (8 Kd bytes each) are adjacent
+    const int64_t so = (int64_t(e) * NBT + nb) * ng * 16;
+    const float* d = W.scale + so;
+    const float* z = W.zero ? W.zero + so : nullptr;
+    float* Cb = C + (nb - nb0) * 16;
+    for (int m = 0; m < M; m += 32) {
+      if (z)
+        amx_i4_pair<true>(wide, wide + 16 * Kd, int(Kd), G, A, m, M, d, d + ng * 16, z, z + ng * 16, Cb, ldc);
+      else
+        amx_i4_pair<false>(wide, wide + 16 * Kd, int(Kd), G, A, m, M, d, d + ng * 16, nullptr, nullptr, Cb, ldc);
+    }
+  }
+}
+
 void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc,
           int G) {
-  if (method == M_INT4 || M < (method == M_FP8 ? AMX_MIN_ROWS_FP8 : AMX_MIN_ROWS))
+  if (M < (method == M_FP8 ? AMX_MIN_ROWS_FP8 : AMX_MIN_ROWS) || (method == M_INT4 && G % 64))
     return avx512::gemm(method, W, e, A, M, nb0, nb1, C, ldc, G);
   configure_tiles();
   if (method == M_FP8) return gemm_fp8(W, e, A, M, nb0, nb1, C, ldc, G);
+  if (method == M_INT4) return gemm_i4(W, e, A, M, nb0, nb1, C, ldc, G);
   const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
   const int64_t bbytes = method == M_INT8 ? int64_t(16) * W.Kd : int64_t(32) * W.Kd;
   // Block pairs outer, 32-row passes inner: a pair (2 x 16 x Kd bytes, <= 256 KiB at Kd 7168) is read
@@ -215,9 +321,17 @@ void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb
   }
 }
 
+#ifdef HM_AMX_EMULATE
+const Kernels kTableAmx = {"amx-emulated", avx512::act_row_bytes, avx512::quant_row, gemm, nullptr};
+#else
 const Kernels kTableAmx = {"amx", avx512::act_row_bytes, avx512::quant_row, gemm, nullptr};
+#endif
 
 }  // namespace
 }  // namespace hm
 
+#ifdef HM_AMX_EMULATE
+extern "C" const hm::Kernels* hm_kernels_amx_emu() { return &hm::kTableAmx; }
+#else
 extern "C" const hm::Kernels* hm_kernels_amx() { return &hm::kTableAmx; }
+#endif
