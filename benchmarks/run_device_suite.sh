@@ -7,7 +7,8 @@
 # (issue 21: CPU-only decode on all cores against the stream bound), gguf (issue 18: GGUF experts per
 # layer, then hybrid decode of the 48-layer shape from a Q4_K GGUF), lora (issue 17: bench_lora_decode), cpu-attn
 # (the CPU-only path's decode attention: the AVX2 and AVX-512 span kernels interleaved, 1K-32K positions, KV out
-# of cache, all cores and one; then the dense GEMVs at software prefetch distances 0-8192 B). `sweep` tunes the MoE decode tiles and writes the table the engine reads
+# of cache, all cores and one; then the dense GEMVs at software prefetch distances 0-8192 B), align (the fused MoE's
+# expert grouping methods, benchmarks/bench_align.py). `sweep` tunes the MoE decode tiles and writes the table the engine reads
 # (moe_sweep.json in OUT holds it), so `decode` after it runs with the tuned tiles. At most 8 files
 # come back from OUT: logs that the output tail shows anyway stay in /tmp. Server tests and bench_serving need fastapi/uvicorn/pydantic wheels carried in .whl (benchmarks/fetch_device_wheels.sh; see
 # the device README); they run only when `python -c "import fastapi"` works.
@@ -146,6 +147,14 @@ if want gguf; then
   timeout "${GGUF_HYBRID_TIMEOUT:-420}" $PY benchmarks/bench_hybrid_decode.py --gguf "${GGUF_TYPE:-Q4_K}" \
     --gguf-dir /tmp/hm_gguf --deferred 0 --batch 1 4 --graphs on ${GGUF_HYBRID_ARGS:-} \
     --out "$out/hybrid_decode_gguf.json" 2>&1 | grep -v Warning | tee "$out/bench_hybrid_decode_gguf.log" | tail -12
+fi
+if want align; then
+  log bench-align
+  # the fused MoE's expert grouping by method (one-program triton, three-kernel grid, sort-based torch): eager
+  # wall time a call (what an eager prefill layer pays) and GPU time in a graph; the grid's GPU check first
+  timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py -k align 2>&1 | tail -2
+  timeout "${ALIGN_TIMEOUT:-150}" $PY benchmarks/bench_align.py --out "$out/align.json" 2>&1 | grep -v Warning \
+    | tee "$out/bench_align.log" | tail -24
 fi
 if want lora; then
   log bench-lora-decode

@@ -108,17 +108,22 @@ def _run_case(name: str) -> dict:
 
 ALIGN_CASES = [(1, 8, 128, 16), (5, 3, 8, 16), (33, 8, 16, 32), (300, 8, 64, 16), (7, 5, 6, 128), (3, 1, 1, 16),
                (100, 8, 200, 64), (64, 8, 128, 16)]  # (T, K, E, BM)
+# the grid align also at prefill sizes: several chunks a program (P 5600 over 44 programs of 2 chunks; E 384 with
+# 32 programs of 32 chunks), one expert for all, and none
+ALIGN_GRID_CASES = [*ALIGN_CASES, (700, 8, 128, 64), (2000, 8, 384, 16), (129, 8, 128, 16), (0, 8, 128, 16)]
 
 
-def _run_align() -> dict:
-    """The one-program Triton align kernel gives exactly the torch (stable sort) grouping."""
+def _run_align(method: str, cases: list[tuple[int, int, int, int]]) -> dict:
+    """A Triton align method gives exactly the torch (stable sort) grouping."""
     from hybridmoe.moe.triton_moe_kernels import align_pairs
 
     bad = []
-    for i, (T, K, E, bm) in enumerate(ALIGN_CASES):
+    for i, (T, K, E, bm) in enumerate(cases):
         g = torch.Generator().manual_seed(i)
         ids = torch.randint(0, E, (T, K), generator=g) if i % 2 else torch.randint(0, min(E, 3), (T, K), generator=g)
-        ref, got = align_pairs(ids, E, bm, "torch"), align_pairs(ids, E, bm, "triton")
+        if i == len(ALIGN_CASES) + 2:
+            ids[:] = E - 1  # every pair on the last expert
+        ref, got = align_pairs(ids, E, bm, "torch"), align_pairs(ids, E, bm, method)
         if not all(torch.equal(a, b) for a, b in zip(ref, got)):
             bad.append((T, K, E, bm))
     return {"err": float(len(bad)), "tol": 0.0, "shape_ok": True, "bad": bad}
@@ -164,7 +169,7 @@ def interp_results() -> dict:
     return json_results(__file__)
 
 
-@pytest.mark.parametrize("name", [*CASES, "t0_empty", "align_triton_vs_torch"])
+@pytest.mark.parametrize("name", [*CASES, "t0_empty", "align_triton_vs_torch", "align_grid_vs_torch"])
 def test_interpreter(interp_results: dict, name: str) -> None:
     res = case_result(interp_results, name)
     assert res["shape_ok"], res
@@ -224,6 +229,10 @@ def test_gpu_align_triton_matches_torch() -> None:
         ids = torch.randint(0, E, (T, K), device="cuda")
         ref, got = align_pairs(ids, E, bm, "torch"), align_pairs(ids, E, bm, "triton")
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), (T, K, E, bm)
+    for T, K, E, bm in [*ALIGN_GRID_CASES, (8192, 8, 128, 64), (4096, 8, 256, 128)]:
+        ids = torch.randint(0, E, (T, K), device="cuda")
+        ref, got = align_pairs(ids, E, bm, "torch"), align_pairs(ids, E, bm, "grid")
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), ("grid", T, K, E, bm)
 
 
 @pytest.mark.gpu
@@ -276,7 +285,8 @@ if __name__ == "__main__" and "--interp" in sys.argv:
     broken = _interpreter_broken()
     results: dict = {"_skip": broken} if broken else {}
     cases = {**{c: functools.partial(_run_case, c) for c in CASES}, "t0_empty": _run_empty,
-             "align_triton_vs_torch": _run_align}
+             "align_triton_vs_torch": functools.partial(_run_align, "triton", ALIGN_CASES),
+             "align_grid_vs_torch": functools.partial(_run_align, "grid", ALIGN_GRID_CASES)}
     print(json.dumps(collect({} if broken else cases, results)))
 
 

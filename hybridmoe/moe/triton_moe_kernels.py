@@ -109,6 +109,12 @@ def choose_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, in
 
 
 ALIGN_TRITON_MAX_PAIRS = 512  # one-program align: ~30 us at P=512 but ~390 us at P=8192 (H200, E=128)
+# Above it the sort-based torch path, ~20 launches a layer: in an eager 128-token prefill of Qwen3-30B-A3B
+# (P = 1024; H100 host, session 24, profile_decode.py --prefill 128) its ops spanned ~0.84 ms of each
+# layer's ~1 ms under the profiler, the GPU idle between launches. The three-kernel "grid" align is meant
+# to replace it there; it has run only under the Triton interpreter so far (tests/test_triton_moe.py), so
+# "auto" keeps the torch path until a GPU run has checked and timed it (test_gpu_align_triton_matches_torch).
+ALIGN_GRID_MAX_PROGRAMS = 64  # programs of the grid align's count and scatter kernels (a power of two)
 
 
 def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -128,13 +134,18 @@ def align_pairs(
     Returns (sorted_pairs [S] int32: pair index t*K + j, or the sentinel P in padding slots;
     block_expert [B] int32: expert of each block, E for unused blocks). Pairs of one expert keep
     their order (stable). Shapes are fixed by (T, K, E, block_m): no host sync, CUDA-graph capturable.
-    method: "triton" (one launch; decode), "torch" (sort-based; large P), or "auto".
+    method: "triton" (one program; decode), "grid" (three kernels over up to 64 programs; prefill),
+    "torch" (sort-based, ~20 ops; the reference), or "auto" (triton up to ALIGN_TRITON_MAX_PAIRS, then torch).
     """
     num_pairs = topk_ids.numel()
     if method == "auto":
         method = "triton" if num_pairs <= ALIGN_TRITON_MAX_PAIRS else "torch"
     if method == "torch":
         return _align_pairs_torch(topk_ids, num_experts, block_m)
+    if method == "grid":
+        return _align_pairs_grid(topk_ids, num_experts, block_m)
+    if method != "triton":
+        raise ValueError(f"align method must be auto, triton, grid or torch, got {method!r}")
     cap = padded_capacity(num_pairs, num_experts, block_m)
     ids = topk_ids.reshape(-1)
     sorted_pairs = torch.empty(cap, dtype=torch.int32, device=ids.device)  # [S]
@@ -173,6 +184,93 @@ def _align_kernel(
     tl.debug_barrier()  # the padding fill above is ordered before the pair stores below
     running = pad_start
     for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [C, Ep]
+        rank = tl.cumsum(onehot, axis=0) - 1 + running[None, :]
+        dest = tl.sum(onehot * rank, axis=1)  # [C]
+        tl.store(sorted_pairs_ptr + dest, offs, mask=offs < num_pairs)
+        running += tl.sum(onehot, axis=0)
+
+
+def _align_pairs_grid(
+    topk_ids: torch.Tensor,  # [T, K] int
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_pairs` in three launches at any size: per-span expert counts (NP programs), the prefix
+    over spans and experts with the padding and block experts (one program), each pair's slot (NP)."""
+    num_pairs = topk_ids.numel()
+    dev = topk_ids.device
+    cap = padded_capacity(num_pairs, num_experts, block_m)
+    ids = topk_ids.reshape(-1)
+    e_pow2 = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(1024, 8192 // e_pow2))  # one-hot [chunk, Ep] per step, as the one-program kernel
+    max_programs = max(1, min(ALIGN_GRID_MAX_PROGRAMS, 16384 // e_pow2))  # the scan's table [NP, Ep]
+    programs = max(1, min(max_programs, triton.cdiv(num_pairs, chunk)))
+    span = max(1, triton.cdiv(triton.cdiv(num_pairs, programs), chunk)) * chunk  # pairs a program: whole chunks
+    programs = max(1, triton.cdiv(num_pairs, span))
+    np_pow2 = triton.next_power_of_2(programs)
+    table = torch.empty(np_pow2, e_pow2, dtype=torch.int32, device=dev)  # [NP, Ep] counts, then offsets
+    sorted_pairs = torch.empty(cap, dtype=torch.int32, device=dev)  # [S]
+    block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=dev)  # [B]
+    # fmt: off
+    _align_count_kernel[(programs,)](ids, table, num_pairs, span, E_POW2=e_pow2, CHUNK=chunk, num_warps=4)
+    _align_scan_kernel[(1,)](table, sorted_pairs, block_expert, programs, num_pairs, num_experts, cap, cap // block_m,
+                             BLOCK_M=block_m, NP_POW2=np_pow2, E_POW2=e_pow2, CHUNK=chunk, num_warps=8)
+    _align_scatter_kernel[(programs,)](ids, table, sorted_pairs, num_pairs, span, E_POW2=e_pow2, CHUNK=chunk,
+                                       num_warps=4)
+    # fmt: on
+    return sorted_pairs, block_expert
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, table_ptr, num_pairs, span, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """table[p, e] = pairs of expert e among pairs [p * span, (p + 1) * span)."""
+    p = tl.program_id(0)
+    offs_e = tl.arange(0, E_POW2)
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)
+    for c0 in range(p * span, tl.minimum((p + 1) * span, num_pairs), CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    tl.store(table_ptr + p * E_POW2 + offs_e, counts)
+
+
+@triton.jit
+def _align_scan_kernel(
+    table_ptr, sorted_pairs_ptr, block_expert_ptr, programs, num_pairs, num_experts, cap, num_blocks,
+    BLOCK_M: tl.constexpr, NP_POW2: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """table[p, e] <- pad_start[e] + pairs of expert e in the spans before p; sentinel P in every slot (the
+    scatter kernel, launched after, overwrites the pairs' slots); block experts as the one-program kernel."""
+    offs_p = tl.arange(0, NP_POW2)
+    offs_e = tl.arange(0, E_POW2)
+    idx = offs_p[:, None] * E_POW2 + offs_e[None, :]
+    tab = tl.load(table_ptr + idx, mask=(offs_p < programs)[:, None], other=0)  # [NP, Ep]
+    counts = tl.sum(tab, axis=0)  # [Ep]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    tl.store(table_ptr + idx, tl.cumsum(tab, axis=0) - tab + pad_start[None, :], mask=(offs_p < programs)[:, None])
+    real_e = offs_e < num_experts
+    for s0 in range(0, cap, CHUNK):
+        offs = s0 + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=offs < cap)
+    for b0 in range(0, num_blocks, CHUNK):
+        blk = b0 + tl.arange(0, CHUNK)
+        be = tl.sum(((pad_end[None, :] <= (blk * BLOCK_M)[:, None]) & real_e[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blk, be, mask=blk < num_blocks)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, table_ptr, sorted_pairs_ptr, num_pairs, span, E_POW2: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    """Each pair of span p to its slot: table[p, e] (its expert group's next free slot) + its rank."""
+    p = tl.program_id(0)
+    offs_e = tl.arange(0, E_POW2)
+    running = tl.load(table_ptr + p * E_POW2 + offs_e)  # [Ep]
+    for c0 in range(p * span, tl.minimum((p + 1) * span, num_pairs), CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
         onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [C, Ep]
