@@ -67,7 +67,9 @@ inline int64_t gguf_act_row_bytes(int Kp) { return round_up(gguf_act_qp_offset(K
 
 // Rows per expert up to which a GEMM item takes the direct kernels. Measured on one 256-row Q4_K /
 // Q8_0 matrix, K = 2048, hot in L2 (AVX-512): direct 0.5x the tile path's time at 32 rows, 0.8-0.9x
-// at 64, equal at 128, 1.2-1.3x at 256.
+// at 64, equal at 128, 1.2-1.3x at 256. That was the row-major tile path; the AVX-512 step-layout one
+// (session 24) is 1.5-1.9x faster at 256 rows an expert, but 32 in place of 64 measured mixed (2-core Zen 4,
+// T 256 / 1024 of the Qwen3-30B-A3B layer: Q4_K and Q8_0 +0-5%, Q6_K 0.7x), so 64 stays.
 constexpr int kGgufDirectRows = 64;
 
 // Bytes per row of K values for a type, or -1 when unknown / K not a multiple of 256.

@@ -3,8 +3,9 @@
 // one pass over the file's bytes). More rows: for each 16-row N-block of the item, the rows'
 // super-blocks are unpacked once into a thread-local UBlk tile (16 x K/256 x 576 B: 74 KB at
 // K = 2048, L2-resident), then every activation row of the item is dotted against it, MR rows at a
-// time sharing each weight register (the ISA unit's dot<MR, SIGNED>). Included inside an anonymous
-// namespace after gguf_unpack.h; the unit defines MR, dot_rows() and direct_rows().
+// time sharing each weight register (the ISA unit's dot<MR, SIGNED>), or, where the unit defines
+// HM_GGUF_TILE_ROWS, its own tile_rows() on the unpacked rows (AVX-512: the step layout). Included inside an
+// anonymous namespace after gguf_unpack.h; the unit defines MR, dot_rows() and direct_rows().
 
 struct UBuf {
   UBlk* p = nullptr;
@@ -80,6 +81,10 @@ void gemm(int, const PackedMat& W, int e, const ActView& A, int M, int nb0, int 
     UBlk* U = tl_ubuf.get(int64_t(16) * B);
     for (int r = 0; r < nrows; ++r)
       for (int b = 0; b < B; ++b) unpack_block<kVnni>(m->type, base + r * m->row_bytes, b, U[r * B + b]);
+#ifdef HM_GGUF_TILE_ROWS  // the unit's own tile path (gguf_avx512.cpp: the step layout)
+    tile_rows(m->type, U, B, nrows, A, m->K, M, Cb, ldc);
+    continue;
+#endif
     const bool sgn = !kVnni && gguf_signed(m->type);
     for (int m0 = 0; m0 < M; m0 += MR) {
       const int mr = M - m0 < MR ? M - m0 : MR;
