@@ -82,7 +82,7 @@ def test_llamafile_logits_match_torch_on_dequantized_experts(model):
     ours = LLM(str(ckpt), device="cpu", progress=False, kt_method="LLAMAFILE", kt_weight_path=str(gguf_file))
     blocks = list(ours.engine.runner.model.moe_blocks())
     assert len(blocks) == 3 and all(b.experts.name == "cpu" for b in blocks)
-    assert {b.experts.layer.kernel_name for b in blocks} <= {"gguf-avx2", "gguf-avx512"}
+    assert {b.experts.layer.kernel_name for b in blocks} <= {"gguf-avx2", "gguf-avx512", "gguf-amx"}
     got = ours.prompt_logits(prompt)
     ref = LLM(str(same), device="cpu", progress=False).prompt_logits(prompt)
     err = _rel(got, ref)

@@ -56,6 +56,8 @@ UNITS: list[tuple[str, list[str], bool]] = [
     ("gguf_api.cpp", [], True),  # GGUF block layers (--kt-method LLAMAFILE)
     ("gguf_avx2.cpp", AVX2, True),
     ("gguf_avx512.cpp", AVX512, False),
+    ("gguf_amx.cpp", AMX, False),  # gguf_avx512.cpp with the AMX tile path for large T
+    ("gguf_amx_emu.cpp", AVX512, False),  # the same on the tiles' software model (amx_tiles.h; tests)
     ("dense_api.cpp", [], True),  # dense BF16 linears of the CPU-only model path (dense.h)
     ("dense_avx2.cpp", AVX2, True),
     ("dense_avx512.cpp", AVX512, False),

@@ -78,7 +78,8 @@ def _mat(m: torch.Tensor, tid: int, k: int) -> native.GgufMat:
 
 class GGUFMoELayer(CPUMoELayer):
     """CPUMoELayer on GGUF blocks: the same task interface, a GGUF native layer underneath. AVX-512
-    VNNI or AVX2 kernels (an "amx" request runs the AVX-512 ones; `kernel_name` says which)."""
+    VNNI or AVX2 kernels (an "amx" request runs the AVX-512 ones with AMX tiles for large T; `kernel_name` says
+    which)."""
 
     def __init__(self, experts: GGUFExperts, isa: str | None = None, pool: CPUThreadPool | None = None,
                  act_alpha: float = 1.702, act_limit: float = 7.0):

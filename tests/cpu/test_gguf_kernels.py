@@ -18,6 +18,7 @@ import torch
 from nan_rows_check import run_poisoned
 
 from hybridmoe.cpu import gguf_quant as gq
+from hybridmoe.cpu import native
 from hybridmoe.cpu.gguf_engine import GGUFExperts, GGUFMoELayer
 from hybridmoe.cpu.reference import max_error, moe_reference, rel_error
 
@@ -57,7 +58,8 @@ def check(types, isa, pool, t, e, k, h, i, *, dup=False, skip=None, accumulate=F
           random_bytes=False, seed=1, act_check=True, route=None):
     ex, (gu, dn) = experts(types, e, h, i, random_bytes)
     layer = GGUFMoELayer(ex, isa=isa, pool=pool)
-    assert layer.kernel_name == ("gguf-avx2" if isa == "avx2" else "gguf-avx512")
+    want = {"avx2": "gguf-avx2", "avx512": "gguf-avx512", "amx": "gguf-amx"}[isa]
+    assert layer.kernel_name == want + ("-emulated" if isa == "amx" and native.amx_emulated() else "")
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 7)).to(dtype)
     ids, w = route if route is not None else routing(t, e, k, seed, dup)
     base = torch.randn(t, h).to(dtype) if accumulate else None

@@ -1,8 +1,8 @@
 // C ABI of GGUF expert layers (--kt-method LLAMAFILE): a layer whose matrices are the GGUF file's
 // own blocks (memory-mapped by Python, never copied), run by the same MoE driver (moe.cpp) and
 // submitted with hm_submit like any layer. Compiled for baseline x86-64; the ISA is checked before
-// a kernel table is chosen. AMX has no GGUF kernels: an AMX request runs the AVX-512 ones (the
-// kernel name says which). Destroy with hm_gguf_layer_destroy, not hm_layer_destroy.
+// a kernel table is chosen. An AMX request runs the AVX-512 kernels with an AMX tile path for large T
+// (gguf_amx.cpp; the kernel name says which). Destroy with hm_gguf_layer_destroy, not hm_layer_destroy.
 #include <cstdio>
 #include <string>
 #include <type_traits>
@@ -11,6 +11,7 @@
 #include "moe.h"
 
 extern "C" int hm_isa_check(int isa, char* msg, int len);
+extern "C" int hm_amx_emulated();
 
 namespace {
 
@@ -50,7 +51,11 @@ void* hm_gguf_layer_create(const HmGgufDesc* g, int isa, char* err, int errlen) 
   if (bad.empty()) bad = check_mat(g->down, "down", g->H, g->I);
   const hm::Kernels* k = nullptr;
   if (bad.empty()) {
-    if (isa >= hm::ISA_AVX512 && hm_kernels_gguf_avx512 && hm_isa_check(hm::ISA_AVX512, nullptr, 0)) {
+    // the "amx" path (checked above: real tiles, or their software model under HYBRIDMOE_AMX_EMULATE=1)
+    const hm::Kernels* (*amx)() = hm_amx_emulated() ? hm_kernels_gguf_amx_emu : hm_kernels_gguf_amx;
+    if (isa == hm::ISA_AMX && amx) {
+      k = amx();
+    } else if (isa >= hm::ISA_AVX512 && hm_kernels_gguf_avx512 && hm_isa_check(hm::ISA_AVX512, nullptr, 0)) {
       k = hm_kernels_gguf_avx512();
       isa = hm::ISA_AVX512;
     } else if (hm_kernels_gguf_avx2) {

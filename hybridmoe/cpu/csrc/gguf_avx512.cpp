@@ -11,6 +11,9 @@
 #include <new>
 
 #include "gguf_common.h"
+#ifdef HM_GGUF_AMX  // gguf_amx.cpp / gguf_amx_emu.cpp: this unit with the AMX tile path
+#include "amx_tiles.h"
+#endif
 
 namespace hm {
 namespace {
@@ -169,6 +172,7 @@ void step_rows(const VBlk* V, int B, const ActView& A, int K, int m0, int mr, fl
   }
 }
 
+#ifndef HM_GGUF_AMX
 // The tile path of gguf_gemm.h for this unit: the N-block's unpacked rows U to the step layout, then
 // MR activation rows at a time.
 #define HM_GGUF_TILE_ROWS 1
@@ -183,12 +187,101 @@ void tile_rows(int type, const UBlk* U, int B, int nrows, const ActView& A, int 
       step_rows<32>(V, B, A, K, m0, mr, Cb + int64_t(m0) * ldc, ldc);
   }
 }
+#else
+// AMX: 32 activation rows a pass over one N-block (16 outputs). Per group of G values (32; 16 for Q6_K, whose
+// scales cover 16) the two 16-row activation tiles (16 x G s8) against the block's G / 4 steps, which the step
+// layout already holds as one B tile (G / 4 rows of 64 bytes), TDPBSUD (s8 x u8) into C0 / C1; the int32 sums
+// then take the group's scale and bias and, per super-block, the activation scale, as step_dot does.
+// Tiles are configured for G at every call (the MoE AMX kernels configure their own).
+void configure_gguf_tiles(int G) {
+  alignas(64) uint8_t cfg[64];
+  std::memset(cfg, 0, sizeof(cfg));
+  cfg[0] = 1;  // palette
+  const int shape[8][2] = {{16, 64}, {16, 64}, {0, 0}, {0, 0}, {16, G}, {16, G}, {G / 4, 64}, {0, 0}};  // rows, bytes
+  for (int t = 0; t < 8; ++t) {
+    cfg[16 + 2 * t] = uint8_t(shape[t][1]);
+    cfg[48 + t] = uint8_t(shape[t][0]);
+  }
+  hm_tile_loadconfig(cfg);
+}
+
+template <int G>
+void amx_pass(const VBlk* V, int B, const ActView& A, int K, int m, int M, float* C, int64_t ldc) {
+  alignas(64) int32_t cb[2][256];
+  alignas(64) float blk[32][16];
+  alignas(64) float acc[32][16];
+  const int rows = M - m < 32 ? M - m : 32, nt = rows > 16 ? 2 : 1;
+  const float *bs[32], *dd[32];
+  for (int r = 0; r < rows; ++r) {
+    bs[r] = reinterpret_cast<const float*>(A.data + int64_t(m + r) * A.ld + K);
+    dd[r] = bs[r] + K / 16;
+  }
+  std::memset(acc, 0, sizeof(acc));
+  const uint8_t* a0 = A.data + int64_t(m) * A.ld;  // rows past M: the workspace's padding rows, dropped
+  const uint8_t* a1 = a0 + 16 * A.ld;
+  for (int b = 0; b < B; ++b) {
+    const VBlk& v = V[b];
+    std::memset(blk, 0, sizeof(blk));
+    for (int g = 0; g < 256 / G; ++g) {
+      hm_tile_zero(0);
+      hm_tile_loadd(6, v.w[g * G / 4], 64);
+      hm_tile_loadd(4, a0 + b * 256 + g * G, A.ld);
+      hm_tile_dpbsud(0, 4, 6);
+      hm_tile_stored(0, cb[0], 64);
+      if (nt == 2) {
+        hm_tile_zero(1);
+        hm_tile_loadd(5, a1 + b * 256 + g * G, A.ld);
+        hm_tile_dpbsud(1, 5, 6);
+        hm_tile_stored(1, cb[1], 64);
+      }
+      const int g16 = g * G / 16;
+      const __m512 sg = _mm512_load_ps(v.s[g16]), bg = _mm512_load_ps(v.bias[g16]);
+      for (int r = 0; r < rows; ++r) {
+        const float* gs = bs[r] + b * 16 + g16;
+        const float sum = G == 32 ? gs[0] + gs[1] : gs[0];
+        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb[r >> 4] + (r & 15) * 16)), sg,
+                                         _mm512_load_ps(blk[r]));
+        _mm512_store_ps(blk[r], _mm512_fmadd_ps(bg, _mm512_set1_ps(sum), f));
+      }
+    }
+    for (int r = 0; r < rows; ++r)
+      _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_load_ps(blk[r]), _mm512_set1_ps(dd[r][b]), _mm512_load_ps(acc[r])));
+  }
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(C + int64_t(m + r) * ldc, _mm512_load_ps(acc[r]));
+}
+
+#define HM_GGUF_TILE_ROWS 1
+void tile_rows(int type, const UBlk* U, int B, int nrows, const ActView& A, int K, int M, float* Cb, int64_t ldc) {
+  VBlk* V = tl_vbuf.get(B);
+  to_step_layout(U, B, nrows, V);
+  const int G = type == GG_Q6_K ? 16 : 32;
+  configure_gguf_tiles(G);
+  for (int m = 0; m < M; m += 32) {
+    if (G == 16)
+      amx_pass<16>(V, B, A, K, m, M, Cb, ldc);
+    else
+      amx_pass<32>(V, B, A, K, m, M, Cb, ldc);
+  }
+}
+#endif
 
 #include "gguf_gemm.h"
 
+#if !defined(HM_GGUF_AMX)
 const Kernels kTable = {"gguf-avx512", act_row_bytes, quant_row, gemm, quant_block};
+#elif defined(HM_AMX_EMULATE)
+const Kernels kTable = {"gguf-amx-emulated", act_row_bytes, quant_row, gemm, quant_block};
+#else
+const Kernels kTable = {"gguf-amx", act_row_bytes, quant_row, gemm, quant_block};
+#endif
 
 }  // namespace
 }  // namespace hm
 
+#if !defined(HM_GGUF_AMX)
 extern "C" const hm::Kernels* hm_kernels_gguf_avx512() { return &hm::kTable; }
+#elif defined(HM_AMX_EMULATE)
+extern "C" const hm::Kernels* hm_kernels_gguf_amx_emu() { return &hm::kTable; }
+#else
+extern "C" const hm::Kernels* hm_kernels_gguf_amx() { return &hm::kTable; }
+#endif

@@ -92,3 +92,5 @@ inline bool gguf_signed(int type) { return type == GG_Q8_0 || type == GG_IQ4_XS;
 
 extern "C" const hm::Kernels* hm_kernels_gguf_avx2() __attribute__((weak));
 extern "C" const hm::Kernels* hm_kernels_gguf_avx512() __attribute__((weak));
+extern "C" const hm::Kernels* hm_kernels_gguf_amx() __attribute__((weak));
+extern "C" const hm::Kernels* hm_kernels_gguf_amx_emu() __attribute__((weak));
