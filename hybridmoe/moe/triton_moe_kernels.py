@@ -183,6 +183,8 @@ def _align_kernel(
         tl.store(block_expert_ptr + blk, be, mask=blk < num_blocks)
     tl.debug_barrier()  # the padding fill above is ordered before the pair stores below
     running = pad_start
+    # the loop of _scatter_chunk, written out: this kernel runs in every decode step's graph and stays as it
+    # was checked on the GPU until the helper has run there (test_gpu_align_triton_matches_torch)
     for c0 in range(0, num_pairs, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
@@ -191,6 +193,19 @@ def _align_kernel(
         dest = tl.sum(onehot * rank, axis=1)  # [C]
         tl.store(sorted_pairs_ptr + dest, offs, mask=offs < num_pairs)
         running += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _scatter_chunk(ids_ptr, sorted_pairs_ptr, c0, num_pairs, running, offs_e, CHUNK: tl.constexpr):
+    """Pairs [c0, c0 + CHUNK) to their slots: running[e] (expert e's next free slot) + their rank among the
+    chunk's pairs of e (one-hot cumsum: stable); returns running past them."""
+    offs = c0 + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+    onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [C, Ep]
+    rank = tl.cumsum(onehot, axis=0) - 1 + running[None, :]
+    dest = tl.sum(onehot * rank, axis=1)  # [C]
+    tl.store(sorted_pairs_ptr + dest, offs, mask=offs < num_pairs)
+    return running + tl.sum(onehot, axis=0)
 
 
 def _align_pairs_grid(
@@ -271,13 +286,7 @@ def _align_scatter_kernel(ids_ptr, table_ptr, sorted_pairs_ptr, num_pairs, span,
     offs_e = tl.arange(0, E_POW2)
     running = tl.load(table_ptr + p * E_POW2 + offs_e)  # [Ep]
     for c0 in range(p * span, tl.minimum((p + 1) * span, num_pairs), CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
-        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [C, Ep]
-        rank = tl.cumsum(onehot, axis=0) - 1 + running[None, :]
-        dest = tl.sum(onehot * rank, axis=1)  # [C]
-        tl.store(sorted_pairs_ptr + dest, offs, mask=offs < num_pairs)
-        running += tl.sum(onehot, axis=0)
+        running = _scatter_chunk(ids_ptr, sorted_pairs_ptr, c0, num_pairs, running, offs_e, CHUNK)
 
 
 def _align_pairs_torch(

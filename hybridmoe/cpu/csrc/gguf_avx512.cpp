@@ -24,16 +24,25 @@ constexpr int MR = 8;  // activation rows per register block
 #include "gguf_unpack.h"
 #include "gguf_dot512.h"
 
+// R activation rows' values q, per-16 sums bs and per-super-block scales dd (gguf_common.h row layout).
 template <int R>
-void dot(const UBlk* U, int B, const ActView& A, int K, int m0, float* out, int64_t ldc) {
+struct ActPtrs {
   const int8_t* q[R];
   const float *bs[R], *dd[R];
-  for (int t = 0; t < R; ++t) {
-    const uint8_t* row = A.data + (m0 + t) * A.ld;
-    q[t] = reinterpret_cast<const int8_t*>(row);
-    bs[t] = reinterpret_cast<const float*>(row + K);
-    dd[t] = bs[t] + K / 16;
+  ActPtrs(const ActView& A, int K, int m0) {
+    for (int t = 0; t < R; ++t) {
+      const uint8_t* row = A.data + (m0 + t) * A.ld;
+      q[t] = reinterpret_cast<const int8_t*>(row);
+      bs[t] = reinterpret_cast<const float*>(row + K);
+      dd[t] = bs[t] + K / 16;
+    }
   }
+};
+
+template <int R>
+void dot(const UBlk* U, int B, const ActView& A, int K, int m0, float* out, int64_t ldc) {
+  const ActPtrs<R> ap(A, K, m0);
+  const auto &q = ap.q, &bs = ap.bs, &dd = ap.dd;
   __m512 acc[R];
   for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps();
   for (int b = 0; b < B; ++b) {
@@ -120,14 +129,8 @@ void to_step_layout(const UBlk* U, int B, int nrows, VBlk* V) {
 // (32: the two 16-groups of a pair share scale and bias, every type but Q6_K).
 template <int R, int G>
 void step_dot(const VBlk* V, int B, const ActView& A, int K, int m0, float* C, int64_t ldc) {
-  const int8_t* q[R];
-  const float *bs[R], *dd[R];
-  for (int t = 0; t < R; ++t) {
-    const uint8_t* row = A.data + (m0 + t) * A.ld;
-    q[t] = reinterpret_cast<const int8_t*>(row);
-    bs[t] = reinterpret_cast<const float*>(row + K);
-    dd[t] = bs[t] + K / 16;
-  }
+  const ActPtrs<R> ap(A, K, m0);
+  const auto &q = ap.q, &bs = ap.bs, &dd = ap.dd;
   __m512 acc[R];
   for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps();
   for (int b = 0; b < B; ++b) {

@@ -118,6 +118,49 @@ void amx_pair(const uint8_t* b0, const uint8_t* b1, int Kd, const ActView& A, in
     }
 }
 
+// The tile dots of K depths [kt0, kt1) (64 bytes of A, 1 KiB of each B block per depth) of a 32-row x
+// 32-output tile into C0..C3 (nq 4; C0, C1 for the first 16 rows only when nq is 2), zeroed first and
+// stored to cb after. DOT: 0 bf16 pairs (TDPBF16PS), 1 s8 A x u8 B (TDPBSUD).
+template <int DOT>
+void group_dots(const uint8_t* a0, const uint8_t* a1, int64_t lda, const uint8_t* b0, const uint8_t* b1, int kt0,
+                int kt1, int nq, void* cb) {
+  auto* c = static_cast<uint8_t*>(cb);
+  hm_tile_zero(0);
+  hm_tile_zero(1);
+  if (nq == 4) {
+    hm_tile_zero(2);
+    hm_tile_zero(3);
+  }
+  for (int kt = kt0; kt < kt1; ++kt) {
+    hm_tile_loadd(4, a0 + kt * 64, lda);
+    hm_tile_loadd(6, b0 + kt * 1024, 64);
+    hm_tile_loadd(7, b1 + kt * 1024, 64);
+    if (DOT == 0) {
+      hm_tile_dpbf16ps(0, 4, 6);
+      hm_tile_dpbf16ps(1, 4, 7);
+    } else {
+      hm_tile_dpbsud(0, 4, 6);
+      hm_tile_dpbsud(1, 4, 7);
+    }
+    if (nq == 4) {
+      hm_tile_loadd(5, a1 + kt * 64, lda);
+      if (DOT == 0) {
+        hm_tile_dpbf16ps(2, 5, 6);
+        hm_tile_dpbf16ps(3, 5, 7);
+      } else {
+        hm_tile_dpbsud(2, 5, 6);
+        hm_tile_dpbsud(3, 5, 7);
+      }
+    }
+  }
+  hm_tile_stored(0, c, 64);
+  hm_tile_stored(1, c + 1024, 64);
+  if (nq == 4) {
+    hm_tile_stored(2, c + 2048, 64);
+    hm_tile_stored(3, c + 3072, 64);
+  }
+}
+
 // One 32-row x 32-output tile of FP8: b0/b1 two widened bf16 blocks, s0/s1 their scales [Kd/G].
 void amx_fp8_pair(const uint16_t* b0, const uint16_t* b1, int Kd, int G, const ActView& A, int m, int M,
                   const float* s0, const float* s1, float* C, int64_t ldc) {
@@ -131,30 +174,8 @@ void amx_fp8_pair(const uint16_t* b0, const uint16_t* b1, int Kd, int G, const A
   const int nq = rows > 16 ? 4 : 2;  // rows 16..31 only when there are any
   const int rows16 = rows > 16 ? 16 : rows;  // valid rows of the first tile row block
   for (int g = 0; g < Kd / G; ++g) {
-    hm_tile_zero(0);
-    hm_tile_zero(1);
-    if (nq == 4) {
-      hm_tile_zero(2);
-      hm_tile_zero(3);
-    }
-    for (int kt = g * kpg; kt < (g + 1) * kpg; ++kt) {
-      hm_tile_loadd(4, a0 + kt * 64, A.ld);
-      hm_tile_loadd(6, b0 + kt * 512, 64);
-      hm_tile_loadd(7, b1 + kt * 512, 64);
-      hm_tile_dpbf16ps(0, 4, 6);
-      hm_tile_dpbf16ps(1, 4, 7);
-      if (nq == 4) {
-        hm_tile_loadd(5, a1 + kt * 64, A.ld);
-        hm_tile_dpbf16ps(2, 5, 6);
-        hm_tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    hm_tile_stored(0, cb[0], 64);
-    hm_tile_stored(1, cb[1], 64);
-    if (nq == 4) {
-      hm_tile_stored(2, cb[2], 64);
-      hm_tile_stored(3, cb[3], 64);
-    }
+    group_dots<0>(a0, a1, A.ld, reinterpret_cast<const uint8_t*>(b0), reinterpret_cast<const uint8_t*>(b1), g * kpg,
+                  (g + 1) * kpg, nq, cb);
     const __m512 v0 = _mm512_set1_ps(s0[g]), v1 = _mm512_set1_ps(s1[g]);
     for (int q = 0; q < nq; ++q) {
       const __m512 vs = q & 1 ? v1 : v0;
@@ -213,30 +234,7 @@ void amx_i4_pair(const uint8_t* b0, const uint8_t* b1, int Kd, int G, const ActV
   const int nq = rows > 16 ? 4 : 2;
   const int rows16 = rows > 16 ? 16 : rows;
   for (int g = 0; g < Kd / G; ++g) {
-    hm_tile_zero(0);
-    hm_tile_zero(1);
-    if (nq == 4) {
-      hm_tile_zero(2);
-      hm_tile_zero(3);
-    }
-    for (int kt = g * kpg; kt < (g + 1) * kpg; ++kt) {
-      hm_tile_loadd(4, a0 + kt * 64, A.ld);
-      hm_tile_loadd(6, b0 + kt * 1024, 64);
-      hm_tile_loadd(7, b1 + kt * 1024, 64);
-      hm_tile_dpbsud(0, 4, 6);
-      hm_tile_dpbsud(1, 4, 7);
-      if (nq == 4) {
-        hm_tile_loadd(5, a1 + kt * 64, A.ld);
-        hm_tile_dpbsud(2, 5, 6);
-        hm_tile_dpbsud(3, 5, 7);
-      }
-    }
-    hm_tile_stored(0, cb[0], 64);
-    hm_tile_stored(1, cb[1], 64);
-    if (nq == 4) {
-      hm_tile_stored(2, cb[2], 64);
-      hm_tile_stored(3, cb[3], 64);
-    }
+    group_dots<1>(a0, a1, A.ld, b0, b1, g * kpg, (g + 1) * kpg, nq, cb);
     const __m512 vd[2] = {_mm512_loadu_ps(d0 + g * 16), _mm512_loadu_ps(d1 + g * 16)};
     __m512 vz[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     if (ASYM) vz[0] = _mm512_loadu_ps(z0 + g * 16), vz[1] = _mm512_loadu_ps(z1 + g * 16);
