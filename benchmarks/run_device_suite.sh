@@ -51,8 +51,10 @@ if want cpu-isa-tests; then
   log cpu-isa-tests
   for isa in avx2 avx512 amx; do
     # failures with their one-line reason (the summary alone needed a second run to diagnose)
-    HYBRIDMOE_CPU_ISA=$isa HYBRIDMOE_TEST_THREADS=8 timeout 150 $PY -m pytest -q -p no:cacheprovider tests/cpu \
-      --tb=line -rf 2>&1 | grep -E "^(FAILED|E  )|passed|failed|error" | head -30 | sed "s/^/[$isa] /"
+    # 150 s each did not finish tests/cpu on the H100 host (session 24); a collection error must not stop the rest
+    HYBRIDMOE_CPU_ISA=$isa HYBRIDMOE_TEST_THREADS=8 timeout "${CPU_ISA_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider \
+      tests/cpu --tb=line -rf --continue-on-collection-errors 2>&1 | grep -E "^(FAILED|ERROR|E  )|passed|failed|error" \
+      | head -30 | sed "s/^/[$isa] /"
   done | tee "$out/cpu_isa_tests.log"
 fi
 if want sweep; then
