@@ -105,23 +105,50 @@ struct VBuf {
 };
 thread_local VBuf tl_vbuf;
 
+// r[i] = 16 dwords of row i -> r[j] = dword j of rows 0..15 (4 rounds of 16 shuffles).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c], 128-bit lane k: dword 4k + c of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[4 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
 // U: nrows (<= 16) rows of B unpacked super-blocks, row-major -> V[B]; rows past nrows are zero.
 void to_step_layout(const UBlk* U, int B, int nrows, VBlk* V) {
+  const __m512i every4th = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
+  __m512i r[16];
   for (int b = 0; b < B; ++b) {
     VBlk& v = V[b];
-    for (int n = 0; n < 16; ++n) {
-      if (n < nrows) {
-        const UBlk& u = U[n * B + b];
-        for (int st = 0; st < 64; ++st) std::memcpy(&v.w[st][4 * n], u.u + 4 * st, 4);
-        for (int g = 0; g < 16; ++g) {
-          v.s[g][n] = u.sl[4 * g];
-          v.bias[g][n] = u.bias[g];
-        }
-      } else {
-        for (int st = 0; st < 64; ++st) std::memset(&v.w[st][4 * n], 0, 4);
-        for (int g = 0; g < 16; ++g) v.s[g][n] = v.bias[g][n] = 0.0f;
-      }
+    for (int c = 0; c < 4; ++c) {  // steps 16c .. 16c + 15: dwords 16c .. of each row's values
+      for (int n = 0; n < 16; ++n)
+        r[n] = n < nrows ? _mm512_load_si512(U[n * B + b].u + 64 * c) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(v.w[16 * c + j], r[j]);
     }
+    for (int n = 0; n < 16; ++n)  // group g's scale is sl[4 g]
+      r[n] = n < nrows ? _mm512_castps_si512(_mm512_i32gather_ps(every4th, U[n * B + b].sl, 4)) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int g = 0; g < 16; ++g) _mm512_store_si512(v.s[g], r[g]);
+    for (int n = 0; n < 16; ++n)
+      r[n] = n < nrows ? _mm512_castps_si512(_mm512_load_ps(U[n * B + b].bias)) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int g = 0; g < 16; ++g) _mm512_store_si512(v.bias[g], r[g]);
   }
 }
 
