@@ -46,6 +46,10 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=0,
                    help="profile the prefill of one prompt of this many tokens instead (after one untimed prompt of "
                         "the same length: Triton compiles excluded), to its first token")
+    p.add_argument("--align-ab", action="store_true",
+                   help="with --prefill: time the prefill (wall, 3 interleaved rounds) with the fused MoE's large "
+                        "expert grouping on the torch and the grid path (HYBRIDMOE_ALIGN_LARGE), check both give the "
+                        "same first token, then profile the default")
     a = parse_shape_args(p)
 
     from torch.profiler import ProfilerActivity, profile
@@ -101,14 +105,36 @@ def main() -> None:
 def profile_prefill(eng, a, g, profile, activity) -> None:
     import time
 
-    def one() -> None:
+    def one() -> int:
         r = eng.make_request(input_ids=torch.randint(0, a.vocab, (a.prefill,), generator=g).tolist(),
                              sampling_params={"max_new_tokens": 1, "temperature": 0, "ignore_eos": True})
         eng.submit(r)
         while not r.finished:
             eng.step()
         torch.cuda.synchronize()
+        return r.output_ids[0]
 
+    if a.align_ab:
+        import os
+
+        from hybridmoe import envs
+        walls_by: dict[str, list[float]] = {"torch": [], "grid": []}
+        firsts: dict[str, list[int]] = {"torch": [], "grid": []}
+        for rnd in range(4):  # round 0 compiles; rounds 1-3 are timed
+            for m in walls_by:
+                os.environ[envs.ALIGN_LARGE] = m
+                g.manual_seed(1234 + rnd)  # the same prompt for both methods, not served from the prefix cache
+                eng.flush_cache()
+                t = time.perf_counter()
+                firsts[m].append(one())
+                if rnd:
+                    walls_by[m].append(time.perf_counter() - t)
+        os.environ.pop(envs.ALIGN_LARGE)
+        for m, ws in walls_by.items():
+            print(f"align {m}: prefill of {a.prefill} tokens to the first token: "
+                  f"{', '.join(f'{1e3 * w:.1f}' for w in ws)} ms (wall), median {1e3 * sorted(ws)[1]:.1f}")
+        print(f"align torch vs grid: first tokens {'equal' if firsts['torch'] == firsts['grid'] else 'DIFFER'} "
+              f"({firsts['torch']} / {firsts['grid']})")
     one()  # compiles and first-touch allocations
     walls = []
     for _ in range(3):

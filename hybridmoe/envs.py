@@ -15,6 +15,7 @@ working on hybridmoe itself:
 | `HYBRIDMOE_PIN_CALLER` | 0 | `1`: CPU-only decode steps on the pool leader's CPU, its spin 0 (hybridmoe/cpu/caller_pin.py; A/B runs) |
 | `HYBRIDMOE_LORA_FUSED` | 1 | `0`: LoRA linears keep the unfused form, GEMM + shrink + expand (hybridmoe/lora/linear.py; A/B runs) |
 | `HYBRIDMOE_AMX_EMULATE` | 0 | `1` (read by the native library at load): where the CPU lacks AMX but has AVX-512, the `amx` path runs the AMX kernels on a software model of the tiles (csrc/amx_tiles.h; tests, never the default path) |
+| `HYBRIDMOE_ALIGN_LARGE` | `grid` | the fused MoE's expert grouping above 256 pairs under `auto`: `torch` (sort-based) or `grid` (three Triton kernels) (hybridmoe/moe/triton_moe_kernels.py; A/B runs) |
 | `HYBRIDMOE_AMX_INLINE` | 0 | `1`: synchronous CPU MoE tasks of AMX layers run on the calling thread too (CPUThreadPool.inline_amx; tests/cpu/test_amx_caller_thread.py) |
 
 Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
@@ -36,6 +37,7 @@ PIN_CALLER = "HYBRIDMOE_PIN_CALLER"
 AMX_INLINE = "HYBRIDMOE_AMX_INLINE"
 AMX_EMULATE = "HYBRIDMOE_AMX_EMULATE"
 LORA_FUSED = "HYBRIDMOE_LORA_FUSED"
+ALIGN_LARGE = "HYBRIDMOE_ALIGN_LARGE"
 
 
 def _get(name: str) -> str | None:
@@ -94,6 +96,16 @@ def pin_caller() -> bool | None:
     if v not in ("0", "1"):
         raise ValueError(f"{PIN_CALLER}={v!r}: expected 0 or 1")
     return v == "1"
+
+
+def align_large(default: str) -> str:
+    """$HYBRIDMOE_ALIGN_LARGE: the align method "auto" takes above its one-program limit ("torch" or "grid")."""
+    v = _get(ALIGN_LARGE)
+    if v is None:
+        return default
+    if v not in ("torch", "grid"):
+        raise ValueError(f"{ALIGN_LARGE}={v!r}: expected torch or grid")
+    return v
 
 
 def amx_inline() -> bool:

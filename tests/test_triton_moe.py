@@ -197,6 +197,25 @@ def test_align_pairs_cpu() -> None:
             assert blk.numel() > 0 and bool((flat[blk.long()] == be[b]).all())
 
 
+def test_align_auto_method(monkeypatch) -> None:
+    """auto: the one-program kernel up to ALIGN_TRITON_MAX_PAIRS, the grid above (HYBRIDMOE_ALIGN_LARGE=torch
+    for A/B runs; another value is an error naming the variable)."""
+    from hybridmoe.moe import triton_moe_kernels as tk
+
+    calls = []
+    monkeypatch.setattr(tk, "_align_pairs_grid", lambda *a: calls.append("grid"))
+    monkeypatch.setattr(tk, "_align_pairs_torch", lambda *a: calls.append("torch"))
+    monkeypatch.delenv("HYBRIDMOE_ALIGN_LARGE", raising=False)
+    big = torch.zeros(tk.ALIGN_TRITON_MAX_PAIRS // 8 + 1, 8, dtype=torch.long)
+    tk.align_pairs(big, 16, 16)
+    monkeypatch.setenv("HYBRIDMOE_ALIGN_LARGE", "torch")
+    tk.align_pairs(big, 16, 16)
+    assert calls == ["grid", "torch"]
+    monkeypatch.setenv("HYBRIDMOE_ALIGN_LARGE", "sort")
+    with pytest.raises(ValueError, match="HYBRIDMOE_ALIGN_LARGE"):
+        tk.align_pairs(big, 16, 16)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GPU_SHAPES = [  # (T, E, K, H, Isz)

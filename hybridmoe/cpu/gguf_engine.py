@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmoe import envs
 from hybridmoe.cpu import gguf_quant, native
 from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool, default_pool
 from hybridmoe.cpu.quant import ACTIVATIONS
@@ -78,13 +79,17 @@ def _mat(m: torch.Tensor, tid: int, k: int) -> native.GgufMat:
 
 class GGUFMoELayer(CPUMoELayer):
     """CPUMoELayer on GGUF blocks: the same task interface, a GGUF native layer underneath. AVX-512
-    VNNI or AVX2 kernels (an "amx" request runs the AVX-512 ones with AMX tiles for large T; `kernel_name` says
-    which)."""
+    VNNI or AVX2 kernels (an explicit "amx" request, or HYBRIDMOE_CPU_ISA=amx, runs the AVX-512 ones with AMX tiles
+    for large T; the best-ISA default on an AMX host takes the AVX-512 path; `kernel_name` says which)."""
 
     def __init__(self, experts: GGUFExperts, isa: str | None = None, pool: CPUThreadPool | None = None,
                  act_alpha: float = 1.702, act_limit: float = 7.0):
         self.packed = experts
         self.isa = native.resolve_isa(isa)
+        if self.isa == "amx" and (isa or envs.cpu_isa()) is None:
+            # the AMX tile path only when asked for: on the H100 host (session 25, bench_gguf_moe.py, Q4_K and
+            # Q8_0, T = 1024 and 4096, two interleaved rounds) it ran at 0.80-1.05x the AVX-512 step path
+            self.isa = "avx512"
         self.pool = pool or default_pool()
         x = experts
         self._desc = native.GgufDesc(x.num_experts, x.hidden, x.inter, ACTIVATIONS[x.activation], act_alpha, act_limit,

@@ -108,12 +108,16 @@ def choose_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, in
             or default_config(num_tokens, num_experts, top_k, hidden, inter))
 
 
-ALIGN_TRITON_MAX_PAIRS = 512  # one-program align: ~30 us at P=512 but ~390 us at P=8192 (H200, E=128)
-# Above it the sort-based torch path, ~20 launches a layer: in an eager 128-token prefill of Qwen3-30B-A3B
-# (P = 1024; H100 host, session 24, profile_decode.py --prefill 128) its ops spanned ~0.84 ms of each
-# layer's ~1 ms under the profiler, the GPU idle between launches. The three-kernel "grid" align is meant
-# to replace it there; it has run only under the Triton interpreter so far (tests/test_triton_moe.py), so
-# "auto" keeps the torch path until a GPU run has checked and timed it (test_gpu_align_triton_matches_torch).
+ALIGN_TRITON_MAX_PAIRS = 256  # one-program align up to here, the three-kernel grid above. bench_align.py on the
+# H100 host (session 25, E=128, block_m 64), us a call eager / in a graph:
+#   P=128:  triton 62 / 11.4, grid 118 / 11.4, torch 424 / 46
+#   P=512:  triton 74 / 28.9, grid 117 / 13.7, torch 364 / 69
+#   P=1024: triton 95 / 50.8, grid  89 / 14.0, torch 293 / 73
+#   P=65536: triton 3018 / 2960, grid 149 / 101, torch 355 / 130
+# (256 lies between the measured sizes: not timed itself). The torch path stays the reference. In an eager
+# 128-token prefill of Qwen3-30B-A3B (P = 1024) grid against torch took the prefill from 77.6 to 56.1 ms
+# (medians of 3, interleaved; profile_decode.py --prefill 128 --align-ab), with the same first tokens.
+ALIGN_LARGE_DEFAULT = "grid"  # HYBRIDMOE_ALIGN_LARGE=torch for A/B runs
 ALIGN_GRID_MAX_PROGRAMS = 64  # programs of the grid align's count and scatter kernels (a power of two)
 
 
@@ -135,11 +139,11 @@ def align_pairs(
     block_expert [B] int32: expert of each block, E for unused blocks). Pairs of one expert keep
     their order (stable). Shapes are fixed by (T, K, E, block_m): no host sync, CUDA-graph capturable.
     method: "triton" (one program; decode), "grid" (three kernels over up to 64 programs; prefill),
-    "torch" (sort-based, ~20 ops; the reference), or "auto" (triton up to ALIGN_TRITON_MAX_PAIRS, then torch).
+    "torch" (sort-based, ~20 ops; the reference), or "auto" (triton up to ALIGN_TRITON_MAX_PAIRS, then grid).
     """
     num_pairs = topk_ids.numel()
     if method == "auto":
-        method = "triton" if num_pairs <= ALIGN_TRITON_MAX_PAIRS else "torch"
+        method = "triton" if num_pairs <= ALIGN_TRITON_MAX_PAIRS else envs.align_large(ALIGN_LARGE_DEFAULT)
     if method == "torch":
         return _align_pairs_torch(topk_ids, num_experts, block_m)
     if method == "grid":

@@ -227,3 +227,20 @@ def test_nan_rows_mode(types, isa, pool, t):
     ids, w = ids.to(torch.int32).contiguous(), w.float().contiguous()
     out, ref, good = run_poisoned(layer, pool, x, ids, w, sorted({0, t // 2, t - 1}))
     assert torch.equal(out[good], ref[good])
+
+
+def test_amx_host_default_takes_the_avx512_path(monkeypatch, pool):
+    """On an AMX host the best-ISA default runs GGUF experts on the AVX-512 kernels (the AMX tile path measured
+    slower, session 25); an explicit request, by argument or HYBRIDMOE_CPU_ISA, still gets the AMX path."""
+    if native.isa_missing("avx512"):
+        pytest.skip("no AVX-512 here")
+    ex, _ = experts(TRIPLES[0], 4, 256, 256, False)
+    monkeypatch.delenv("HYBRIDMOE_CPU_ISA", raising=False)
+    monkeypatch.setattr(native, "best_isa", lambda: "amx")
+    assert GGUFMoELayer(ex, pool=pool).kernel_name == "gguf-avx512"
+    if native.isa_missing("amx"):
+        return
+    emu = "-emulated" if native.amx_emulated() else ""
+    assert GGUFMoELayer(ex, isa="amx", pool=pool).kernel_name == "gguf-amx" + emu
+    monkeypatch.setenv("HYBRIDMOE_CPU_ISA", "amx")
+    assert GGUFMoELayer(ex, pool=pool).kernel_name == "gguf-amx" + emu
