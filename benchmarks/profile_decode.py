@@ -47,9 +47,11 @@ def main() -> None:
                    help="profile the prefill of one prompt of this many tokens instead (after one untimed prompt of "
                         "the same length: Triton compiles excluded), to its first token")
     p.add_argument("--align-ab", action="store_true",
-                   help="with --prefill: time the prefill (wall, 3 interleaved rounds) with the fused MoE's large "
-                        "expert grouping on the torch and the grid path (HYBRIDMOE_ALIGN_LARGE), check both give the "
-                        "same first token, then profile the default")
+                   help="with --prefill: time the eager prefill (wall, 3 interleaved rounds) with the fused MoE's "
+                        "large expert grouping on the torch and the grid path (HYBRIDMOE_ALIGN_LARGE), check all "
+                        "variants give the same first token, then profile the default")
+    p.add_argument("--prefill-graph-ab", action="store_true",
+                   help="with --prefill: the same with the prefill CUDA graphs off and on")
     a = parse_shape_args(p)
 
     from torch.profiler import ProfilerActivity, profile
@@ -114,27 +116,48 @@ def profile_prefill(eng, a, g, profile, activity) -> None:
         torch.cuda.synchronize()
         return r.output_ids[0]
 
-    if a.align_ab:
-        import os
+    import os
 
-        from hybridmoe import envs
-        walls_by: dict[str, list[float]] = {"torch": [], "grid": []}
-        firsts: dict[str, list[int]] = {"torch": [], "grid": []}
+    from hybridmoe import envs
+
+    runner = eng.runner
+    captured = runner.prefill_graphs
+    if a.prefill_graph_ab and captured is None:
+        print(f"prefill graphs: none here ({runner.prefill_graphs_blocker()})")
+
+    def state(align: str | None, graphs: bool):  # each variant sets everything it depends on
+        def setup() -> None:
+            if align is None:
+                os.environ.pop(envs.ALIGN_LARGE, None)
+            else:
+                os.environ[envs.ALIGN_LARGE] = align
+            runner.prefill_graphs = captured if graphs else None
+        return setup
+
+    variants = {}
+    if a.align_ab:  # eager prefills (the align's eager cost is what differs)
+        variants.update({"eager, align torch": state("torch", False), "eager, align grid": state("grid", False)})
+    if a.prefill_graph_ab and captured is not None:
+        variants.update({"prefill graphs off": state(None, False), "prefill graphs on": state(None, True)})
+    if variants:
+        walls_by: dict[str, list[float]] = {k: [] for k in variants}
+        firsts: dict[str, list[int]] = {k: [] for k in variants}
         for rnd in range(4):  # round 0 compiles; rounds 1-3 are timed
-            for m in walls_by:
-                os.environ[envs.ALIGN_LARGE] = m
-                g.manual_seed(1234 + rnd)  # the same prompt for both methods, not served from the prefix cache
+            for k, setup in variants.items():
+                setup()
+                g.manual_seed(1234 + rnd)  # the same prompt for every variant, not served from the prefix cache
                 eng.flush_cache()
                 t = time.perf_counter()
-                firsts[m].append(one())
+                firsts[k].append(one())
                 if rnd:
-                    walls_by[m].append(time.perf_counter() - t)
-        os.environ.pop(envs.ALIGN_LARGE)
-        for m, ws in walls_by.items():
-            print(f"align {m}: prefill of {a.prefill} tokens to the first token: "
+                    walls_by[k].append(time.perf_counter() - t)
+        state(None, True)()
+        for k, ws in walls_by.items():
+            print(f"{k}: prefill of {a.prefill} tokens to the first token: "
                   f"{', '.join(f'{1e3 * w:.1f}' for w in ws)} ms (wall), median {1e3 * sorted(ws)[1]:.1f}")
-        print(f"align torch vs grid: first tokens {'equal' if firsts['torch'] == firsts['grid'] else 'DIFFER'} "
-              f"({firsts['torch']} / {firsts['grid']})")
+        same = all(f == next(iter(firsts.values())) for f in firsts.values())
+        print(f"first tokens {'equal' if same else 'DIFFER'} across {', '.join(variants)}: "
+              + " / ".join(str(f) for f in firsts.values()))
     one()  # compiles and first-touch allocations
     walls = []
     for _ in range(3):

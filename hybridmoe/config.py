@@ -38,7 +38,8 @@ REASONING_PARSERS = ("qwen3", "deepseek-r1", "kimi", "kimi_k2")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 INT_MAX = 2**31 - 1  # counts and sizes beyond this are typos, and overflow int32 kernel arguments
 _INT_FIELDS = ("context_length", "max_total_tokens", "page_size", "chunked_prefill_size", "max_running_requests",
-               "max_prefill_tokens", "cuda_graph_max_bs", "kt_cpuinfer", "max_loras_per_batch", "max_lora_rank",
+               "max_prefill_tokens", "cuda_graph_max_bs", "cuda_graph_max_prefill_tokens", "kt_cpuinfer",
+               "max_loras_per_batch", "max_lora_rank",
                "kt_threadpool_count", "kt_num_gpu_experts", "kt_max_deferred_experts_per_token",
                "kt_gpu_prefill_token_threshold", "stream_interval", "decode_log_interval", "log_requests_level")
 
@@ -102,6 +103,8 @@ class EngineArgs:
     moe_backend: str | None = None  # torch | triton | cpu; default from device and kt options
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
+    # prompt batches of up to this many new tokens replay a captured graph (engine/prefill_graph.py); 0: eager
+    cuda_graph_max_prefill_tokens: int = 512
     # overlap scheduling (engine/pipeline.py): the host's work for step N+1 while the device runs step N;
     # default on with CUDA, off on the CPU device (HYBRIDMOE_OVERLAP_SCHEDULE=1/0 changes that default)
     disable_overlap_schedule: bool = False  # SGLang's flag
@@ -205,6 +208,8 @@ class EngineArgs:
              "a fraction between 0 and 1")
         need(self.context_length is None or self.context_length >= 1, "context-length", "a positive integer")
         need(self.cuda_graph_max_bs >= 1, "cuda-graph-max-bs", "a positive integer")
+        need(0 <= self.cuda_graph_max_prefill_tokens <= 8192, "cuda-graph-max-prefill-tokens",
+             "an integer from 0 (prefill without graphs) to 8192")
         need(not (self.disable_overlap_schedule and self.enable_overlap_schedule), "enable-overlap-schedule",
              "not together with --disable-overlap-schedule")
         need(self.attention_backend in (None, *ATTENTION_BACKEND_ALIASES), "attention-backend",

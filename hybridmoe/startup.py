@@ -209,6 +209,9 @@ def summary_lines(engine) -> list[str]:
                      f"({moe.backend} backend)")
     graphs = runner.graphs
     lines.append(f"CUDA graphs: batch sizes {graphs.sizes}" if graphs is not None else "CUDA graphs: off")
+    pre = getattr(runner, "prefill_graphs", None)
+    if pre is not None:
+        lines.append(f"prefill CUDA graphs: {pre.sizes} new tokens in up to {pre.max_seqs} sequences")
     if hasattr(engine, "overlap"):
         lines.append("overlap scheduling: " + ("on (--disable-overlap-schedule turns it off)" if engine.overlap
                                                  else "off"))

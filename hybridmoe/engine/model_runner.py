@@ -18,6 +18,7 @@ from hybridmoe.engine import prompt_logprobs
 from hybridmoe.engine.cuda_graph import DecodeGraphs
 from hybridmoe.engine.future import FutureTokens
 from hybridmoe.engine.hooks import MoEHooks, NoHooks
+from hybridmoe.engine.prefill_graph import DEFAULT_MAX_SEQS, PrefillGraphs
 from hybridmoe.engine.scheduler import ScheduledBatch
 from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend, kv_cache_dtype
 from hybridmoe.layers.attention.layer import ForwardContext
@@ -126,6 +127,7 @@ class ModelRunner:
         # sampled ids not read on the host yet (overlap scheduling): input ids < 0 are resolved from it
         self.future = FutureTokens(args.max_running_requests, self.device, blocking=self.blocking_sync_wanted)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         use_graphs = not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph()
         if self.moe.backend == "cpu" and self.device.type == "cuda" and use_graphs:
             log.warning("CUDA graphs are off: every expert on the CPU without a GPU/CPU split; pass "
@@ -133,6 +135,36 @@ class ModelRunner:
             use_graphs = False
         if self.device.type == "cuda" and use_graphs:
             self.capture_graphs()
+            self.prefill_graphs = self.new_prefill_graphs()
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.capture()
+
+    def prefill_graphs_blocker(self, capture: bool = True) -> str | None:
+        """Why prompt batches cannot replay captured graphs here (None: they can); capture=False: the
+        eager form of the padded batches (tests)."""
+        if self.args.cuda_graph_max_prefill_tokens == 0:
+            return "--cuda-graph-max-prefill-tokens 0"
+        if self.moe.runtime is not None:  # CPU tasks, layerwise prefill, deferral: driven per forward
+            return "experts on the CPU"
+        if self.lora is not None:
+            return "LoRA"
+        if self.model_cfg.is_mla:  # its prefill picks a form from host lengths
+            return "MLA attention"
+        if capture and not self.attn_backend.supports_prefill_cuda_graph():
+            return f"attention backend {self.attn_backend.name}"
+        return None
+
+    def new_prefill_graphs(self, capture: bool = True) -> PrefillGraphs | None:
+        """Prefill graphs for this runner (not captured yet), or None where they cannot run (said in one line)."""
+        why = self.prefill_graphs_blocker(capture)
+        if why is not None:
+            if self.args.cuda_graph_max_prefill_tokens:
+                log.info("prefill CUDA graphs off: %s", why)
+            return None
+        max_tokens = self.args.cuda_graph_max_prefill_tokens  # a step's tokens: a prompt chunk and decode rows
+        pool = self.graphs.pool if self.graphs is not None else None  # one memory pool with the decode graphs
+        return PrefillGraphs(self.model, self.device, max_tokens, min(DEFAULT_MAX_SEQS, self.args.max_running_requests),
+                             self.max_pages_per_seq, self.context_len, self._ctx, self.future, pool, capture)
 
     @property
     def recorder(self):
@@ -260,6 +292,8 @@ class ModelRunner:
                     return logits
                 rows = [i for i, (_, smp) in enumerate(live) if smp]
                 return logits[torch.tensor(rows).to(logits.device, non_blocking=True)]  # no stream sync
+        if self.prefill_graphs is not None and not wanted and self.prefill_graphs.can_run(batch):
+            return self.prefill_graphs.run(batch, self.page_size)
         input_ids, positions, meta, rows = self.prepare(batch)
         self._prepare_lora(batch)
         pin = self.caller_pin is not None and self.caller_pin.enabled and meta.is_decode and not wanted

@@ -110,6 +110,11 @@ class AttentionBackend(ABC):
         """True when a decode forward reads only device tensors of meta (capturable)."""
         return True
 
+    def supports_prefill_cuda_graph(self) -> bool:
+        """True when a forward with new prompt tokens reads only device tensors of meta, the host lists
+        bounding its grid at most (engine/prefill_graph.py)."""
+        return False
+
 
 # name -> a zero-argument factory (the backend class); see hybridmoe.registry
 ATTENTION_BACKENDS: Registry[Callable[[], AttentionBackend]] = Registry("attention backend")

@@ -17,7 +17,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     Decode reads only device tensors of the metadata (seq_lens, block_table) and sizes its grid from
     shapes and meta.max_seq_len, so it is CUDA-graph capturable. Prefill/extend sizes its grid from
-    the host list meta.query_lens_cpu.
+    the host list meta.query_lens_cpu, a bound of the device lengths it reads (capturable with a bound).
 
     Args:
         num_kv_splits: force the decode kernel's KV split count (None: a heuristic from the shapes).
@@ -66,3 +66,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def supports_cuda_graph(self) -> bool:
         return True
+
+    def supports_prefill_cuda_graph(self) -> bool:
+        return True  # prefill reads the device metadata; max(query_lens_cpu) bounds its grid

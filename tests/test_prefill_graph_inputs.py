@@ -1,0 +1,79 @@
+"""The prefill graphs' padded batches (engine/prefill_graph.py) give the eager path's logits. Runs on the CPU with
+the padded batches run eagerly (capture=False): the same static buffers, padding sequence, empty sequence slots
+and logits rows a captured graph reads; the graph replay itself is covered by tests/test_prefill_graph_gpu.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybridmoe import LLM
+from hybridmoe.config import ConfigError, EngineArgs
+from hybridmoe.engine.prefill_graph import prefill_capture_sizes
+
+
+def test_capture_sizes():
+    assert prefill_capture_sizes(512) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert prefill_capture_sizes(100) == [16, 32, 64, 96, 100]
+    assert prefill_capture_sizes(8) == [8]
+    assert prefill_capture_sizes(16) == [16]
+
+
+def test_flag_bounds():
+    with pytest.raises(ConfigError, match="cuda-graph-max-prefill-tokens"):
+        EngineArgs.from_kwargs(cuda_graph_max_prefill_tokens=-1)
+    with pytest.raises(ConfigError, match="cuda-graph-max-prefill-tokens"):
+        EngineArgs.from_kwargs(cuda_graph_max_prefill_tokens=1 << 20)
+
+
+def _prompts(rng: random.Random) -> list[list[int]]:
+    lens = [1, 5, 17, 40, 23, 2, 47, 9, 31, 12, 3, 60]  # 47 and 60 take two chunks of 40
+    ps = [[rng.randrange(1, 200) for _ in range(n)] for n in lens]
+    ps.append(ps[3][:33] + [7, 8])  # a cached prefix (two full pages of 16) then an extend
+    return ps
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_padded_prompt_batches_match_eager(overlap: bool):
+    """Every batch with prompt tokens that fits is run both ways: eager, and padded through the static buffers;
+    logits agree to fp32 rounding, and the generated tokens (padded results fed back) equal an eager run's."""
+    opts = dict(device="cpu", dtype="float32", progress=False, chunked_prefill_size=40, max_running_requests=10,
+                cuda_graph_max_prefill_tokens=48, enable_overlap_schedule=overlap)
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    prompts = _prompts(random.Random(3))
+    with LLM(**opts) as llm:
+        want = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=params)]
+    with LLM(**opts) as llm:
+        runner = llm.engine.runner
+        assert runner.prefill_graphs is None  # the CPU device captures nothing
+        pg = runner.new_prefill_graphs(capture=False)
+        assert pg is not None and pg.sizes == [16, 32, 48] and pg.max_seqs == 8
+        eager = runner.forward
+        seen: list[tuple[int, int, int]] = []
+        eager_only: list[tuple[int, int]] = []
+
+        def both(batch):
+            ref = eager(batch)
+            if batch.is_decode or not pg.can_run(batch):
+                if not batch.is_decode:
+                    eager_only.append((batch.total_tokens, sum(1 for n in batch.num_tokens if n > 0)))
+                return ref
+            got = pg.run(batch, runner.page_size)
+            assert got.shape == ref.shape
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+            live = sum(1 for n in batch.num_tokens if n > 0)
+            seen.append((batch.total_tokens, live, sum(batch.sample)))
+            return got
+
+        runner.forward = both
+        first = llm.generate(input_ids=prompts[:10], sampling_params=params)
+        alone = llm.generate(input_ids=prompts[10:11], sampling_params=params)  # 3 tokens: the size 16
+        rest = llm.generate(input_ids=prompts[11:], sampling_params=params)
+        got = [o["output_ids"] for o in first + alone + rest]
+    assert got == want
+    assert any(live > 1 for _, live, _ in seen), seen  # prompts beside other sequences
+    assert any(smp < live for _, live, smp in seen), seen  # a first chunk among them: not sampled
+    assert {tp for tp in (next(s for s in pg.sizes if s >= t) for t, _, _ in seen)} == {16, 32, 48}, seen
+    assert eager_only and all(t > 48 or live > 8 for t, live in eager_only), eager_only  # larger ones stay eager
