@@ -53,7 +53,9 @@ def test_prefill_graphs_match_eager(tiny_model_dir, dtype, tol):
             finally:
                 runner.prefill_graphs = pg
             got = real_run(batch, page_size)
-            torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+            assert got.shape == ref.shape
+            if ref.numel():  # a first chunk alone samples nothing: no rows
+                torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
             replays.append(batch.total_tokens)
             return got
 
