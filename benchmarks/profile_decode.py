@@ -50,6 +50,7 @@ def main() -> None:
                    help="with --prefill: time the eager prefill (wall, 3 interleaved rounds) with the fused MoE's "
                         "large expert grouping on the torch and the grid path (HYBRIDMOE_ALIGN_LARGE), check all "
                         "variants give the same first token, then profile the default")
+    p.add_argument("--out", default=None, help="with --align-ab / --prefill-graph-ab: write the walls as JSON here")
     p.add_argument("--prefill-graph-ab", action="store_true",
                    help="with --prefill: the same with the prefill CUDA graphs off and on")
     a = parse_shape_args(p)
@@ -158,6 +159,13 @@ def profile_prefill(eng, a, g, profile, activity) -> None:
         same = all(f == next(iter(firsts.values())) for f in firsts.values())
         print(f"first tokens {'equal' if same else 'DIFFER'} across {', '.join(variants)}: "
               + " / ".join(str(f) for f in firsts.values()))
+        if a.out:
+            rows = {k: {"walls_ms": [1e3 * w for w in ws], "median_ms": 1e3 * sorted(ws)[1], "first_tokens": firsts[k]}
+                    for k, ws in walls_by.items()}
+            Path(a.out).write_text(json.dumps({"benchmark": "prefill_ttft", "prompt_tokens": a.prefill,
+                                               "device": torch.cuda.get_device_name(), "variants": rows,
+                                               "first_tokens_equal": same}, indent=1))
+            print(f"wrote {a.out}")
     one()  # compiles and first-touch allocations
     walls = []
     for _ in range(3):

@@ -8,7 +8,8 @@
 # layer, then hybrid decode of the 48-layer shape from a Q4_K GGUF), lora (issue 17: bench_lora_decode), cpu-attn
 # (the CPU-only path's decode attention: the AVX2 and AVX-512 span kernels interleaved, 1K-32K positions, KV out
 # of cache, all cores and one; then the dense GEMVs at software prefetch distances 0-8192 B), align (the fused MoE's
-# expert grouping methods, benchmarks/bench_align.py). `sweep` tunes the MoE decode tiles and writes the table the engine reads
+# expert grouping methods, benchmarks/bench_align.py), ttft (a 128-token prompt to its first token, all-GPU: eager
+# with each align method, prefill graphs off and on, interleaved; profile_decode.py --prefill). `sweep` tunes the MoE decode tiles and writes the table the engine reads
 # (moe_sweep.json in OUT holds it), so `decode` after it runs with the tuned tiles. At most 8 files
 # come back from OUT: logs that the output tail shows anyway stay in /tmp. Server tests and bench_serving need fastapi/uvicorn/pydantic wheels carried in .whl (benchmarks/fetch_device_wheels.sh; see
 # the device README); they run only when `python -c "import fastapi"` works.
@@ -157,6 +158,12 @@ if want align; then
   timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py -k align 2>&1 | tail -2
   timeout "${ALIGN_TIMEOUT:-150}" $PY benchmarks/bench_align.py --out "$out/align.json" 2>&1 | grep -v Warning \
     | tee "$out/bench_align.log" | tail -24
+fi
+if want ttft; then
+  log prefill-ttft
+  timeout "${TTFT_TIMEOUT:-240}" $PY benchmarks/profile_decode.py --prefill "${TTFT_TOKENS:-128}" --align-ab \
+    --prefill-graph-ab --top 12 --out "$out/ttft.json" 2>&1 | grep -v Warning | tee /tmp/hm_ttft.log \
+    | grep -E "prefill|first tokens|per step"
 fi
 if want lora; then
   log bench-lora-decode
