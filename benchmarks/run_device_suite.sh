@@ -2,7 +2,7 @@
 # Everything the H200 machine has to confirm, in few calls (device time is scarce).
 # Usage there (OUT is the folder whose files come back):
 #   bash benchmarks/run_device_suite.sh "$OUT" [part...]
-# Parts (default: all; they run in this order): check gpu-tests cpu-isa-tests sweep decode serving
+# Parts (default: all; they run in this order): check gpu-tests cpu-isa-tests sweep decode serving ttft
 # hybrid prefill profile cpu-moe server. Not in the default (each takes minutes; name them): cpu-decode
 # (issue 21: CPU-only decode on all cores against the stream bound), gguf (issue 18: GGUF experts per
 # layer, then hybrid decode of the 48-layer shape from a Q4_K GGUF), lora (issue 17: bench_lora_decode), cpu-attn
@@ -16,7 +16,7 @@
 set -u
 out="${1:-/tmp/hybridmoe-device}"
 shift || true
-parts="${*:-check gpu-tests cpu-isa-tests sweep decode serving hybrid prefill profile cpu-moe server}"
+parts="${*:-check gpu-tests cpu-isa-tests sweep decode serving ttft hybrid prefill profile cpu-moe server}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 log() { echo "== $* ($(date +%T))"; }
@@ -81,6 +81,12 @@ if want serving; then
   else
     log "no fastapi here: bench_serving skipped"
   fi
+fi
+if want ttft; then
+  log prefill-ttft
+  timeout "${TTFT_TIMEOUT:-240}" $PY benchmarks/profile_decode.py --prefill "${TTFT_TOKENS:-128}" --align-ab \
+    --prefill-graph-ab --top 12 --out "$out/ttft.json" 2>&1 | grep -v Warning | tee /tmp/hm_ttft.log \
+    | grep -E "prefill|first tokens|per step"
 fi
 if want hybrid; then
   log bench-hybrid-decode
@@ -158,12 +164,6 @@ if want align; then
   timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py -k align 2>&1 | tail -2
   timeout "${ALIGN_TIMEOUT:-150}" $PY benchmarks/bench_align.py --out "$out/align.json" 2>&1 | grep -v Warning \
     | tee "$out/bench_align.log" | tail -24
-fi
-if want ttft; then
-  log prefill-ttft
-  timeout "${TTFT_TIMEOUT:-240}" $PY benchmarks/profile_decode.py --prefill "${TTFT_TOKENS:-128}" --align-ab \
-    --prefill-graph-ab --top 12 --out "$out/ttft.json" 2>&1 | grep -v Warning | tee /tmp/hm_ttft.log \
-    | grep -E "prefill|first tokens|per step"
 fi
 if want lora; then
   log bench-lora-decode
