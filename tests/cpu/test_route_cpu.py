@@ -9,9 +9,11 @@ What must agree, and how closely:
   algorithm on the logits. Where torch sees a tie we do not (two different logits whose float
   probabilities round to the same value) the pick may differ: that case is only checked to be a
   valid top-k set.
-- weights: within 8 fp32 ulps (measured at most 7, at E = 1024; typically 0-1): both round exp,
-  the sum and the division differently (torch: its vectorized exp and a float sum; ours: expf and
-  double sums).
+- weights: within 1 fp32 ulp of the float64 softmax of the same logits (ours computes in double from the
+  fp32 logits on, one rounding at the end). torch's reference rounds the logit - max, its vectorized exp
+  and a float sum in fp32: 12 ulps off the float64 softmax at E = 1000 on an AVX2-only machine (the
+  AVX-512 ones saw at most 7, which the earlier bound of 8 ulps against torch relied on; ours was then
+  11 ulps off too, from its fp32 logit - max). The near-tie tests below still compare with torch's (8).
 - fused_ops.topk_softmax on CPU tensors is the native call (bit-identical to it), so the Python
   MoE block and the one-call layer route identically.
 """
@@ -35,12 +37,19 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max())
 
 
+def _exact(logits: torch.Tensor, ids: torch.Tensor, renorm: bool) -> torch.Tensor:
+    """The weights of `ids` from the float64 softmax of the logits, rounded once to fp32."""
+    p = torch.softmax(logits.double(), -1).gather(1, ids.long())
+    return (p / p.sum(-1, keepdim=True) if renorm else p).float()
+
+
 def _check(logits: torch.Tensor, k: int, renorm: bool, what: str) -> None:
     rw, rids = topk_softmax_ref(logits, k, renorm)
     w, ids = topk_softmax_cpu(logits, k, renorm)
     assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.shape == ids.shape == (logits.shape[0], k)
     assert torch.equal(ids, rids), f"{what}: ids {ids.tolist()} != torch's {rids.tolist()}"
-    assert _ulps(w, rw) <= ULPS, f"{what}: weights {_ulps(w, rw)} ulps from torch's"
+    exact = _exact(logits, rids, renorm)  # torch's weights are not the yardstick: they are up to 12 ulps off it
+    assert _ulps(w, exact) <= 1, f"{what}: weights {_ulps(w, exact)} ulps from the float64 softmax"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
