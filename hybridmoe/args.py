@@ -92,9 +92,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="routed experts' kernels; unset: from --device and the --kt-* flags")
     r.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
     r.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest captured batch size")
-    r.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=d.cuda_graph_max_prefill_tokens,
+    r.add_argument("--cuda-graph-max-prefill-tokens", "--piecewise-cuda-graph-max-tokens", type=int,
+                   dest="cuda_graph_max_prefill_tokens", default=d.cuda_graph_max_prefill_tokens,
                    help="batches with prompt tokens, up to this many new tokens in up to 8 sequences, replay a "
-                        "captured graph (every expert on the GPU, non-MLA attention, no LoRA); 0: prefill eagerly")
+                        "captured graph (every expert on the GPU, non-MLA attention, no LoRA); 0: prefill eagerly "
+                        "(SGLang's --piecewise-cuda-graph-max-tokens is the same flag here)")
+    r.add_argument("--disable-piecewise-cuda-graph", action="store_const", const=0,
+                   dest="cuda_graph_max_prefill_tokens",
+                   help="SGLang's name for --cuda-graph-max-prefill-tokens 0: prompt batches run eagerly")
     r.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's sampled tokens before scheduling the next step (default with CUDA: the "
                         "next step is scheduled and launched while the GPU runs this one, its tokens read after)")

@@ -48,6 +48,10 @@ NO_OP_FLAGS: tuple[tuple[str, str], ...] = (
     ("--disable-shared-experts-fusion", "accepted; always so here: shared experts run as their own GPU MLP, never "
                                         "fused into the routed experts' kernel"),
     ("--disable-custom-all-reduce", "accepted, no effect: one GPU per server, no all-reduce"),
+    ("--enable-piecewise-cuda-graph", "accepted; on by default here: prompt batches up to "
+                                      "--cuda-graph-max-prefill-tokens replay whole-model graphs"),
+    ("--enforce-piecewise-cuda-graph", "accepted, no effect: prefill graphs run wherever they can; where they "
+                                       "cannot (CPU experts, LoRA, MLA) a log line says why"),
 )
 
 # Refused: (flag, reason); each takes any number of values so that the refusal, not a parse error, is reported

@@ -85,6 +85,17 @@ def test_no_op_flags_are_accepted(flag: str) -> None:
     assert getattr(ns, flag[2:].replace("-", "_")) is True and refusals([flag], ns) == []
 
 
+def test_sglang_prefill_graph_flags_map_to_ours() -> None:
+    from hybridmoe.args import engine_args_from
+
+    assert engine_args_from(_parse([])).cuda_graph_max_prefill_tokens == 512
+    assert engine_args_from(_parse(["--piecewise-cuda-graph-max-tokens", "256"])).cuda_graph_max_prefill_tokens == 256
+    assert engine_args_from(_parse(["--cuda-graph-max-prefill-tokens", "96"])).cuda_graph_max_prefill_tokens == 96
+    assert engine_args_from(_parse(["--disable-piecewise-cuda-graph"])).cuda_graph_max_prefill_tokens == 0
+    with pytest.raises(ConfigError, match="cuda-graph-max-prefill-tokens"):
+        engine_args_from(_parse(["--piecewise-cuda-graph-max-tokens", "-4"]))
+
+
 def test_help_shows_every_default() -> None:
     parser = build_parser()
     assert parser.formatter_class is argparse.ArgumentDefaultsHelpFormatter
