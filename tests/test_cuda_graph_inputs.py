@@ -23,6 +23,7 @@ class _Recorder:
         g = self.graphs
         g.seen = (self.bs, g.input_ids[: self.bs].clone(), g.positions[: self.bs].clone(), g.slots[: self.bs].clone(),
                   g.seq_lens[: self.bs].clone(), g.block_table[: self.bs].clone())
+        g.seen_real = int(g.real_rows[0])
 
 
 def test_graph_inputs_match_prepare():
@@ -50,6 +51,7 @@ def test_graph_inputs_match_prepare():
         logits = graphs.run(reqs, s)
         bs, g_ids, g_pos, g_slots, g_lens, g_table = graphs.seen
         assert bs == next(b for b in graphs.sizes if b >= n) and logits.shape[0] == n
+        assert graphs.seen_real == n  # the expert-distribution recorder counts these rows only
         assert torch.equal(g_ids[:n], ids) and torch.equal(g_pos[:n], pos)
         assert torch.equal(g_slots[:n], meta.slot_mapping) and torch.equal(g_lens[:n], meta.seq_lens)
         w = meta.block_table.shape[1]

@@ -74,3 +74,20 @@ def test_prefill_graphs_off_where_they_cannot_run(tiny_model_dir):
     with LLM(str(tiny_model_dir("qwen3_moe")), dtype="bfloat16", kt_method="BF16", kt_num_gpu_experts=2,
              **opts) as llm:  # hybrid
         assert llm.engine.runner.prefill_graphs is None
+
+
+def test_expert_distribution_counts_real_tokens(tiny_model_dir, tmp_path):
+    """--record-expert-distribution with decode and prefill graphs (padded rows, warm-up and capture forwards)
+    counts what an eager run counts."""
+    path = str(tiny_model_dir("qwen3_moe"))
+    opts = dict(device="cuda", dtype="float32", progress=False, chunked_prefill_size=40, page_size=8,
+                max_total_tokens=4096, cuda_graph_max_bs=8, max_running_requests=10)
+    prompts = _prompts()[:7]  # 7 sequences: decode batches pad to 8
+    counts = []
+    for graphs in (False, True):
+        with LLM(path, disable_cuda_graph=not graphs, record_expert_distribution=str(tmp_path / f"{graphs}.json"),
+                 **opts) as llm:
+            assert (llm.engine.runner.prefill_graphs is not None) == graphs
+            llm.generate(input_ids=prompts, sampling_params=GREEDY)
+            counts.append(llm.engine.runner.recorder.recorded())
+    assert counts[0] == counts[1]

@@ -77,3 +77,44 @@ def test_padded_prompt_batches_match_eager(overlap: bool):
     assert any(smp < live for _, live, smp in seen), seen  # a first chunk among them: not sampled
     assert {tp for tp in (next(s for s in pg.sizes if s >= t) for t, _, _ in seen)} == {16, 32, 48}, seen
     assert eager_only and all(t > 48 or live > 8 for t, live in eager_only), eager_only  # larger ones stay eager
+
+
+def test_recorder_counts_only_real_rows():
+    from hybridmoe.moe.recorder import ExpertDistributionRecorder
+
+    rec = ExpertDistributionRecorder(None, 6)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [0, 0]])
+    with rec.rows_counted(torch.tensor([3])):  # the last row is padding
+        rec.record(0, ids)
+    assert rec.recorded()[0] == [1, 1, 1, 1, 1, 1]
+    rec.record(0, ids)  # an eager forward: every row
+    assert rec.recorded()[0] == [4, 2, 2, 2, 2, 2]
+
+
+def test_expert_distribution_ignores_padding(tmp_path):
+    """--record-expert-distribution with prompt batches through the padded path: the same counts as eager
+    (the padding tokens and the warm-up forwards count nothing)."""
+    opts = dict(device="cpu", dtype="float32", progress=False, chunked_prefill_size=40, max_running_requests=10,
+                cuda_graph_max_prefill_tokens=48)
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    prompts = _prompts(random.Random(4))[:7]
+    counts = []
+    for padded in (False, True):
+        with LLM(record_expert_distribution=str(tmp_path / f"d{padded}.json"), **opts) as llm:
+            runner = llm.engine.runner
+            if padded:
+                pg = runner.new_prefill_graphs(capture=False)
+                eager = runner.forward
+                used = []
+
+                def forward(batch, pg=pg, eager=eager, used=used, page=runner.page_size):
+                    if batch.is_decode or not pg.can_run(batch):
+                        return eager(batch)
+                    used.append(batch.total_tokens)
+                    return pg.run(batch, page)
+
+                runner.forward = forward
+            llm.generate(input_ids=prompts, sampling_params=params)
+            counts.append(runner.recorder.recorded())
+    assert used and any(next(s for s in pg.sizes if s >= t) > t for t in used)  # padding was there
+    assert counts[0] == counts[1] and sum(counts[0][min(counts[0])]) > 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,10 +53,12 @@ class DecodeGraphs:
         dev = device
         self.pages = p = max_pages
         pin = dev.type == "cuda"
-        self.host64 = torch.zeros(3, b, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        # ids, positions, slots; [3, 0]: the real rows (--record-expert-distribution counts only those)
+        self.host64 = torch.zeros(4, b, dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(b + b * p, dtype=torch.int32, pin_memory=pin)  # seq lens | block table [B, P]
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
-        self.dev64 = torch.zeros(3, b, dtype=torch.int64, device=dev)
+        self.dev64 = torch.zeros(4, b, dtype=torch.int64, device=dev)
+        self.real_rows = self.dev64[3, :1]  # 0 while capturing: the warm-up and capture forwards count nothing
         self.dev32 = torch.zeros(b + b * p, dtype=torch.int32, device=dev)
         self.input_ids, self.positions, self.slots = self.dev64[0], self.dev64[1], self.dev64[2]
         self.seq_lens = self.dev32[:b]
@@ -69,6 +72,7 @@ class DecodeGraphs:
         self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
         self.lora = None  # lora/manager.py LoRAManager: the per-token adapter slots, a fixed input buffer
         self.future = None  # engine/future.py FutureTokens: resolves placeholder input ids (overlap scheduling)
+        self.recorder = None  # moe/recorder.py ExpertDistributionRecorder: counts the real rows of a replay
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs
@@ -85,7 +89,8 @@ class DecodeGraphs:
         model = self.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        counted = self.recorder.rows_counted(self.real_rows) if self.recorder is not None else nullcontext()
+        with torch.cuda.stream(stream), counted:
             for bs in reversed(self.sizes):
                 ctx = self.ctx_builder(self._meta(bs))
                 if self.lora is not None:  # the graph reads the fixed slot index buffer
@@ -125,9 +130,10 @@ class DecodeGraphs:
             h64[2, i] = r.pages[pos // page_size] * page_size + pos % page_size
             h32[i] = pos + 1
             table[i, : len(r.pages)] = r.pages
-        h64[:, n:bs] = 0
+        h64[:3, n:bs] = 0
+        h64[3, 0] = n
         h32[n:bs] = 1
-        self.dev64.copy_(self.host64, non_blocking=True)  # contiguous: a plain async copy (3 x B ints)
+        self.dev64.copy_(self.host64, non_blocking=True)  # contiguous: a plain async copy (4 x B ints)
         self.dev32[: self.max_bs + bs * p].copy_(self.host32[: self.max_bs + bs * p], non_blocking=True)
         if self.copied is not None:
             self.copied.record()

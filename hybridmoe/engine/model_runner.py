@@ -164,7 +164,8 @@ class ModelRunner:
         max_tokens = self.args.cuda_graph_max_prefill_tokens  # a step's tokens: a prompt chunk and decode rows
         pool = self.graphs.pool if self.graphs is not None else None  # one memory pool with the decode graphs
         return PrefillGraphs(self.model, self.device, max_tokens, min(DEFAULT_MAX_SEQS, self.args.max_running_requests),
-                             self.max_pages_per_seq, self.context_len, self._ctx, self.future, pool, capture)
+                             self.max_pages_per_seq, self.context_len, self._ctx, self.future, pool, capture,
+                             self.recorder)
 
     @property
     def recorder(self):
@@ -182,6 +183,7 @@ class ModelRunner:
                               self.hooks)
         graphs.lora = self.lora  # the per-token adapter slots: a graph input buffer
         graphs.future = self.future  # placeholder input ids are resolved from it before a replay
+        graphs.recorder = self.recorder  # counts only the real rows of a replay
         return graphs
 
     def capture_graphs(self) -> None:

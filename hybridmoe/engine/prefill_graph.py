@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from hybridmoe.engine.scheduler import ScheduledBatch
     from hybridmoe.layers.attention.layer import ForwardContext
     from hybridmoe.models.base import MoECausalLM
+    from hybridmoe.moe.recorder import ExpertDistributionRecorder
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +55,12 @@ class PrefillGraphs:
     model: the model to capture; ctx_builder: attention metadata -> the forward context; max_pages: block table
     width per sequence; context_len: the longest sequence; pool: a graph memory pool to share (the decode
     graphs'); capture: False builds the same padded batches but runs them eagerly (tests of the padding on
-    devices without graphs)."""
+    devices without graphs); recorder: --record-expert-distribution's, which then counts the real tokens only."""
 
     def __init__(self, model: MoECausalLM, device: torch.device, max_tokens: int, max_seqs: int, max_pages: int,
                  context_len: int, ctx_builder: Callable[[AttentionMetadata], ForwardContext],
-                 future: FutureTokens | None = None, pool=None, capture: bool = True) -> None:
+                 future: FutureTokens | None = None, pool=None, capture: bool = True,
+                 recorder: ExpertDistributionRecorder | None = None) -> None:
         self.model, self.device, self.context_len, self.ctx_builder = model, device, context_len, ctx_builder
         self.sizes = prefill_capture_sizes(max_tokens)
         self.max_tokens = t = self.sizes[-1]
@@ -66,16 +69,18 @@ class PrefillGraphs:
         self.pages = p = max_pages
         self.future, self.pool, self.use_graphs = future, pool, capture
         pin = device.type == "cuda"
-        # int64: ids, positions, slot mapping [3, T] | logits rows [B - 1]; int32: qsl [B + 1] | seq lens [B] |
-        # block table [B, P]
-        self.n64, self.n32 = 3 * t + (b - 1), (b + 1) + b + b * p
+        # int64: ids, positions, slot mapping [3, T] | logits rows [B - 1] | real tokens [1]; int32: qsl [B + 1] |
+        # seq lens [B] | block table [B, P]
+        self.n64, self.n32 = 3 * t + (b - 1) + 1, (b + 1) + b + b * p
         self.host64 = torch.zeros(self.n64, dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(self.n32, dtype=torch.int32, pin_memory=pin)
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
         self.dev64 = torch.zeros(self.n64, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(self.n32, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = (self.dev64[i * t:(i + 1) * t] for i in range(3))
-        self.rows = self.dev64[3 * t:]
+        self.rows = self.dev64[3 * t:3 * t + b - 1]
+        self.real_tokens = self.dev64[3 * t + b - 1:]  # [1]; 0 while capturing (--record-expert-distribution)
+        self.recorder = recorder
         self.qsl = self.dev32[:b + 1]
         self.seq_lens = self.dev32[b + 1:2 * b + 1]
         self.block_table = self.dev32[2 * b + 1:].view(b, p)
@@ -99,7 +104,10 @@ class PrefillGraphs:
         )
 
     def _forward(self, tp: int, meta: AttentionMetadata) -> torch.Tensor:  # logits [B - 1, V]
-        hidden = self.model(self.input_ids[:tp], self.positions[:tp], self.ctx_builder(meta))  # [Tp, hidden]
+        # the expert-distribution recorder counts the real tokens only (none in the warm-up and capture forwards)
+        counted = self.recorder.rows_counted(self.real_tokens) if self.recorder is not None else nullcontext()
+        with counted:
+            hidden = self.model(self.input_ids[:tp], self.positions[:tp], self.ctx_builder(meta))  # [Tp, hidden]
         return self.model.compute_logits(hidden.index_select(0, self.rows))
 
     @torch.inference_mode()
@@ -161,7 +169,8 @@ class PrefillGraphs:
         h64[t + total:t + tp] = range(pad)
         h64[2 * t + total:2 * t + tp] = [j % page_size for j in range(pad)]
         h64[3 * t:3 * t + len(rows)] = rows
-        h64[3 * t + len(rows):] = 0
+        h64[3 * t + len(rows):3 * t + b - 1] = 0
+        h64[3 * t + b - 1] = total
         empty = b - 1 - len(live)
         q_host = qsl + [total] * empty + [tp]  # [B + 1]
         s_host = lens + [0] * empty + [pad]  # [B]

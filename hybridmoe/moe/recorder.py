@@ -8,6 +8,8 @@ Legend: T tokens, K top-k, E experts per layer.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,13 +36,31 @@ class ExpertDistributionRecorder:
         self._start: dict[int, torch.Tensor] | None = None  # snapshot at start (None: from the beginning)
         self._stop: dict[int, torch.Tensor] | None = None  # snapshot at stop (None: still recording)
         self.recording = path is not None
+        # while a CUDA graph is captured: a device [1] int64 holding how many leading rows of each forward are
+        # real (the graph's padding rows, and the warm-up and capture forwards with it at 0, count nothing)
+        self.valid_rows: torch.Tensor | None = None
+
+    @contextmanager
+    def rows_counted(self, valid_rows: torch.Tensor) -> Iterator[None]:
+        """Forwards inside count only their first valid_rows[0] rows (a graph's static buffer, set per replay)."""
+        self.valid_rows = valid_rows
+        try:
+            yield
+        finally:
+            self.valid_rows = None
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:  # topk_ids [T, K]
         c = self.counts.get(layer)
         if c is None:
             c = self.counts[layer] = torch.zeros(self.num_experts, dtype=torch.int64, device=topk_ids.device)
         flat = topk_ids.reshape(-1).long()
-        c.index_add_(0, flat, torch.ones_like(flat))
+        if self.valid_rows is None:
+            ones = torch.ones_like(flat)
+        else:  # [T, K] -> [T * K]: 1 for the pairs of real rows
+            t, k = topk_ids.shape
+            real = torch.arange(t, device=flat.device) < self.valid_rows.to(flat.device)  # [T]
+            ones = real.long()[:, None].expand(t, k).reshape(-1)
+        c.index_add_(0, flat, ones)
 
     def _snapshot(self) -> dict[int, torch.Tensor]:
         return {k: v.clone() for k, v in self.counts.items()}
