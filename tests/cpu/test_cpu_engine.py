@@ -309,16 +309,21 @@ def test_settings_are_validated_and_reach_the_pool():
 
 
 def test_prefetch_default_follows_the_cpu_vendor(monkeypatch):
-    """0 on AMD, 2048 elsewhere (CPUEngineSettings.prefetch_bytes' measurements); explicit values win."""
+    """0 on AMD with AVX-512, 2048 elsewhere (CPUEngineSettings.prefetch_bytes' measurements); explicit
+    values win."""
     from hybridmoe.cpu import settings
 
-    for vendor, want in (("AuthenticAMD", 0), ("GenuineIntel", 2048), ("", 2048)):
+    avx512 = {"avx2", "avx512f", "avx512bw", "avx512_vnni"}
+    for vendor, flags, want in (("AuthenticAMD", avx512, 0), ("AuthenticAMD", {"avx2", "fma"}, 2048),
+                                ("GenuineIntel", avx512, 2048), ("", set(), 2048)):
         monkeypatch.setattr(settings, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(settings, "cpu_flags", lambda f=flags: f)
         assert settings.default_prefetch_bytes() == want
         assert CPUEngineSettings().prefetch_bytes == want
         assert CPUEngineSettings(prefetch_bytes=512).prefetch_bytes == 512
     monkeypatch.undo()
-    assert settings.cpu_vendor() in open("/proc/cpuinfo").read()
+    info = open("/proc/cpuinfo").read()
+    assert settings.cpu_vendor() in info and ("avx2" in settings.cpu_flags()) == (" avx2" in info)
 
 
 def test_threads_for_tests_variable(monkeypatch):
