@@ -94,8 +94,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest captured batch size")
     r.add_argument("--cuda-graph-max-prefill-tokens", "--piecewise-cuda-graph-max-tokens", type=int,
                    dest="cuda_graph_max_prefill_tokens", default=d.cuda_graph_max_prefill_tokens,
-                   help="batches with prompt tokens, up to this many new tokens in up to 8 sequences, replay a "
-                        "captured graph (every expert on the GPU, non-MLA attention, no LoRA); 0: prefill eagerly "
+                   help="batches with prompt tokens, up to this many new tokens in up to --cuda-graph-max-bs "
+                        "sequences, replay a captured graph (every expert on the GPU, non-MLA attention, no LoRA); "
+                        "0: prefill eagerly "
                         "(SGLang's --piecewise-cuda-graph-max-tokens is the same flag here)")
     r.add_argument("--disable-piecewise-cuda-graph", action="store_const", const=0,
                    dest="cuda_graph_max_prefill_tokens",

@@ -40,7 +40,7 @@ def test_padded_prompt_batches_match_eager(overlap: bool):
     """Every batch with prompt tokens that fits is run both ways: eager, and padded through the static buffers;
     logits agree to fp32 rounding, and the generated tokens (padded results fed back) equal an eager run's."""
     opts = dict(device="cpu", dtype="float32", progress=False, chunked_prefill_size=40, max_running_requests=10,
-                cuda_graph_max_prefill_tokens=48, enable_overlap_schedule=overlap)
+                cuda_graph_max_bs=8, cuda_graph_max_prefill_tokens=48, enable_overlap_schedule=overlap)
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     prompts = _prompts(random.Random(3))
     with LLM(**opts) as llm:

@@ -18,7 +18,7 @@ from hybridmoe.engine import prompt_logprobs
 from hybridmoe.engine.cuda_graph import DecodeGraphs
 from hybridmoe.engine.future import FutureTokens
 from hybridmoe.engine.hooks import MoEHooks, NoHooks
-from hybridmoe.engine.prefill_graph import DEFAULT_MAX_SEQS, PrefillGraphs
+from hybridmoe.engine.prefill_graph import PrefillGraphs
 from hybridmoe.engine.scheduler import ScheduledBatch
 from hybridmoe.layers.attention.base import AttentionMetadata, get_attention_backend, kv_cache_dtype
 from hybridmoe.layers.attention.layer import ForwardContext
@@ -163,9 +163,11 @@ class ModelRunner:
             return None
         max_tokens = self.args.cuda_graph_max_prefill_tokens  # a step's tokens: a prompt chunk and decode rows
         pool = self.graphs.pool if self.graphs is not None else None  # one memory pool with the decode graphs
-        return PrefillGraphs(self.model, self.device, max_tokens, min(DEFAULT_MAX_SEQS, self.args.max_running_requests),
-                             self.max_pages_per_seq, self.context_len, self._ctx, self.future, pool, capture,
-                             self.recorder)
+        # sequences: as many as a decode graph holds, so that a prompt chunk joining that many decoding requests
+        # replays too (empty slots cost the attention kernel a few programs that exit at once)
+        max_seqs = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
+        return PrefillGraphs(self.model, self.device, max_tokens, max_seqs, self.max_pages_per_seq, self.context_len,
+                             self._ctx, self.future, pool, capture, self.recorder)
 
     @property
     def recorder(self):

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SEQS = 8  # real sequences a captured batch holds (each empty slot costs the attention a few programs)
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
@@ -149,7 +148,7 @@ class PrefillGraphs:
         ids: list[int] = []
         qsl, lens, rows = [0], [], []
         table = h32[2 * b + 1:].reshape(b, p)
-        table[:] = 0
+        table[:len(live)] = 0  # rows past the live ones are never read (length 0; the padding row stays 0)
         at = 0
         for i, (r, n, smp) in enumerate(live):
             start = r.num_computed
@@ -177,7 +176,8 @@ class PrefillGraphs:
         h32[:b + 1] = q_host
         h32[b + 1:2 * b + 1] = s_host
         self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
+        n32 = 2 * b + 1 + len(live) * p  # qsl, seq lens, the live block table rows
+        self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         if ids and min(ids) < 0:  # placeholders of tokens sampled by a step still on the device
