@@ -40,11 +40,12 @@ if want gpu-tests; then
   # GPU_TESTS_WORKERS=N: N pytest-xdist workers, a module per worker (the suite's time is mostly Triton compiling
   # on the CPU, 16 cores there). Default 1 (serial): an engine built without --max-total-tokens sizes its KV cache
   # from the GPU's free memory (85%), so a worker's engine can leave another's none; use N > 1 on test paths
-  # whose engines all set max_total_tokens
+  # whose engines all set max_total_tokens. The serial suite took more than 330 s on the H100 host (session 25: cut
+  # at 92%); the default 420 s leaves a call of 600 s room for the build
   workers="${GPU_TESTS_WORKERS:-1}"
   xdist=""
   if [ "$workers" -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then xdist="-n $workers --dist loadfile"; fi
-  timeout "${GPU_TESTS_TIMEOUT:-300}" $PY -m pytest -v -p no:cacheprovider -m gpu ${GPU_TESTS_PATHS:-tests} -rf \
+  timeout "${GPU_TESTS_TIMEOUT:-420}" $PY -m pytest -v -p no:cacheprovider -m gpu ${GPU_TESTS_PATHS:-tests} -rf \
     --continue-on-collection-errors $xdist 2>&1 \
     | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed|^E " | tail -25
 fi
