@@ -138,6 +138,9 @@ def main() -> None:
     p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
                    help="overlap scheduling (the next step launched before this one's tokens are read); auto: the "
                         "engine's default (on with CUDA)")
+    p.add_argument("--routing", default="model", choices=["model", "spread"],
+                   help="spread: router logits shifted so that tokens reach experts nearly uniformly "
+                        "(benchmarks/spread_routing.py; random weights route to a few experts otherwise)")
     p.add_argument("--out", default=None)
     a = parse_shape_args(p)
 
@@ -156,7 +159,11 @@ def main() -> None:
                       enable_overlap_schedule=a.overlap == "on", disable_overlap_schedule=a.overlap == "off",
                       disable_cuda_graph=(mode == "off"), cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
                       max_total_tokens=max_bs * (a.prompt_len + a.steps + 64), context_length=4096)
-            print(f"graphs {mode}: model ready in {time.perf_counter() - t:.1f} s")
+            if a.routing == "spread":
+                import spread_routing
+
+                spread_routing.install(llm)
+            print(f"graphs {mode}: model ready in {time.perf_counter() - t:.1f} s (routing {a.routing})")
             bpt = bytes_per_token(llm.engine.runner.model, a.topk)
             bound = bw / bpt
             for b in a.batch:

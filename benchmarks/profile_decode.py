@@ -51,6 +51,8 @@ def main() -> None:
                         "large expert grouping on the torch and the grid path (HYBRIDMOE_ALIGN_LARGE), check all "
                         "variants give the same first token, then profile the default")
     p.add_argument("--out", default=None, help="with --align-ab / --prefill-graph-ab: write the walls as JSON here")
+    p.add_argument("--routing", default="model", choices=["model", "spread"],
+                   help="spread: tokens reach experts nearly uniformly (benchmarks/spread_routing.py)")
     p.add_argument("--prefill-graph-ab", action="store_true",
                    help="with --prefill: the same with the prefill CUDA graphs off and on")
     a = parse_shape_args(p)
@@ -68,6 +70,10 @@ def main() -> None:
         llm = LLM(d, device="cuda", dtype="bfloat16", load_format="dummy", progress=False, skip_tokenizer_init=True,
                   disable_cuda_graph=a.no_graphs, cuda_graph_max_bs=max(a.batch, 1), max_running_requests=a.batch,
                   max_total_tokens=a.batch * 512, context_length=4096, **opts)
+        if a.routing == "spread":
+            import spread_routing
+
+            spread_routing.install(llm)
         eng = llm.engine
         g = torch.Generator().manual_seed(0)
         if a.prefill:

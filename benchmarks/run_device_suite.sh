@@ -9,7 +9,8 @@
 # (the CPU-only path's decode attention: the AVX2 and AVX-512 span kernels interleaved, 1K-32K positions, KV out
 # of cache, all cores and one; then the dense GEMVs at software prefetch distances 0-8192 B), align (the fused MoE's
 # expert grouping methods, benchmarks/bench_align.py), ttft (a 128-token prompt to its first token, all-GPU: eager
-# with each align method, prefill graphs off and on, interleaved; profile_decode.py --prefill). `sweep` tunes the MoE decode tiles and writes the table the engine reads
+# with each align method, prefill graphs off and on, interleaved; profile_decode.py --prefill; with the model's
+# routing and with spread routing). `sweep` tunes the MoE decode tiles and writes the table the engine reads
 # (moe_sweep.json in OUT holds it), so `decode` after it runs with the tuned tiles. At most 8 files
 # come back from OUT: logs that the output tail shows anyway stay in /tmp. Server tests and bench_serving need fastapi/uvicorn/pydantic wheels carried in .whl (benchmarks/fetch_device_wheels.sh; see
 # the device README); they run only when `python -c "import fastapi"` works.
@@ -66,7 +67,8 @@ if want sweep; then
 fi
 if want decode; then
   log bench-decode
-  timeout "${DECODE_TIMEOUT:-300}" $PY benchmarks/bench_decode.py --steps 48 --out "$out/decode.json" 2>&1 \
+  # DECODE_ARGS="--routing spread": tokens reach every expert (random weights route to a few; spread_routing.py)
+  timeout "${DECODE_TIMEOUT:-300}" $PY benchmarks/bench_decode.py --steps 48 ${DECODE_ARGS:-} --out "$out/decode.json" 2>&1 \
     | grep -v Warning | tee "$out/bench_decode.log"
 fi
 has_fastapi=0
@@ -84,10 +86,14 @@ if want serving; then
   fi
 fi
 if want ttft; then
-  log prefill-ttft
-  timeout "${TTFT_TIMEOUT:-240}" $PY benchmarks/profile_decode.py --prefill "${TTFT_TOKENS:-128}" --align-ab \
-    --prefill-graph-ab --top 12 --out "$out/ttft.json" 2>&1 | grep -v Warning | tee /tmp/hm_ttft.log \
-    | grep -E "prefill|first tokens|per step"
+  # with the model's routing, then with tokens spread over every expert (what a trained router does; random
+  # weights route a prompt to a few experts past layer 0: benchmarks/spread_routing.py)
+  for routing in ${TTFT_ROUTINGS:-model spread}; do
+    log "prefill-ttft (routing $routing)"
+    timeout "${TTFT_TIMEOUT:-240}" $PY benchmarks/profile_decode.py --prefill "${TTFT_TOKENS:-128}" --align-ab \
+      --prefill-graph-ab --routing "$routing" --top 12 --out "$out/ttft_$routing.json" 2>&1 | grep -v Warning \
+      | tee "/tmp/hm_ttft_$routing.log" | grep -E "prefill|first tokens|per step"
+  done
 fi
 if want hybrid; then
   log bench-hybrid-decode

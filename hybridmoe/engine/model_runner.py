@@ -189,11 +189,18 @@ class ModelRunner:
         return graphs
 
     def capture_graphs(self) -> None:
-        """(Re)capture the decode CUDA graphs (after a runtime setting changed: benchmarks)."""
-        self.graphs = None
+        """(Re)capture the decode CUDA graphs, and the prefill ones where they were in use (after a runtime
+        setting changed: benchmarks)."""
+        had_prefill = self.prefill_graphs is not None
+        self.graphs = self.prefill_graphs = None
         graphs = self.new_graphs(min(self.args.cuda_graph_max_bs, self.args.max_running_requests))
         graphs.capture()
         self.graphs = graphs
+        if had_prefill:
+            prefill = self.new_prefill_graphs()
+            if prefill is not None:
+                prefill.capture()
+            self.prefill_graphs = prefill
 
     def _alloc_kv_cache(self) -> None:
         m = self.model_cfg
