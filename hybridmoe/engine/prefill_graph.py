@@ -114,7 +114,7 @@ class PrefillGraphs:
         """Capture a graph per size, largest first (the pool grows once)."""
         if not self.use_graphs:
             return
-        self.qsl.copy_(torch.tensor([0] + [0] * (self.slots - 1) + [0], dtype=torch.int32))
+        self.qsl.zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
