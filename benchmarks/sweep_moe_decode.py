@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 from hybridmoe.moe import triton_moe_kernels as K
 
@@ -92,27 +91,16 @@ def main() -> None:
         out_pairs = torch.empty(P, H, device=dev, dtype=dt)
 
         def run_gu(c: dict) -> None:
+            cfg = dataclasses.replace(base, **c)
             for L in range(a.layers):
                 sp, be = aligned[L]
-                nmb = be.shape[0]
-                K._gate_up_kernel[(nmb * triton.cdiv(I, c["gu_block_n"]),)](
-                    xs[L], gate_up[L], inter, sp, be, P, E, nmb, H, I, topk,
-                    xs[L].stride(0), xs[L].stride(1), gate_up[L].stride(0), gate_up[L].stride(1),
-                    gate_up[L].stride(2), inter.stride(0), inter.stride(1),
-                    BLOCK_M=bm, BLOCK_N=c["gu_block_n"], BLOCK_K=c["gu_block_k"], GROUP_M=base.group_m,
-                    IEEE=False, num_warps=c["gu_warps"], num_stages=c["gu_stages"])
+                K.launch_gate_up(xs[L], gate_up[L], inter, sp, be, ws[L].reshape(-1), topk, cfg)
 
         def run_dn(c: dict) -> None:
+            cfg = dataclasses.replace(base, **c)
             for L in range(a.layers):
                 sp, be = aligned[L]
-                nmb = be.shape[0]
-                wf = ws[L].reshape(-1)
-                K._down_kernel[(nmb * triton.cdiv(H, c["dn_block_n"]),)](
-                    inter, down[L], out_pairs, wf, sp, be, P, E, nmb, H, I,
-                    inter.stride(0), inter.stride(1), down[L].stride(0), down[L].stride(1), down[L].stride(2),
-                    out_pairs.stride(0), out_pairs.stride(1),
-                    BLOCK_M=bm, BLOCK_N=c["dn_block_n"], BLOCK_K=c["dn_block_k"], GROUP_M=base.group_m,
-                    IEEE=False, num_warps=c["dn_warps"], num_stages=c["dn_stages"])
+                K.launch_down(inter, down[L], out_pairs, ws[L].reshape(-1), sp, be, cfg)
 
         def best(space, run):
             res = []

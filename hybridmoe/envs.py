@@ -16,6 +16,7 @@ working on hybridmoe itself:
 | `HYBRIDMOE_LORA_FUSED` | 1 | `0`: LoRA linears keep the unfused form, GEMM + shrink + expand (hybridmoe/lora/linear.py; A/B runs) |
 | `HYBRIDMOE_AMX_EMULATE` | 0 | `1` (read by the native library at load): where the CPU lacks AMX but has AVX-512, the `amx` path runs the AMX kernels on a software model of the tiles (csrc/amx_tiles.h; tests, never the default path) |
 | `HYBRIDMOE_ALIGN_LARGE` | `grid` | the fused MoE's expert grouping above 256 pairs under `auto`: `torch` (sort-based) or `grid` (three Triton kernels) (hybridmoe/moe/triton_moe_kernels.py; A/B runs) |
+| `HYBRIDMOE_MOE_DIRECT` | 1 | `0`: a one-token forward of the fused MoE groups its pairs by expert (align) as larger ones do, not one pair a block without grouping (hybridmoe/moe/triton_moe_kernels.py; A/B runs) |
 | `HYBRIDMOE_AMX_INLINE` | 0 | `1`: synchronous CPU MoE tasks of AMX layers run on the calling thread too (CPUThreadPool.inline_amx; tests/cpu/test_amx_caller_thread.py) |
 
 Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
@@ -38,6 +39,7 @@ AMX_INLINE = "HYBRIDMOE_AMX_INLINE"
 AMX_EMULATE = "HYBRIDMOE_AMX_EMULATE"
 LORA_FUSED = "HYBRIDMOE_LORA_FUSED"
 ALIGN_LARGE = "HYBRIDMOE_ALIGN_LARGE"
+MOE_DIRECT = "HYBRIDMOE_MOE_DIRECT"
 
 
 def _get(name: str) -> str | None:
@@ -106,6 +108,16 @@ def align_large(default: str) -> str:
     if v not in ("torch", "grid"):
         raise ValueError(f"{ALIGN_LARGE}={v!r}: expected torch or grid")
     return v
+
+
+def moe_direct() -> bool:
+    """$HYBRIDMOE_MOE_DIRECT: whether one-token fused MoE forwards skip the expert grouping (default 1)."""
+    v = _get(MOE_DIRECT)
+    if v is None:
+        return True
+    if v not in ("0", "1"):
+        raise ValueError(f"{MOE_DIRECT}={v!r}: expected 0 or 1")
+    return v == "1"
 
 
 def amx_inline() -> bool:

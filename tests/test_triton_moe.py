@@ -75,6 +75,14 @@ CASES = {
     "t300_e64_k4": (300, 64, 4, 40, 24, "float32", "random", ""),
     "t33_e8_k4_fp16_dup": (33, 8, 4, 72, 40, "float16", "dup", ""),  # bf16 tl.dot is broken in the interpreter
     "t5_e8_k4_fp16_backend": (5, 8, 4, 72, 40, "float16", "random", "backend"),
+    # one token: one pair a block without the align kernel (DIRECT); zero_w: the hybrid form (pairs the CPU computes
+    # sent to expert 0 with weight 0: skipped, their rows zeros even where the buffers held garbage); aligned: the
+    # grouped path at T=1 (HYBRIDMOE_MOE_DIRECT=0) still matches
+    "t1_e16_k6_zero_w": (1, 16, 6, 72, 40, "float32", "random", "zero_w"),
+    "t1_e8_k8_all_zero_w": (1, 8, 8, 40, 24, "float32", "random", "all_zero_w"),
+    "t1_e8_k4_one": (1, 8, 4, 72, 40, "float32", "one", ""),
+    "t1_e8_k4_aligned": (1, 8, 4, 72, 40, "float32", "random", "aligned"),
+    "t1_e8_k4_fp16_zero_w": (1, 8, 4, 72, 40, "float16", "random", "zero_w"),
 }
 
 
@@ -91,6 +99,9 @@ def _run_case(name: str) -> dict:
         ids = ids.to(torch.int32)
     if extra == "strided_x":
         x = torch.cat([x, torch.randn_like(x)], dim=1)[:, :H]  # non-contiguous rows
+    if extra in ("zero_w", "all_zero_w"):
+        drop = torch.arange(K) % 2 == 0 if extra == "zero_w" else torch.ones(K, dtype=torch.bool)
+        ids[:, drop], w[:, drop] = 0, 0.0
     cfg = None
     if extra == "decode_cfg":
         cfg = MoEKernelConfig(block_m=16, gu_block_n=16, gu_block_k=32, dn_block_n=32, dn_block_k=16)
@@ -99,6 +110,12 @@ def _run_case(name: str) -> dict:
         from hybridmoe.moe.experts import create_experts
 
         out = create_experts("triton", ExpertWeights(gu, dn), 0).forward(x, ids, w)
+    elif extra == "aligned":
+        os.environ["HYBRIDMOE_MOE_DIRECT"] = "0"
+        try:
+            out = fused_moe(x, gu, dn, ids, w, cfg)
+        finally:
+            del os.environ["HYBRIDMOE_MOE_DIRECT"]
     else:
         out = fused_moe(x, gu, dn, ids, w, cfg)
     ref = reference_moe(x, gu, dn, ids, w)

@@ -53,6 +53,12 @@ class ExpertDistributionRecorder:
         c = self.counts.get(layer)
         if c is None:
             c = self.counts[layer] = torch.zeros(self.num_experts, dtype=torch.int64, device=topk_ids.device)
+        if topk_ids.is_cuda:  # one Triton launch, not ~6 torch ones (recorder_kernel.py)
+            from hybridmoe.moe.recorder_kernel import count_experts
+
+            vr = self.valid_rows.to(topk_ids.device) if self.valid_rows is not None else None
+            count_experts(c, topk_ids, vr)
+            return
         flat = topk_ids.reshape(-1).long()
         if self.valid_rows is None:
             ones = torch.ones_like(flat)

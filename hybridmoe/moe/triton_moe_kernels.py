@@ -342,24 +342,31 @@ def _dequant_tile(w, s_ptrs, k_off, mask_n):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
+    x_ptr, w_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr,
     num_pairs, num_experts, num_m_blocks, H, I_SIZE, top_k,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ip, stride_ii,
     s_ptr, stride_se, stride_sn, stride_sk, up_scale_row, delta_ptr, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     IEEE: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, DELTA: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """inter[pair, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one [BM pairs, BN] tile.
     FP8: the weights are e4m3 codes with (SBN x SBK) block scales at s_ptr (gate's rows, then up's
-    from row up_scale_row), dequantized tile by tile (see `_dequant_tile`)."""
+    from row up_scale_row), dequantized tile by tile (see `_dequant_tile`).
+    DIRECT (no align, see `fused_moe`): block m holds pair m alone, its expert read from the flat ids at
+    block_expert_ptr; a pair of routing weight 0 is skipped (its down tile writes zeros)."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(I_SIZE, BLOCK_N)
     pid_m, pid_n = _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
-    if e >= num_experts:  # padding block past the last used expert group
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + offs_m)  # [BM]
+    if DIRECT:
+        if tl.load(weights_ptr + pid_m) == 0:  # nothing to add (hybrid: a pair the CPU computes)
+            return
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)  # [BM]: the block's one pair, sentinels
+    else:
+        if e >= num_experts:  # padding block past the last used expert group
+            return
+        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     valid_m = pairs < num_pairs
     tokens = (pairs // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -411,22 +418,28 @@ def _down_kernel(
     stride_ip, stride_ii, stride_we, stride_wn, stride_wk, stride_op, stride_oh,
     s_ptr, stride_se, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    IEEE: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    """out_pairs[pair, n] = w[pair] * (inter[pair] . down_e[n]) for one [BM pairs, BN] tile (FP8: as
-    in the gate/up kernel)."""
+    """out_pairs[pair, n] = w[pair] * (inter[pair] . down_e[n]) for one [BM pairs, BN] tile (FP8 and
+    DIRECT: as in the gate/up kernel)."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
-    if e >= num_experts:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + offs_m)  # [BM]
-    valid_m = pairs < num_pairs
-    rows = pairs.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
+    if DIRECT:
+        if tl.load(weights_ptr + pid_m) == 0:  # skipped by the gate/up kernel: the pair adds zeros
+            tl.store(out_ptr + pid_m.to(tl.int64) * stride_op + offs_n * stride_oh,
+                     tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=mask_n)
+            return
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)  # [BM]
+    else:
+        if e >= num_experts:
+            return
+        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    valid_m = pairs < num_pairs
+    rows = pairs.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = inter_ptr + rows[:, None] * stride_ip + offs_k[None, :] * stride_ii  # [BM, BK]
@@ -511,49 +524,28 @@ def fused_moe(
         return torch.empty((0, hidden), dtype=x.dtype, device=x.device)
     cfg = config or choose_config(num_tokens, num_experts, top_k, hidden, inter_size)
     num_pairs = num_tokens * top_k
-    sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, cfg.block_m)
-    num_m_blocks = block_expert.shape[0]
     weights = topk_weights.reshape(-1).contiguous()  # [P]
-    ieee = x.dtype == torch.float32
-    act_dtype = x.dtype
+    # One token: its K pairs have distinct experts (top-k), so grouping them by expert would give each its own
+    # block anyway; DIRECT launches that layout without the align kernel (one launch of ~5 us a layer in a
+    # batch-1 decode graph) and skips the pairs of weight 0 (hybrid: those the CPU computes, which grouping
+    # would send to expert 0 and read its weights for)
+    direct = num_tokens == 1 and envs.moe_direct()
+    if direct:
+        sorted_pairs, block_expert = weights, topk_ids.reshape(-1)  # [P] each; sorted_pairs unread
+    else:
+        sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, cfg.block_m)
     fp8 = gate_up_scale is not None
-    sbn, sbk = block if fp8 else (1, 1)
-    gu_bk, dn_bk = cfg.gu_block_k, cfg.dn_block_k
     if fp8:
         assert down_scale is not None and fp8_block_ok(block), f"fp8 experts: block {block}"
-        nbi = triton.cdiv(inter_size, sbn)
-        assert gate_up_scale.shape == (num_experts, 2 * nbi, triton.cdiv(hidden, sbk)), gate_up_scale.shape
-        assert down_scale.shape == (num_experts, triton.cdiv(hidden, sbn), triton.cdiv(inter_size, sbk))
-        gu_bk, dn_bk = min(gu_bk, sbk), min(dn_bk, sbk)  # a K tile within one scale block
-        gs, ds = gate_up_scale, down_scale
-    else:
-        nbi, gs, ds = 0, gate_up, down  # unused pointers (FP8=False)
-
-    delta = lora.gate_up(weights) if lora is not None else inter_dummy(x)  # [P, 2I] float32
-    inter = torch.empty((num_pairs, inter_size), dtype=act_dtype, device=x.device)  # [P, I]
-    grid1 = (num_m_blocks * triton.cdiv(inter_size, cfg.gu_block_n),)
-    _gate_up_kernel[grid1](
-        x, gate_up, inter, sorted_pairs, block_expert,
-        num_pairs, num_experts, num_m_blocks, hidden, inter_size, top_k,
-        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        inter.stride(0), inter.stride(1),
-        gs, gs.stride(0), gs.stride(1), gs.stride(2), nbi, delta, delta.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=gu_bk, GROUP_M=cfg.group_m,
-        IEEE=ieee, FP8=fp8, SBN=sbn, SBK=sbk, DELTA=lora is not None, num_warps=cfg.gu_warps,
-        num_stages=cfg.gu_stages,
-    )
-
-    out_pairs = torch.empty((num_pairs, hidden), dtype=act_dtype, device=x.device)  # [P, H]
-    grid2 = (num_m_blocks * triton.cdiv(hidden, cfg.dn_block_n),)
-    _down_kernel[grid2](
-        inter, down, out_pairs, weights, sorted_pairs, block_expert,
-        num_pairs, num_experts, num_m_blocks, hidden, inter_size,
-        inter.stride(0), inter.stride(1), down.stride(0), down.stride(1), down.stride(2),
-        out_pairs.stride(0), out_pairs.stride(1),
-        ds, ds.stride(0), ds.stride(1), ds.stride(2),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=dn_bk, GROUP_M=cfg.group_m,
-        IEEE=ieee, FP8=fp8, SBN=sbn, SBK=sbk, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
-    )
+        assert gate_up_scale.shape == (num_experts, 2 * triton.cdiv(inter_size, block[0]),
+                                       triton.cdiv(hidden, block[1])), gate_up_scale.shape
+        assert down_scale.shape == (num_experts, triton.cdiv(hidden, block[0]), triton.cdiv(inter_size, block[1]))
+    inter = torch.empty((num_pairs, inter_size), dtype=x.dtype, device=x.device)  # [P, I]
+    launch_gate_up(x, gate_up, inter, sorted_pairs, block_expert, weights, top_k, cfg, direct=direct,
+                   scale=gate_up_scale, block=block, delta=lora.gate_up(weights) if lora is not None else None)
+    out_pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # [P, H]
+    launch_down(inter, down, out_pairs, weights, sorted_pairs, block_expert, cfg, direct=direct,
+                scale=down_scale, block=block)
     if lora is not None:  # y_e += s B_d A_d h, weighted like the expert's output (in place)
         lora.add_down(out_pairs, inter, weights)
     if top_k == 1:
@@ -561,6 +553,70 @@ def fused_moe(
     return sum_pairs(out_pairs, num_tokens, top_k)
 
 
-def inter_dummy(x: torch.Tensor) -> torch.Tensor:
-    """A one-element stand-in for the delta pointer when DELTA is off (never read)."""
-    return x.new_zeros((1, 1))
+def launch_gate_up(
+    x: torch.Tensor,  # [T, H]
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    inter: torch.Tensor,  # [P, I] out
+    sorted_pairs: torch.Tensor,  # [S] (align_pairs; unread when direct)
+    block_expert: torch.Tensor,  # [B] (align_pairs), or direct: the flat ids [P]
+    weights: torch.Tensor,  # [P] routing weights (read when direct)
+    top_k: int,
+    cfg: MoEKernelConfig,
+    direct: bool = False,
+    scale: torch.Tensor | None = None,  # fp8: [E, 2*ceil(I/bn), ceil(H/bk)]
+    block: tuple[int, int] | None = None,  # fp8: (bn, bk)
+    delta: torch.Tensor | None = None,  # LoRA: [P, 2I] float32 added before the activation
+) -> None:
+    """`_gate_up_kernel` over every (block, N tile): the grid and the arguments (sweep_moe_decode.py times it)."""
+    num_experts, hidden, inter_size = gate_up.shape[0], gate_up.shape[2], inter.shape[1]
+    num_pairs = inter.shape[0]
+    fp8 = scale is not None
+    sbn, sbk = block if fp8 else (1, 1)
+    bk = min(cfg.gu_block_k, sbk) if fp8 else cfg.gu_block_k  # fp8: a K tile within one scale block
+    s = scale if fp8 else gate_up  # an unread pointer when not fp8
+    d = delta if delta is not None else weights  # an unread pointer when no LoRA
+    num_m_blocks = block_expert.shape[0]
+    grid = (num_m_blocks * triton.cdiv(inter_size, cfg.gu_block_n),)
+    _gate_up_kernel[grid](
+        x, gate_up, inter, sorted_pairs, block_expert, weights,
+        num_pairs, num_experts, num_m_blocks, hidden, inter_size, top_k,
+        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        inter.stride(0), inter.stride(1),
+        s, s.stride(0), s.stride(1), s.stride(2), triton.cdiv(inter_size, sbn) if fp8 else 0,
+        d, d.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        IEEE=x.dtype == torch.float32, FP8=fp8, SBN=sbn, SBK=sbk, DELTA=delta is not None, DIRECT=direct,
+        num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
+    )
+
+
+def launch_down(
+    inter: torch.Tensor,  # [P, I]
+    down: torch.Tensor,  # [E, H, I]
+    out_pairs: torch.Tensor,  # [P, H] out
+    weights: torch.Tensor,  # [P] routing weights
+    sorted_pairs: torch.Tensor,  # [S] (unread when direct)
+    block_expert: torch.Tensor,  # [B], or direct: the flat ids [P]
+    cfg: MoEKernelConfig,
+    direct: bool = False,
+    scale: torch.Tensor | None = None,  # fp8: [E, ceil(H/bn), ceil(I/bk)]
+    block: tuple[int, int] | None = None,
+) -> None:
+    """`_down_kernel` over every (block, N tile)."""
+    num_experts, hidden, inter_size = down.shape
+    fp8 = scale is not None
+    sbn, sbk = block if fp8 else (1, 1)
+    bk = min(cfg.dn_block_k, sbk) if fp8 else cfg.dn_block_k
+    s = scale if fp8 else down
+    num_m_blocks = block_expert.shape[0]
+    grid = (num_m_blocks * triton.cdiv(hidden, cfg.dn_block_n),)
+    _down_kernel[grid](
+        inter, down, out_pairs, weights, sorted_pairs, block_expert,
+        inter.shape[0], num_experts, num_m_blocks, hidden, inter_size,
+        inter.stride(0), inter.stride(1), down.stride(0), down.stride(1), down.stride(2),
+        out_pairs.stride(0), out_pairs.stride(1),
+        s, s.stride(0), s.stride(1), s.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        IEEE=inter.dtype == torch.float32, FP8=fp8, SBN=sbn, SBK=sbk, DIRECT=direct, num_warps=cfg.dn_warps,
+        num_stages=cfg.dn_stages,
+    )
