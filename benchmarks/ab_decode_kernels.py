@@ -1,6 +1,6 @@
 """All-GPU decode with the decode-path kernel choices switched in one process, interleaved: the fused MoE's
-one-token form without the expert grouping (HYBRIDMOE_MOE_DIRECT; VARIANTS is the place for the next such
-switch). One model (random weights, Qwen3-30B-A3B shape by default); per round and variant the
+one-token form without the expert grouping (HYBRIDMOE_MOE_DIRECT) and the one-launch router GEMV + top-k
+(HYBRIDMOE_ROUTER_FUSED); VARIANTS is the place for the next such switch. One model (random weights, Qwen3-30B-A3B shape by default); per round and variant the
 decode CUDA graphs are recaptured with the variables set, then batch 1 and 4 decode (tok/s). Prints the median of
 the rounds per variant and batch, the batch-1 ratio to the weight-read bound (the copy rate of the same run), and
 whether each variant's greedy tokens equal the first variant's (bf16 rounding differs between kernels, so a
@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import add_shape_args, bytes_per_token, copy_bandwidth, parse_shape_args, start_decode, write_config  # noqa: E402
 
 VARIANTS = {  # name -> environment
-    "base": {"HYBRIDMOE_MOE_DIRECT": "0"},
-    "direct": {"HYBRIDMOE_MOE_DIRECT": "1"},
+    "base": {"HYBRIDMOE_MOE_DIRECT": "0", "HYBRIDMOE_ROUTER_FUSED": "0"},
+    "direct": {"HYBRIDMOE_MOE_DIRECT": "1", "HYBRIDMOE_ROUTER_FUSED": "0"},
+    "direct+router": {"HYBRIDMOE_MOE_DIRECT": "1", "HYBRIDMOE_ROUTER_FUSED": "1"},
 }
 
 

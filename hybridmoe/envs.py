@@ -17,6 +17,7 @@ working on hybridmoe itself:
 | `HYBRIDMOE_AMX_EMULATE` | 0 | `1` (read by the native library at load): where the CPU lacks AMX but has AVX-512, the `amx` path runs the AMX kernels on a software model of the tiles (csrc/amx_tiles.h; tests, never the default path) |
 | `HYBRIDMOE_ALIGN_LARGE` | `grid` | the fused MoE's expert grouping above 256 pairs under `auto`: `torch` (sort-based) or `grid` (three Triton kernels) (hybridmoe/moe/triton_moe_kernels.py; A/B runs) |
 | `HYBRIDMOE_MOE_DIRECT` | 1 | `0`: a one-token forward of the fused MoE groups its pairs by expert (align) as larger ones do, not one pair a block without grouping (hybridmoe/moe/triton_moe_kernels.py; A/B runs) |
+| `HYBRIDMOE_ROUTER_FUSED` | 1 | `0`: a one-token MoE router on CUDA runs as two launches (GEMV, then top-k), not the fused kernel of hybridmoe/moe/router_triton.py (A/B runs) |
 | `HYBRIDMOE_AMX_INLINE` | 0 | `1`: synchronous CPU MoE tasks of AMX layers run on the calling thread too (CPUThreadPool.inline_amx; tests/cpu/test_amx_caller_thread.py) |
 
 Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
@@ -40,6 +41,7 @@ AMX_EMULATE = "HYBRIDMOE_AMX_EMULATE"
 LORA_FUSED = "HYBRIDMOE_LORA_FUSED"
 ALIGN_LARGE = "HYBRIDMOE_ALIGN_LARGE"
 MOE_DIRECT = "HYBRIDMOE_MOE_DIRECT"
+ROUTER_FUSED = "HYBRIDMOE_ROUTER_FUSED"
 
 
 def _get(name: str) -> str | None:
@@ -128,3 +130,13 @@ def amx_inline() -> bool:
 def lora_fused() -> bool:
     """$HYBRIDMOE_LORA_FUSED: False when "0" (LoRA linears never take the fused form)."""
     return _get(LORA_FUSED) != "0"
+
+
+def router_fused() -> bool:
+    """$HYBRIDMOE_ROUTER_FUSED: whether one-token MoE routers on CUDA take the fused kernel (default 1)."""
+    v = _get(ROUTER_FUSED)
+    if v is None:
+        return True
+    if v not in ("0", "1"):
+        raise ValueError(f"{ROUTER_FUSED}={v!r}: expected 0 or 1")
+    return v == "1"

@@ -187,12 +187,12 @@ if HAVE_TRITON:
             tl.store(vc_ptr + c_off + half + offs, v2.to(vc_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, K: tl.constexpr, RENORM: tl.constexpr,
-                             BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < n_experts
-        lg = tl.load(logits_ptr + row * n_experts + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    def softmax_topk_store(lg, offs, mask, w_ptr, ids_ptr, K: tl.constexpr, RENORM: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """Softmax of one row of logits lg [BLOCK] (fp32; lanes past `mask` ignored), its K largest
+        probabilities (renormalized to sum 1 when RENORM) to w_ptr[0:K] and their expert ids to ids_ptr[0:K]
+        (also the last step of moe/router_triton.py's fused router)."""
+        lg = tl.where(mask, lg, float("-inf"))
         m = tl.max(lg, axis=0)
         e = tl.where(mask, tl.exp(lg - m), 0.0)
         p = e / tl.sum(e, axis=0)
@@ -214,9 +214,18 @@ if HAVE_TRITON:
         for j in tl.static_range(K):
             best = tl.max(p, axis=0)
             idx = tl.min(tl.where(p == best, offs, BLOCK), axis=0)  # first index of the max
-            tl.store(w_ptr + row * K + j, tl.where(corrupt, float("nan"), best / total))
-            tl.store(ids_ptr + row * K + j, idx.to(tl.int32))
+            tl.store(w_ptr + j, tl.where(corrupt, float("nan"), best / total))
+            tl.store(ids_ptr + j, idx.to(tl.int32))
             p = tl.where(offs == idx, -1.0, p)
+
+    @triton.jit
+    def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, K: tl.constexpr, RENORM: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_experts
+        lg = tl.load(logits_ptr + row * n_experts + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        softmax_topk_store(lg, offs, mask, w_ptr + row * K, ids_ptr + row * K, K, RENORM, BLOCK)
 
 
 # ---------------------------------------------------------------- dispatchers

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe import envs
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.moe.experts import MoEExperts
 from hybridmoe.moe.routing import RoutingConfig, route
@@ -71,6 +72,7 @@ class SparseMoEBlock(nn.Module):
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.has_shared = shared_intermediate > 0
         self.experts: MoEExperts | None = None  # set by the loader once the weights are read
+        self._ticket: torch.Tensor | None = None  # the fused router's counter (router_triton.new_ticket)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]: the shared experts' term
         out = getattr(self, self.shared_name)(x)
@@ -79,14 +81,34 @@ class SparseMoEBlock(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
-        return self.forward_logits(x, getattr(self, self.gate_name)(x))
+        gate = getattr(self, self.gate_name)
+        if self._fused_router(x, gate):  # one token on CUDA: the router GEMV and top-k in one launch
+            from hybridmoe.moe.router_triton import new_ticket, router_topk
+
+            if self._ticket is None or self._ticket.device != x.device:
+                self._ticket = new_ticket(x.device)
+            weights, ids, _ = router_topk(x, gate.weight, self.routing.top_k, self.routing.renormalize, self._ticket)
+            return self.forward_routed(x, ids, weights)
+        return self.forward_logits(x, gate(x))
+
+    def _fused_router(self, x: torch.Tensor, gate: nn.Module) -> bool:
+        """Whether this forward takes moe/router_triton.py (shapes, types and flags only: no sync). A router
+        that is not a plain bias-free nn.Linear (LoRA-wrapped, fp32, on the CPU) keeps the two steps."""
+        return (x.shape[0] == 1 and x.is_cuda and type(gate) is nn.Linear and gate.bias is None
+                and self.routing.is_plain_softmax and not self.score_bias and x.dtype in (torch.bfloat16, torch.float16)
+                and gate.weight.dtype == x.dtype and gate.weight.is_contiguous() and self.num_experts <= 4096
+                and envs.router_fused())
 
     def forward_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
         """The block after its router GEMV (a caller that computed the logits itself: cpu/layer_decode.py)."""
-        assert self.experts is not None, "expert weights were not loaded"
         gate = getattr(self, self.gate_name)
         bias = gate.e_score_correction_bias if self.score_bias else None
         weights, ids = route(logits, self.routing, bias)  # [T, K]
+        return self.forward_routed(x, ids, weights)
+
+    def forward_routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The block after its routing: ids [T, K] int32, weights [T, K] float32 -> [T, H]."""
+        assert self.experts is not None, "expert weights were not loaded"
         if self.has_shared:  # a backend waiting on the CPU runs the shared experts in that window
             return self.experts.forward_with(x, ids, weights, lambda: self.shared(x))
         return self.experts.forward(x, ids, weights)

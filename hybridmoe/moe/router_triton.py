@@ -1,0 +1,78 @@
+"""A one-token MoE router in one launch: the router GEMV and the softmax top-k (routing.route's plain form).
+
+At batch 1 a Qwen3-30B-A3B layer's router was two launches on the H100 host (profile_decode.py, session 26):
+cuBLAS's GEMV 2048 -> 128 (0.5 MB) in 5.0 us, then the top-k kernel in 3.4 us, every MoE layer of every decode
+step. Here the programs each compute EP experts' logits; the last program to finish (a ticket counter, reset by
+it for the next launch) takes the softmax and top-k of the row, so the second launch and its gap are gone.
+
+Numerics are the two-launch path's: the logits are rounded to the model dtype (what nn.Linear returns) before
+the softmax, which is fused_ops.softmax_topk_store (the same code as the top-k kernel). The GEMV sums in fp32
+in another order than cuBLAS, so a logit may differ by one rounding step of the model dtype.
+
+Memory order: each program publishes its logits with release exchanges and takes a ticket with an acq_rel add
+after a barrier; the last one reads the row back with acquire atomics (served by L2, never a stale L1 line).
+
+Legend: H hidden, E experts, EP experts a program, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridmoe.layers.fused_ops import softmax_topk_store
+
+EP = 2  # experts a program: E = 128 -> 64 programs of 8 KB of router weight each (bf16, H 2048)
+BLOCK_H = 1024
+
+
+@triton.jit
+def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, ticket_ptr, wout_ptr, ids_ptr, H, E, K: tl.constexpr,
+                        RENORM: tl.constexpr, EP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+    offs_e = tl.program_id(0) * EP + tl.arange(0, EP)
+    me = offs_e < E
+    offs_h = tl.arange(0, BLOCK_H)
+    acc = tl.zeros((EP, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        mh = h0 + offs_h < H
+        xv = tl.load(x_ptr + h0 + offs_h, mask=mh, other=0.0).to(tl.float32)  # [BH]
+        wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * H + h0 + offs_h[None, :], mask=me[:, None] & mh[None, :],
+                     other=0.0).to(tl.float32)  # [EP, BH]
+        acc += wv * xv[None, :]
+    lg = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)  # [EP], rounded as nn.Linear's output
+    # fp32 bits through int32 atomics (the Triton interpreter has no float exchange; the same bits on the GPU)
+    tl.atomic_xchg(logits_ptr + offs_e, lg.to(tl.int32, bitcast=True), mask=me, sem="release")
+    tl.debug_barrier()  # every thread's logits are out before the ticket is taken
+    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(ticket_ptr, 0)  # the last program: reset for the next launch (stream-ordered after this one)
+        offs = tl.arange(0, BLOCK_E)
+        mask = offs < E
+        bits = tl.atomic_add(logits_ptr + offs, tl.zeros((BLOCK_E,), dtype=tl.int32), mask=mask, sem="acquire")
+        softmax_topk_store(bits.to(tl.float32, bitcast=True), offs, mask, wout_ptr, ids_ptr, K, RENORM, BLOCK_E)
+
+
+def new_ticket(device: torch.device) -> torch.Tensor:
+    """The counter one router's launches share ([1] int32, zero between launches)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def router_topk(
+    x: torch.Tensor,  # [1, H]
+    weight: torch.Tensor,  # [E, H], x's dtype
+    top_k: int,
+    renormalize: bool,
+    ticket: torch.Tensor,  # new_ticket(); never shared by launches that may run at the same time
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights [1, K] float32, ids [1, K] int32, logits [1, E] float32 rounded to x's dtype) of one token."""
+    t, h = x.shape
+    e = weight.shape[0]
+    assert t == 1 and weight.shape[1] == h and weight.is_contiguous() and 0 < top_k <= e <= 4096, (x.shape, weight.shape)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    logits = torch.empty(1, e, dtype=torch.int32, device=x.device)  # fp32 bits (see the kernel)
+    w = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
+    _router_topk_kernel[(triton.cdiv(e, EP),)](x, weight, logits, ticket, w, ids, h, e, K=top_k, RENORM=renormalize,
+                                                EP=EP, BLOCK_H=BLOCK_H, BLOCK_E=triton.next_power_of_2(e),
+                                                num_warps=4)
+    return w, ids, logits.view(torch.float32)
