@@ -53,3 +53,42 @@ def test_sum_pairs_kernel_compiles():
     from hybridmoe.moe.triton_moe_kernels import _sum_pairs_kernel
 
     compile_sm90(_sum_pairs_kernel, dict(pairs_ptr="*bf16", out_ptr="*bf16", H="i32"), dict(K=8, BLOCK=1024))
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_router_topk_kernel_compiles(renorm):
+    """The fused router's scalar ticket atomic, its float bits through int32 atomics and the last program's
+    branch (moe/router_triton.py)."""
+    from hybridmoe.moe.router_triton import _router_topk_kernel
+
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", logits_ptr="*i32", ticket_ptr="*i32", wout_ptr="*fp32",
+                 ids_ptr="*i32", H="i32", E="i32")
+    compile_sm90(_router_topk_kernel, types, dict(K=8, RENORM=renorm, EP=2, BLOCK_H=1024, BLOCK_E=128))
+
+
+def test_count_kernel_compiles():
+    """The expert-distribution count: int64 atomic adds under a row mask (moe/recorder_kernel.py)."""
+    from hybridmoe.moe.recorder_kernel import _count_kernel
+
+    types = dict(ids_ptr="*i32", counts_ptr="*i64", valid_ptr="*i64", num_pairs="i32", top_k="i32", num_experts="i32")
+    compile_sm90(_count_kernel, types, dict(HAS_VALID=True, BLOCK=1024))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_moe_kernels_compile_direct(direct):
+    """The fused MoE's gate/up and down kernels with and without the one-token form (DIRECT)."""
+    from hybridmoe.moe import triton_moe_kernels as K
+
+    common = dict(num_pairs="i32", num_experts="i32", num_m_blocks="i32", H="i32", I_SIZE="i32", stride_we="i32",
+                  stride_wn="i32", s_ptr="*bf16", stride_se="i32", stride_sn="i32", stride_sk="i32")
+    gu = dict(common, x_ptr="*bf16", w_ptr="*bf16", inter_ptr="*bf16", sorted_pairs_ptr="*i32",
+              block_expert_ptr="*i32", weights_ptr="*fp32", top_k="i32", stride_xt="i32", stride_xh="i32",
+              stride_wh="i32", stride_ip="i32", stride_ii="i32", up_scale_row="i32", delta_ptr="*fp32",
+              stride_dp="i32")
+    compile_sm90(K._gate_up_kernel, gu, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, IEEE=False, FP8=False,
+                                             SBN=1, SBK=1, DELTA=False, DIRECT=direct))
+    dn = dict(common, inter_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", weights_ptr="*fp32", sorted_pairs_ptr="*i32",
+              block_expert_ptr="*i32", stride_ip="i32", stride_ii="i32", stride_wk="i32", stride_op="i32",
+              stride_oh="i32")
+    compile_sm90(K._down_kernel, dn, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, IEEE=False, FP8=False,
+                                          SBN=1, SBK=1, DIRECT=direct))
