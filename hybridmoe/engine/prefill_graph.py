@@ -84,7 +84,9 @@ class PrefillGraphs:
         self.seq_lens = self.dev32[b + 1:2 * b + 1]
         self.block_table = self.dev32[2 * b + 1:].view(b, p)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # the sampled rows' logits [B - 1, V], one buffer for every size: each graph's own output would hold
+        # 9 x 19 MB at 64 sequences of a 152K vocabulary (the lm_head result is a temporary of the shared pool)
+        self.logits: torch.Tensor | None = None
         self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
 
     def can_run(self, batch: ScheduledBatch) -> bool:
@@ -107,7 +109,10 @@ class PrefillGraphs:
         counted = self.recorder.rows_counted(self.real_tokens) if self.recorder is not None else nullcontext()
         with counted:
             hidden = self.model(self.input_ids[:tp], self.positions[:tp], self.ctx_builder(meta))  # [Tp, hidden]
-        return self.model.compute_logits(hidden.index_select(0, self.rows))
+        logits = self.model.compute_logits(hidden.index_select(0, self.rows))
+        if self.logits is None:  # first warm-up forward, outside any capture
+            self.logits = torch.empty_like(logits)
+        return self.logits.copy_(logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -130,7 +135,8 @@ class PrefillGraphs:
                     out = self._forward(tp, meta)
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[tp], self.outputs[tp] = graph, out
+                assert out is self.logits
+                self.graphs[tp] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         log.info("captured prefill CUDA graphs for %s new tokens (up to %d sequences)", self.sizes, self.max_seqs)
@@ -184,7 +190,7 @@ class PrefillGraphs:
             self.future.resolve_(self.input_ids[:total], ids)
         if self.use_graphs:
             self.graphs[tp].replay()
-            out = self.outputs[tp]
+            out = self.logits
         else:
             q_lens = [q_host[i + 1] - q_host[i] for i in range(b)]
             out = self._forward(tp, self._meta(tp, q_lens, s_host))
