@@ -10,9 +10,14 @@
 # of cache, all cores and one; then the dense GEMVs at software prefetch distances 0-8192 B), align (the fused MoE's
 # expert grouping methods, benchmarks/bench_align.py), ttft (a 128-token prompt to its first token, all-GPU: eager
 # with each align method, prefill graphs off and on, interleaved; profile_decode.py --prefill; with the model's
-# routing and with spread routing). `sweep` tunes the MoE decode tiles and writes the table the engine reads
+# routing and with spread routing), mla (issue 15: the MLA decode kernel and the absorbed attention, batch x context,
+# checked against the reference first). `sweep` tunes the MoE decode tiles and writes the table the engine reads
 # (moe_sweep.json in OUT holds it), so `decode` after it runs with the tuned tiles. At most 8 files
-# come back from OUT: logs that the output tail shows anyway stay in /tmp. Server tests and bench_serving need fastapi/uvicorn/pydantic wheels carried in .whl (benchmarks/fetch_device_wheels.sh; see
+# come back from OUT: logs that the output tail shows anyway stay in /tmp.
+# The acceptance tables of issues 15, 16 and 18 (benchmarks/issue_tables.py OUT) read decode.json, hybrid_decode.json
+# (HYBRID_ARGS="--graphs on --repeat 3"), cpu_moe_AMXINT4/8.json (CPU_MOE_ARGS="--T 1,4,16,1024,4096"), serving.json,
+# gguf_moe.json, gguf_moe_large.json, hybrid_decode_gguf.json and mla.json, e.g. in two calls:
+#   run_device_suite.sh OUT decode serving cpu-moe mla   and   run_device_suite.sh OUT hybrid gguf Server tests and bench_serving need fastapi/uvicorn/pydantic wheels carried in .whl (benchmarks/fetch_device_wheels.sh; see
 # the device README); they run only when `python -c "import fastapi"` works.
 set -u
 out="${1:-/tmp/hybridmoe-device}"
@@ -157,7 +162,7 @@ if want gguf; then
     --prefetch "${GGUF_PREFETCH:-2048,0,4096,8192}" --rounds "${GGUF_ROUNDS:-3}" --json "$out/gguf_moe.json" 2>&1 \
     | grep -v Warning | tee "$out/bench_gguf_moe.log" | grep -E "^(kernel|median)"
   timeout "${GGUF_LARGE_TIMEOUT:-200}" $PY benchmarks/bench_gguf_moe.py --types Q4_K,Q8_0 --T 1024,4096 \
-    --json /tmp/gguf_moe_large.json 2>&1 | grep -v Warning | tee -a "$out/bench_gguf_moe.log" | tail -6
+    --json "$out/gguf_moe_large.json" 2>&1 | grep -v Warning | tee -a "$out/bench_gguf_moe.log" | tail -6
   log bench-hybrid-decode-gguf
   # the file (~16 GB at 48 layers) goes to /tmp, not $OUT
   timeout "${GGUF_HYBRID_TIMEOUT:-420}" $PY benchmarks/bench_hybrid_decode.py --gguf "${GGUF_TYPE:-Q4_K}" \
@@ -171,6 +176,11 @@ if want align; then
   timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py -k align 2>&1 | tail -2
   timeout "${ALIGN_TIMEOUT:-150}" $PY benchmarks/bench_align.py --out "$out/align.json" 2>&1 | grep -v Warning \
     | tee "$out/bench_align.log" | tail -24
+fi
+if want mla; then
+  log bench-mla-decode
+  timeout "${MLA_TIMEOUT:-240}" $PY benchmarks/bench_mla_decode.py --check --out "$out/mla.json" 2>&1 | grep -v Warning \
+    | tee "$out/bench_mla_decode.log" | tail -26
 fi
 if want lora; then
   log bench-lora-decode
