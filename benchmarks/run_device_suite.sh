@@ -11,7 +11,8 @@
 # expert grouping methods, benchmarks/bench_align.py), ttft (a 128-token prompt to its first token, all-GPU: eager
 # with each align method, prefill graphs off and on, interleaved; profile_decode.py --prefill; with the model's
 # routing and with spread routing), mla (issue 15: the MLA decode kernel and the absorbed attention, batch x context,
-# checked against the reference first). `sweep` tunes the MoE decode tiles and writes the table the engine reads
+# checked against the reference first), router (the one-token router: two launches against the fused kernel's
+# configs, benchmarks/bench_router.py). `sweep` tunes the MoE decode tiles and writes the table the engine reads
 # (moe_sweep.json in OUT holds it), so `decode` after it runs with the tuned tiles. At most 8 files
 # come back from OUT: logs that the output tail shows anyway stay in /tmp.
 # The acceptance tables of issues 15, 16 and 18 (benchmarks/issue_tables.py OUT) read decode.json, hybrid_decode.json
@@ -181,6 +182,11 @@ if want mla; then
   log bench-mla-decode
   timeout "${MLA_TIMEOUT:-240}" $PY benchmarks/bench_mla_decode.py --check --out "$out/mla.json" 2>&1 | grep -v Warning \
     | tee "$out/bench_mla_decode.log" | tail -26
+fi
+if want router; then
+  log bench-router
+  timeout "${ROUTER_TIMEOUT:-200}" $PY benchmarks/bench_router.py --out "$out/router.json" 2>&1 | grep -v Warning \
+    | tee "$out/bench_router.log" | tail -8
 fi
 if want lora; then
   log bench-lora-decode

@@ -311,7 +311,8 @@ def _native_route():
     return _route_mod[0]
 
 
-def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool, num_warps: int = 4
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights [T, K] float32 and expert ids [T, K] int32. CPU tensors: one native call
     (hybridmoe/cpu/route.py: topk_softmax_ref's ids, weights within a few fp32 ulps), the same routing
     as the one-call decoder layer's (cpu/layer_decode.py)."""
@@ -327,5 +328,5 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     w = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
     _topk_softmax_kernel[(t,)](logits, w, ids, e, K=k, RENORM=renormalize, BLOCK=triton.next_power_of_2(e),
-                               num_warps=4)
+                               num_warps=num_warps)  # num_warps: benchmarks/bench_router.py
     return w, ids

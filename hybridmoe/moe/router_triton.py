@@ -23,8 +23,10 @@ import triton.language as tl
 
 from hybridmoe.layers.fused_ops import softmax_topk_store
 
-EP = 2  # experts a program: E = 128 -> 64 programs of 8 KB of router weight each (bf16, H 2048)
-BLOCK_H = 1024
+# (experts a program, H tile, warps): E = 128 -> 64 programs of 8 KB of router weight each (bf16, H 2048). Measured
+# as one config on the H100 host (7.35 us a layer against 5.0 + 3.4 for the two launches); the other configs are
+# for benchmarks/bench_router.py, which times them (the last program's top-k crosses warps at every step with 4)
+CONFIG = (2, 1024, 4)
 
 
 @triton.jit
@@ -63,6 +65,7 @@ def router_topk(
     top_k: int,
     renormalize: bool,
     ticket: torch.Tensor,  # new_ticket(); never shared by launches that may run at the same time
+    config: tuple[int, int, int] | None = None,  # (EP, BLOCK_H, warps), powers of two; default CONFIG
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [1, K] float32, ids [1, K] int32, logits [1, E] float32 rounded to x's dtype) of one token."""
     t, h = x.shape
@@ -72,7 +75,8 @@ def router_topk(
     logits = torch.empty(1, e, dtype=torch.int32, device=x.device)  # fp32 bits (see the kernel)
     w = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
-    _router_topk_kernel[(triton.cdiv(e, EP),)](x, weight, logits, ticket, w, ids, h, e, K=top_k, RENORM=renormalize,
-                                                EP=EP, BLOCK_H=BLOCK_H, BLOCK_E=triton.next_power_of_2(e),
-                                                num_warps=4)
+    ep, block_h, warps = config or CONFIG
+    _router_topk_kernel[(triton.cdiv(e, ep),)](x, weight, logits, ticket, w, ids, h, e, K=top_k, RENORM=renormalize,
+                                                EP=ep, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(e),
+                                                num_warps=warps)
     return w, ids, logits.view(torch.float32)
