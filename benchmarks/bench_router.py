@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_moe_decode import graph_time  # noqa: E402
 
 SHAPES = {  # name -> (E, H, K, renormalize)
     "qwen3-30b-a3b": (128, 2048, 8, True), "qwen3-235b-a22b": (128, 4096, 8, True),
@@ -35,26 +38,7 @@ def timed(fn, copies: int, reps: int, device: str) -> float:
         for i in range(copies):
             fn(i)
         return (time.perf_counter() - t) * 1e6 / copies
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn(i)
-    g.replay()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / copies)
-    return statistics.median(out)
+    return graph_time(lambda: [fn(i) for i in range(copies)], reps) * 1e6 / copies
 
 
 def bench_shape(name: str, e: int, h: int, k: int, renorm: bool, configs: list, a: argparse.Namespace) -> dict:

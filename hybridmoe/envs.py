@@ -114,12 +114,7 @@ def align_large(default: str) -> str:
 
 def moe_direct() -> bool:
     """$HYBRIDMOE_MOE_DIRECT: whether one-token fused MoE forwards skip the expert grouping (default 1)."""
-    v = _get(MOE_DIRECT)
-    if v is None:
-        return True
-    if v not in ("0", "1"):
-        raise ValueError(f"{MOE_DIRECT}={v!r}: expected 0 or 1")
-    return v == "1"
+    return _switch(MOE_DIRECT, True)
 
 
 def amx_inline() -> bool:
@@ -134,9 +129,14 @@ def lora_fused() -> bool:
 
 def router_fused() -> bool:
     """$HYBRIDMOE_ROUTER_FUSED: whether one-token MoE routers on CUDA take the fused kernel (default 1)."""
-    v = _get(ROUTER_FUSED)
+    return _switch(ROUTER_FUSED, True)
+
+
+def _switch(name: str, default: bool) -> bool:
+    """A 0/1 variable: its value, the default when unset; anything else is an error naming it."""
+    v = _get(name)
     if v is None:
-        return True
+        return default
     if v not in ("0", "1"):
-        raise ValueError(f"{ROUTER_FUSED}={v!r}: expected 0 or 1")
+        raise ValueError(f"{name}={v!r}: expected 0 or 1")
     return v == "1"
