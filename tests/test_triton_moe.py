@@ -123,6 +123,29 @@ def _run_case(name: str) -> dict:
     return {"err": rel_err(out, ref), "tol": TOL[dtype], "shape_ok": ok_shape}
 
 
+def _run_direct_skipped_rows() -> dict:
+    """DIRECT: a pair of weight 0 leaves zeros in its inter and out_pairs rows (both buffers NaN-filled first:
+    expert LoRA's down deltas read every inter row), the other rows as the grouped path computes them."""
+    from hybridmoe.moe import triton_moe_kernels as K
+
+    x, gu, dn, ids, w = make_inputs(1, 8, 4, 72, 40, torch.float32, seed=7)
+    w[0, 1::2] = 0.0
+    cfg = K.default_config(1, 8, 4, 72, 40)
+    flat_w, flat_ids = w.reshape(-1).contiguous(), ids.reshape(-1)
+    inter = torch.full((4, 40), float("nan"))
+    K.launch_gate_up(x, gu, inter, flat_w, flat_ids, flat_w, 4, cfg, direct=True)
+    out_pairs = torch.full((4, 72), float("nan"))
+    K.launch_down(inter, dn, out_pairs, flat_w, flat_w, flat_ids, cfg, direct=True)
+    sp, be = K.align_pairs(ids, 8, cfg.block_m, "torch")
+    ref_inter = torch.zeros(4, 40)
+    K.launch_gate_up(x, gu, ref_inter, sp, be, flat_w, 4, cfg)
+    skipped = flat_w == 0
+    ok = (bool((inter[skipped] == 0).all()) and bool((out_pairs[skipped] == 0).all())
+          and torch.allclose(inter[~skipped], ref_inter[~skipped], rtol=1e-5, atol=1e-6)
+          and not bool(out_pairs[~skipped].isnan().any()))
+    return {"err": 0.0 if ok else 1.0, "tol": 0.0, "shape_ok": True}
+
+
 ALIGN_CASES = [(1, 8, 128, 16), (5, 3, 8, 16), (33, 8, 16, 32), (300, 8, 64, 16), (7, 5, 6, 128), (3, 1, 1, 16),
                (100, 8, 200, 64), (64, 8, 128, 16)]  # (T, K, E, BM)
 # the grid align also at prefill sizes: several chunks a program (P 5600 over 44 programs of 2 chunks; E 384 with
@@ -173,10 +196,14 @@ def _run_empty() -> dict:
         def __getitem__(self, grid):
             raise AssertionError("kernel launched for T=0")
 
+    kernels = k._gate_up_kernel, k._down_kernel
     k._gate_up_kernel = k._down_kernel = NoLaunch()
-    x, gu, dn, ids, w = make_inputs(0, 4, 2, 72, 40, torch.float32)
-    out = k.fused_moe(x, gu, dn, ids, w)
-    out2 = TritonExperts(ExpertWeights(gu, dn), 0).forward(x, ids, w)
+    try:  # the kernels come back for the cases after this one (same process)
+        x, gu, dn, ids, w = make_inputs(0, 4, 2, 72, 40, torch.float32)
+        out = k.fused_moe(x, gu, dn, ids, w)
+        out2 = TritonExperts(ExpertWeights(gu, dn), 0).forward(x, ids, w)
+    finally:
+        k._gate_up_kernel, k._down_kernel = kernels
     return {"err": 0.0, "tol": 0.0, "shape_ok": out.shape == (0, 72) and out2.shape == (0, 72)}
 
 
@@ -186,7 +213,8 @@ def interp_results() -> dict:
     return json_results(__file__)
 
 
-@pytest.mark.parametrize("name", [*CASES, "t0_empty", "align_triton_vs_torch", "align_grid_vs_torch"])
+@pytest.mark.parametrize("name", [*CASES, "t0_empty", "direct_skipped_rows_zero", "align_triton_vs_torch",
+                                  "align_grid_vs_torch"])
 def test_interpreter(interp_results: dict, name: str) -> None:
     res = case_result(interp_results, name)
     assert res["shape_ok"], res
@@ -321,6 +349,7 @@ if __name__ == "__main__" and "--interp" in sys.argv:
     broken = _interpreter_broken()
     results: dict = {"_skip": broken} if broken else {}
     cases = {**{c: functools.partial(_run_case, c) for c in CASES}, "t0_empty": _run_empty,
+             "direct_skipped_rows_zero": _run_direct_skipped_rows,
              "align_triton_vs_torch": functools.partial(_run_align, "triton", ALIGN_CASES),
              "align_grid_vs_torch": functools.partial(_run_align, "grid", ALIGN_GRID_CASES)}
     print(json.dumps(collect({} if broken else cases, results)))

@@ -359,8 +359,13 @@ def _gate_up_kernel(
     num_n_blocks = tl.cdiv(I_SIZE, BLOCK_N)
     pid_m, pid_n = _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I_SIZE
     if DIRECT:
-        if tl.load(weights_ptr + pid_m) == 0:  # nothing to add (hybrid: a pair the CPU computes)
+        if tl.load(weights_ptr + pid_m) == 0:  # nothing to add (hybrid: a pair the CPU computes); its row zeros,
+            # as expert LoRA's down deltas read every row (0 * the garbage of an empty buffer could be NaN)
+            tl.store(inter_ptr + pid_m.to(tl.int64) * stride_ip + offs_n * stride_ii,
+                     tl.zeros((BLOCK_N,), dtype=inter_ptr.dtype.element_ty), mask=mask_n)
             return
         pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)  # [BM]: the block's one pair, sentinels
     else:
@@ -369,8 +374,6 @@ def _gate_up_kernel(
         pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     valid_m = pairs < num_pairs
     tokens = (pairs // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < I_SIZE
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BM, BK]
