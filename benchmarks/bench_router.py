@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
+    unknown = [k for k in a.shapes.split(",") if k not in SHAPES]
+    if unknown:
+        p.error(f"--shapes {','.join(unknown)}: unknown (known: {', '.join(SHAPES)})")
     shapes = {k: SHAPES[k] for k in a.shapes.split(",")} if a.device == "cuda" else {"tiny": (12, 96, 3, True)}
     configs = CONFIGS if a.device == "cuda" else [(2, 64, 1), (4, 32, 2)]
     results = [bench_shape(name, *shape, configs, a) for name, shape in shapes.items()]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -195,14 +196,20 @@ CHECKS = [("hybrid", issue16_deferral), ("hybrid", issue16_hybrid), ("int4", lam
           ("gguf", issue18_gguf), ("gguf_large", issue18_gguf), ("hybrid_gguf", issue18_hybrid), ("mla", issue15_mla)]
 
 
-def tables(out: Path, files: dict[str, Path] | None = None) -> list[Row]:
-    """Every row whose file is there (files: key -> path, over FILES in `out`)."""
+def tables(out: Path, files: dict[str, Path] | None = None, bad: list[str] | None = None) -> list[Row]:
+    """Every row whose file is there (files: key -> path, over FILES in `out`). A file that is not JSON of the
+    script's shape (truncated, another script's) gives no rows and one line in `bad`."""
     paths = {k: out / name for k, name in FILES.items()} | (files or {})
     rows: list[Row] = []
     for key, check in CHECKS:
         p = paths[key]
-        if p.is_file():
+        if not p.is_file():
+            continue
+        try:
             rows += check(json.loads(p.read_text()), p.name)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            if bad is not None:
+                bad.append(f"{p}: not a {key} result file ({type(e).__name__}: {e})")
     return rows
 
 
@@ -230,14 +237,17 @@ def main(argv: list[str] | None = None) -> int:
         if key not in FILES or not path:
             p.error(f"--file {spec!r}: expected KEY=PATH with KEY one of {', '.join(FILES)}")
         files[key] = Path(path)
-    rows = tables(a.out, files)
+    bad: list[str] = []
+    rows = tables(a.out, files, bad)
+    for line in dict.fromkeys(bad):
+        print(f"issue_tables: {line}", file=sys.stderr)
     if a.device or a.commit:
         print(f"device: {a.device or '?'}; commit: {a.commit or '?'}\n")
     print(markdown(rows) if rows else f"no known result file in {a.out}")
     if a.json:
         a.json.write_text(json.dumps({"device": a.device, "commit": a.commit, "rows": [asdict(r) for r in rows]},
                                      indent=2))
-    return 0
+    return 2 if bad else 0
 
 
 if __name__ == "__main__":

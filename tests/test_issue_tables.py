@@ -107,3 +107,17 @@ def test_ab_decode_default_variant(tmp_path: Path) -> None:
     assert rows["all-GPU decode batch 1, base (median of 3 rounds)"].met is None
     new = rows["all-GPU decode batch 1, new (the default) (median of 3 rounds)"]
     assert new.value == 224.0 and new.met is False  # 0.448 < 0.45
+
+
+def test_bad_file_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    """A truncated file and another script's JSON: one line each naming the file, the other files' rows still
+    printed, exit status 2."""
+    (tmp_path / it.FILES["decode"]).write_text('{"runs": [')
+    (tmp_path / it.FILES["hybrid"]).write_text(json.dumps({"results": []}))
+    (tmp_path / it.FILES["int8"]).write_text(json.dumps({"results": [{"method": "AMXINT8", "T": 4096, "tflops": 7.5}]}))
+    assert it.main([str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "decode.json: not a decode result file (JSONDecodeError" in err
+    assert "hybrid_decode.json: not a hybrid result file (KeyError" in err
+    assert len(err.strip().splitlines()) == 2 and "Traceback" not in err
+    assert "AMXINT8 CPU MoE op, T 4096" in out
