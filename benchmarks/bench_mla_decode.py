@@ -31,13 +31,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# Tiles the sweep times: (block_h, block_n, num_warps, num_stages[, transposed[, p_via_mem]]). 64-head tiles compile
-# to wgmma with 8 warps, smaller ones to mma.sync (offline sm_90 compiles; see mla_triton._CONFIGS). Transposed: the
-# kernel's TRANS form (tokens and the latent width as the dots' M); p_via_mem: its P_VIA_MEM form (the score dot's
-# warps split its N, no score tile computed twice).
-SWEEP_TILES = [(64, 16, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2, 1), (64, 128, 8, 1, 1),
-               (64, 16, 8, 3, 0, 1), (64, 32, 8, 2, 0, 1), (64, 32, 8, 3, 0, 1), (64, 32, 8, 4, 0, 1),
-               (64, 64, 8, 2, 0, 1), (64, 64, 8, 3, 0, 1)]
+# Tiles the sweep times: (block_h, block_n, num_warps, num_stages[, transposed]). 64-head tiles compile to wgmma
+# with 8 warps, smaller ones to mma.sync (offline sm_90 compiles; see mla_triton._CONFIGS). Transposed: the
+# kernel's TRANS form (tokens and the latent width as the dots' M).
+SWEEP_TILES = [(64, 16, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2),
+               (64, 32, 8, 2, 1), (64, 64, 8, 2, 1), (64, 64, 8, 3, 1), (64, 128, 8, 1, 1), (32, 32, 8, 2, 1),
+               (32, 64, 8, 2, 1), (32, 64, 4, 2, 1), (16, 64, 4, 2, 1)]
 SWEEP_SHAPES = [(1, 8192), (4, 8192), (16, 8192), (64, 8192), (1, 32768), (64, 32768)]
 CHECK_TOL = 2e-2  # bf16: see tests/test_mla_triton.py
 ELT = 2  # bytes of a bf16 / fp16 element
@@ -76,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check", action="store_true", help="compare every row to mla_decode_ref before timing")
     p.add_argument("--sweep", action="store_true", help="time SWEEP_TILES and split counts on SWEEP_SHAPES")
     p.add_argument("--tile", type=int, nargs="+", metavar="N",
-                   help="force the kernel tile: BLOCK_H BLOCK_N WARPS STAGES [TRANSPOSED 0/1 [P_VIA_MEM 0/1]] "
+                   help="force the kernel tile: BLOCK_H BLOCK_N WARPS STAGES [TRANSPOSED 0/1] "
                         "(default: mla_triton.decode_config)")
     p.add_argument("--splits", type=int, help="force the split count (default: mla_triton.choose_num_splits)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write it, no GPU")
@@ -221,11 +220,10 @@ class Bench:
         return err
 
     def config(self, tile: tuple):
-        """MLADecodeConfig of a tile tuple (4 ints, 5 with the transposed flag, 6 with the p_via_mem flag too)."""
-        if len(tile) not in (4, 5, 6):
-            raise SystemExit(f"--tile: 4, 5 or 6 numbers, got {list(tile)}")
-        flags = [bool(f) for f in tile[4:]] + [False] * (6 - len(tile))
-        return self.m.MLADecodeConfig(*tile[:4], transposed=flags[0], p_via_mem=flags[1])
+        """MLADecodeConfig of a tile tuple (4 ints, or 5 with the transposed flag)."""
+        if len(tile) not in (4, 5):
+            raise SystemExit(f"--tile: 4 or 5 numbers, got {list(tile)}")
+        return self.m.MLADecodeConfig(*tile[:4], transposed=bool(tile[4]) if len(tile) == 5 else False)
 
     def kw(self, tile: tuple | None = None, splits: int | None = None) -> dict:
         tile = tile or self.a.tile
@@ -286,8 +284,8 @@ def run_sweep(a: argparse.Namespace, bench: Bench, rows: list[Row], copy_bw: flo
 
     out = []
     default = bench.m.decode_config(bench.dtype, a.lkv, a.heads, False)
-    default = (default.block_h, default.block_n, default.num_warps, default.num_stages, int(default.transposed),
-               int(default.p_via_mem))
+    default = (default.block_h, default.block_n, default.num_warps, default.num_stages) + (
+        (1,) if default.transposed else ())
     print(f"{'B':>3} {'ctx':>6} {'tile':>18} {'X':>3} {'kern us':>8} {'ratio':>6} {'TFLOP/s':>7}", flush=True)
     for row in rows:
         x = bench.setup(row)

@@ -34,28 +34,18 @@ import triton.language as tl
 from hybridmoe.layers.attention.mla_ref import check_decode_inputs, mla_decode_ref
 from hybridmoe.layers.attention.triton_kernels import _LOG2E, _dot, _dot_fp32, _num_sms
 
-
-@triton.jit
-def _dot_acc(a, b, acc, DOT_FP32: tl.constexpr):
-    """acc + a @ b in one tl.dot (acc fp32)."""
-    if DOT_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b.to(a.dtype), acc)
-
-
 # Kernel signatures and launches keep several arguments a line (denser than the formatter's one a line).
 # fmt: off
 
 
 @triton.jit
 def _mla_decode_kernel(
-    q_lat_ptr, q_rope_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, p_scratch_ptr, a_scratch_ptr,
+    q_lat_ptr, q_rope_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2e, num_splits,
     stride_qb, stride_qh, stride_rb, stride_rh, stride_kn, stride_ks, stride_bt, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, LKV: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, TRANS: tl.constexpr, P_VIA_MEM: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, TRANS: tl.constexpr,
 ):
     """One program: sequence b, heads hb * BLOCK_H ..., context split `split` of X.
 
@@ -100,12 +90,6 @@ def _mla_decode_kernel(
         q_pe_t = tl.trans(q_pe)  # [BLOCK_R, BLOCK_H]
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-    if P_VIA_MEM:
-        pid = (b * tl.num_programs(1) + hb) * tl.num_programs(2) + split
-        p_scratch = p_scratch_ptr + pid.to(tl.int64) * (2 * BLOCK_H * BLOCK_N)
-        offs_h = tl.arange(0, BLOCK_H)
-        p_offs = offs_h[:, None] * BLOCK_N + offs_n[None, :]  # [BLOCK_H, BLOCK_N]
-        a_scratch = a_scratch_ptr + pid.to(tl.int64) * (2 * BLOCK_H)
     for start in range(lo, hi, BLOCK_N):
         tok = start + offs_n  # [BLOCK_N]
         tok_mask = tok < hi
@@ -125,33 +109,13 @@ def _mla_decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 0)
             acc = acc * alpha[None, :] + _dot(tl.trans(c_kv), p.to(q.dtype), DOT_FP32)
         else:
-            if P_VIA_MEM:
-                # The rope dot is the big dot's accumulator: a dot feeding another is laid out with every
-                # warp along M (the rule this form escapes), which must be the small one.
-                s = _dot_acc(q, tl.trans(c_kv), _dot(q_pe, tl.trans(k_pe), DOT_FP32), DOT_FP32)
-            else:
-                s = _dot(q, tl.trans(c_kv), DOT_FP32) + _dot(q_pe, tl.trans(k_pe), DOT_FP32)  # [BLOCK_H, BLOCK_N]
+            s = _dot(q, tl.trans(c_kv), DOT_FP32) + _dot(q_pe, tl.trans(k_pe), DOT_FP32)  # [BLOCK_H, BLOCK_N]
             s = tl.where(tok_mask[None, :], s * scale_log2e, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
-            p32 = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p32, 1)
-            p = p32.to(q.dtype)
-            if P_VIA_MEM:
-                # p goes to the value dot through this program's two scratch slots (alternating, so a warp
-                # still reading slot i never sees slot i + 1 written; the barrier orders write and read).
-                # The dots then share no SSA path, so Triton lays the score dot out on its own (warps
-                # split its N) instead of as a chained dot (every warp along M: with 64 heads both
-                # warpgroups would compute the same scores). volatile: the pipeliner must not prefetch it.
-                parity = ((start - lo) // BLOCK_N) % 2
-                slot = p_scratch + parity * (BLOCK_H * BLOCK_N)
-                a_slot = a_scratch + parity * BLOCK_H
-                tl.store(slot + p_offs, p)
-                tl.store(a_slot + offs_h, alpha)
-                tl.debug_barrier()
-                p = tl.load(slot + p_offs, volatile=True)
-                alpha = tl.load(a_slot + offs_h, volatile=True)
-            acc = acc * alpha[:, None] + _dot(p, c_kv, DOT_FP32)  # the values are the latent itself
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(q.dtype), c_kv, DOT_FP32)  # the values are the latent itself
         m_i = m_new
 
     if TRANS:
@@ -215,7 +179,6 @@ class MLADecodeConfig:
     num_warps: int
     num_stages: int
     transposed: bool = False  # the kernel's TRANS form
-    p_via_mem: bool = False  # the kernel's P_VIA_MEM form (untransposed only)
 
 
 # Keyed by (element bytes, padded latent width >= 256). bf16/fp16 at Lkv 512: the kernel is tensor-core
@@ -240,7 +203,7 @@ def decode_config(dtype: torch.dtype, lkv: int, num_heads: int, interpret: bool)
     """The default tile for these sizes; block_h shrinks to the head count (at least 16, tl.dot's minimum)."""
     cfg = _INTERPRET_CONFIG if interpret else _CONFIGS[(4 if dtype == torch.float32 else 2, _pad(lkv) >= 256)]
     block_h = min(cfg.block_h, _pad(num_heads))
-    return MLADecodeConfig(block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.transposed, cfg.p_via_mem)
+    return MLADecodeConfig(block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.transposed)
 
 
 def _pad(n: int) -> int:
@@ -327,22 +290,16 @@ def mla_decode(
         part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q_lat.device)
     else:
         part_out = part_lse = out  # unused
-    grid = (bsz, head_blocks, num_splits)
-    via_mem = cfg.p_via_mem and not cfg.transposed
-    programs = bsz * head_blocks * num_splits
-    p_scratch = (torch.empty(programs * 2 * cfg.block_h * cfg.block_n, dtype=q_lat.dtype, device=q_lat.device)
-                 if via_mem else out)
-    a_scratch = torch.empty(programs * 2 * cfg.block_h, dtype=torch.float32, device=q_lat.device) if via_mem else out
     block_l = _pad(lkv)
     # fmt: off
-    _mla_decode_kernel[grid](
-        q_lat, q_rope, kv_cache, block_table, seq_lens, out, part_out, part_lse, p_scratch, a_scratch,
+    _mla_decode_kernel[(bsz, head_blocks, num_splits)](
+        q_lat, q_rope, kv_cache, block_table, seq_lens, out, part_out, part_lse,
         scale * _LOG2E, num_splits,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=heads, LKV=lkv, ROPE=rope, PAGE_SIZE=page, SPLIT=num_splits > 1,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_L=block_l, BLOCK_R=_pad(rope), DOT_FP32=_dot_fp32(q_lat),
-        TRANS=cfg.transposed, P_VIA_MEM=via_mem,
+        TRANS=cfg.transposed,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
