@@ -33,7 +33,7 @@ def test_graph_inputs_match_prepare():
     graphs = runner.new_graphs(8)
     for bs in graphs.sizes:
         graphs.graphs[bs] = _Recorder(graphs, bs)
-        graphs.outputs[bs] = torch.arange(bs * 3, dtype=torch.float32).view(bs, 3)
+    graphs.logits = torch.arange(graphs.max_bs * 3, dtype=torch.float32).view(graphs.max_bs, 3)  # the shared buffer
     rng = random.Random(0)
     free = list(range(1, runner.num_pages))
     rng.shuffle(free)
@@ -51,6 +51,7 @@ def test_graph_inputs_match_prepare():
         logits = graphs.run(reqs, s)
         bs, g_ids, g_pos, g_slots, g_lens, g_table = graphs.seen
         assert bs == next(b for b in graphs.sizes if b >= n) and logits.shape[0] == n
+        assert logits.data_ptr() == graphs.logits.data_ptr()  # rows 0..n-1 of the buffer every graph writes
         assert graphs.seen_real == n  # the expert-distribution recorder counts these rows only
         assert torch.equal(g_ids[:n], ids) and torch.equal(g_pos[:n], pos)
         assert torch.equal(g_slots[:n], meta.slot_mapping) and torch.equal(g_lens[:n], meta.seq_lens)
@@ -62,3 +63,24 @@ def test_graph_inputs_match_prepare():
         for r in reqs:
             free.extend(r.pages)
     llm.shutdown()
+
+
+@torch.inference_mode()  # as the engine runs it
+def test_compute_logits_into_a_buffer():
+    """compute_logits(out=): the lm_head's GEMM written into the given rows, equal to the plain call; a head
+    that is not a plain bias-free Linear (here one with a bias) goes through a copy, equal too."""
+    llm = LLM(device="cpu", progress=False)
+    model = llm.engine.runner.model
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, model.lm_head.in_features, generator=g).to(model.lm_head.weight.dtype)
+    buf = torch.full((7, model.lm_head.out_features), float("nan"), dtype=hidden.dtype)
+    want = model.compute_logits(hidden)
+    got = model.compute_logits(hidden, out=buf[:5])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want) and buf[5:].isnan().all()
+    head = torch.nn.Linear(model.lm_head.in_features, 11, bias=True).to(hidden.dtype)
+    model.lm_head, plain = head, model.lm_head
+    try:
+        out = torch.empty(5, 11, dtype=hidden.dtype)
+        assert model.compute_logits(hidden, out=out) is out and torch.equal(out, head(hidden))
+    finally:
+        model.lm_head = plain

@@ -66,7 +66,9 @@ class DecodeGraphs:
         self.seq_lens.fill_(1)
         self.qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # the logits [max_bs, V], one buffer for every size (each graph's own output would hold its own:
+        # ~90 MB over the sizes up to 64 of a 152K vocabulary)
+        self.logits: torch.Tensor | None = None
         self.before_replay: dict[int, Callable[[], None]] = {}  # bs -> what the hooks need run before a replay
         self.pool = None
         self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
@@ -84,9 +86,16 @@ class DecodeGraphs:
             seq_lens_cpu=[1] * bs, max_seq_len=self.context_len,
         )
 
+    def _forward(self, bs: int, ctx: ForwardContext) -> torch.Tensor:  # logits [bs, V] in the shared buffer
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+        if self.logits is None:  # the first warm-up forward, at the largest size, outside any capture
+            logits = self.model.compute_logits(hidden)
+            self.logits = torch.empty_like(logits)
+            return self.logits.copy_(logits)
+        return self.model.compute_logits(hidden, out=self.logits[:bs])
+
     @torch.inference_mode()
     def capture(self) -> None:
-        model = self.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         counted = self.recorder.rows_counted(self.real_rows) if self.recorder is not None else nullcontext()
@@ -96,16 +105,17 @@ class DecodeGraphs:
                 if self.lora is not None:  # the graph reads the fixed slot index buffer
                     self.lora.batch.set_graph(bs)
                 for _ in range(2):  # warm up: autotuning, lazy init outside the graph
-                    model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], ctx))
+                    self._forward(bs, ctx)
                 graph = torch.cuda.CUDAGraph()
                 # e.g. hybrid MoE layers' gated CPU tasks: recorded here, queued before each replay
                 with self.hooks.capture() as record, torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], ctx))
+                    out = self._forward(bs, ctx)
                 if record.before_replay is not None:
                     self.before_replay[bs] = record.before_replay
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[bs], self.outputs[bs] = graph, out
+                assert out.data_ptr() == self.logits.data_ptr()
+                self.graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
@@ -145,4 +155,4 @@ class DecodeGraphs:
         if before is not None:  # e.g. the graph's CPU tasks, each started by the graph when its inputs land
             before()
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return self.logits[:n]

@@ -129,8 +129,14 @@ class MoECausalLM(nn.Module):
             x, residual = layer(x, residual, positions, ctx)
         return self.model.norm.add_norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V]
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # [B, H] -> [B, V]
+        """The logits of `hidden`; with `out` ([B, V], the CUDA graphs' shared buffer) written there."""
+        if out is None:
+            return self.lm_head(hidden)
+        head = self.lm_head
+        if type(head) is nn.Linear and head.bias is None and out.dtype == hidden.dtype == head.weight.dtype:
+            return torch.matmul(hidden, head.weight.t(), out=out)  # F.linear's GEMM, straight into `out`
+        return out.copy_(head(hidden))
 
     def checkpoint_parts(self, name: str, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The checkpoint tensors that fill parameter `name`: itself, or the parts of a fused one."""
