@@ -6,7 +6,8 @@ largest), and its weights and ids equal to fused_ops.topk_softmax_ref applied to
 1e-6: the interpreter's exp against torch's; ids exactly, ties aside: random rows have none). The ticket is 0
 after each launch (the next launch relies on it); a NaN hidden state gives K distinct ids in [0, E) and NaN
 weights. GPU (`-m gpu`): the same in bf16, and the MoE block's forward with the fused router against
-HYBRIDMOE_ROUTER_FUSED=0, eagerly and replayed in a CUDA graph.
+HYBRIDMOE_ROUTER_FUSED=0, eagerly and replayed in a CUDA graph. The launch also counts the chosen experts
+(the recorder's count): once per launch, nothing for a padding row (valid_rows[0] == 0).
 """
 
 from __future__ import annotations
@@ -45,14 +46,18 @@ def _run_case(name: str, device: str = "cpu", dtype: torch.dtype | None = None, 
     w = torch.randn(E, H, generator=g) / H**0.5
     x, w = x.to(device, dt), w.to(device, dt)
     ticket = new_ticket(torch.device(device))
+    counts = torch.zeros(E, dtype=torch.int64, device=device)
     out = []
-    for _ in range(2):  # twice through one ticket: the second launch needs the first to have reset it
-        out.append(router_topk(x, w, K, renorm, ticket))
+    # twice through one ticket (the second launch needs the first to have reset it), counting the experts: the
+    # first launch every row, the second only if valid_rows[0] > 0 (0 here: a graph's padding row)
+    for valid in (None, torch.zeros(1, dtype=torch.int64, device=device)):
+        out.append(router_topk(x, w, K, renorm, ticket, counts=counts, valid_rows=valid))
         if int(ticket.item()) != 0:
             return {"ok": False, "why": f"ticket {int(ticket.item())} after a launch"}
     (wt, ids, logits), (wt2, ids2, _) = out
     res = {"ids_in_range": bool(((ids >= 0) & (ids < E)).all()), "distinct": len(set(ids[0].tolist())) == K,
-           "repeat_equal": torch.equal(ids, ids2) and torch.equal(wt.isnan(), wt2.isnan())}
+           "repeat_equal": torch.equal(ids, ids2) and torch.equal(wt.isnan(), wt2.isnan()),
+           "counted_once": torch.equal(counts.cpu(), torch.bincount(ids[0].long().cpu(), minlength=E))}
     if nan:
         return {**res, "ok": res["ids_in_range"] and res["distinct"] and bool(wt.isnan().all())}
     ref_logits = torch.nn.functional.linear(x.double(), w.double()).to(dt).double()
@@ -98,6 +103,7 @@ def test_gpu_block_fused_against_two_steps(monkeypatch, renorm: bool) -> None:
     import hybridmoe.moe.triton_experts  # noqa: F401  (registers "triton")
     from hybridmoe.moe.experts import ExpertWeights, create_experts
     from hybridmoe.moe.layer import SparseMoEBlock
+    from hybridmoe.moe.recorder import ExpertDistributionRecorder, RecordingExperts
 
     torch.manual_seed(0)
     H, E, K, Isz = 256, 32, 4, 96
@@ -106,14 +112,18 @@ def test_gpu_block_fused_against_two_steps(monkeypatch, renorm: bool) -> None:
     gu = torch.randn(E, 2 * Isz, H, device="cuda", dtype=torch.bfloat16) / H**0.5
     dn = torch.randn(E, H, Isz, device="cuda", dtype=torch.bfloat16) / Isz**0.5
     blk.experts = create_experts("triton", ExpertWeights(gu, dn), 0)
+    rec = ExpertDistributionRecorder(None, E, torch.device("cuda"), (0,))
+    blk.experts = RecordingExperts(blk.experts, rec, 0)  # as the engine installs them: always counting
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     assert blk._fused_router(x, blk.gate)
     fused = blk(x)
+    once = rec.counts[0].clone()  # counted by the router launch, once (not again by the wrapper)
     monkeypatch.setenv("HYBRIDMOE_ROUTER_FUSED", "0")
     assert not blk._fused_router(x, blk.gate)
     two = blk(x)
     monkeypatch.delenv("HYBRIDMOE_ROUTER_FUSED")
     assert ((fused.float() - two.float()).abs().max() / two.float().abs().max()).item() <= 2e-2
+    assert int(once.sum()) == K and torch.equal(rec.counts[0] - once, once)  # the same K experts either way
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = blk(x)

@@ -55,15 +55,17 @@ def test_sum_pairs_kernel_compiles():
     compile_sm90(_sum_pairs_kernel, dict(pairs_ptr="*bf16", out_ptr="*bf16", H="i32"), dict(K=8, BLOCK=1024))
 
 
+@pytest.mark.parametrize("count", ["no", "all", "valid"])
 @pytest.mark.parametrize("renorm", [True, False])
-def test_router_topk_kernel_compiles(renorm):
+def test_router_topk_kernel_compiles(renorm, count):
     """The fused router's scalar ticket atomic, its float bits through int32 atomics and the last program's
-    branch (moe/router_triton.py)."""
+    branch, with the expert count (int64 atomics, the padding-row test) or without (moe/router_triton.py)."""
     from hybridmoe.moe.router_triton import _router_topk_kernel
 
     types = dict(x_ptr="*bf16", w_ptr="*bf16", logits_ptr="*i32", ticket_ptr="*i32", wout_ptr="*fp32",
-                 ids_ptr="*i32", H="i32", E="i32")
-    compile_sm90(_router_topk_kernel, types, dict(K=8, RENORM=renorm, EP=2, BLOCK_H=1024, BLOCK_E=128))
+                 ids_ptr="*i32", counts_ptr="*i64", valid_ptr="*i64", H="i32", E="i32")
+    compile_sm90(_router_topk_kernel, types, dict(K=8, RENORM=renorm, EP=2, BLOCK_H=1024, BLOCK_E=128,
+                                                  COUNT=count != "no", HAS_VALID=count == "valid", BLOCK_K=8))
 
 
 def test_count_kernel_compiles():

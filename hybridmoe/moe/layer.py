@@ -15,6 +15,7 @@ from torch import nn
 from hybridmoe import envs
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.moe.experts import MoEExperts
+from hybridmoe.moe.recorder import RecordingExperts
 from hybridmoe.moe.routing import RoutingConfig, route
 
 
@@ -87,8 +88,13 @@ class SparseMoEBlock(nn.Module):
 
             if self._ticket is None or self._ticket.device != x.device:
                 self._ticket = new_ticket(x.device)
-            weights, ids, _ = router_topk(x, gate.weight, self.routing.top_k, self.routing.renormalize, self._ticket)
-            return self.forward_routed(x, ids, weights)
+            experts, counts, valid = self.experts, None, None
+            if isinstance(experts, RecordingExperts):  # the router launch counts the experts, not a second one
+                counts, valid = experts.recorder.count_target(experts.layer_idx, x.device)
+                experts = experts.inner
+            weights, ids, _ = router_topk(x, gate.weight, self.routing.top_k, self.routing.renormalize, self._ticket,
+                                          counts=counts, valid_rows=valid)
+            return self.forward_routed(x, ids, weights, experts)
         return self.forward_logits(x, gate(x))
 
     def _fused_router(self, x: torch.Tensor, gate: nn.Module) -> bool:
@@ -106,9 +112,12 @@ class SparseMoEBlock(nn.Module):
         weights, ids = route(logits, self.routing, bias)  # [T, K]
         return self.forward_routed(x, ids, weights)
 
-    def forward_routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The block after its routing: ids [T, K] int32, weights [T, K] float32 -> [T, H]."""
-        assert self.experts is not None, "expert weights were not loaded"
+    def forward_routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       experts: MoEExperts | None = None) -> torch.Tensor:
+        """The block after its routing: ids [T, K] int32, weights [T, K] float32 -> [T, H]. `experts`: the
+        backend to run (default self.experts; the fused router passes the one inside the recorder's wrapper)."""
+        experts = self.experts if experts is None else experts
+        assert experts is not None, "expert weights were not loaded"
         if self.has_shared:  # a backend waiting on the CPU runs the shared experts in that window
-            return self.experts.forward_with(x, ids, weights, lambda: self.shared(x))
-        return self.experts.forward(x, ids, weights)
+            return experts.forward_with(x, ids, weights, lambda: self.shared(x))
+        return experts.forward(x, ids, weights)

@@ -49,10 +49,16 @@ class ExpertDistributionRecorder:
         finally:
             self.valid_rows = None
 
-    def record(self, layer: int, topk_ids: torch.Tensor) -> None:  # topk_ids [T, K]
+    def count_target(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(counts [E] int64 of `layer`, valid rows [1] or None) for a kernel that counts itself (the fused
+        router, moe/router_triton.py): what `record` would add to."""
         c = self.counts.get(layer)
         if c is None:
-            c = self.counts[layer] = torch.zeros(self.num_experts, dtype=torch.int64, device=topk_ids.device)
+            c = self.counts[layer] = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        return c, self.valid_rows.to(device) if self.valid_rows is not None else None
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:  # topk_ids [T, K]
+        c, _ = self.count_target(layer, topk_ids.device)
         if topk_ids.is_cuda:  # one Triton launch, not ~6 torch ones (recorder_kernel.py)
             from hybridmoe.moe.recorder_kernel import count_experts
 

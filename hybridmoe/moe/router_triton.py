@@ -30,8 +30,9 @@ CONFIG = (2, 1024, 4)
 
 
 @triton.jit
-def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, ticket_ptr, wout_ptr, ids_ptr, H, E, K: tl.constexpr,
-                        RENORM: tl.constexpr, EP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, ticket_ptr, wout_ptr, ids_ptr, counts_ptr, valid_ptr, H, E,
+                        K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_E: tl.constexpr, COUNT: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_e = tl.program_id(0) * EP + tl.arange(0, EP)
     me = offs_e < E
     offs_h = tl.arange(0, BLOCK_H)
@@ -52,6 +53,16 @@ def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, ticket_ptr, wout_ptr, ids_ptr,
         mask = offs < E
         bits = tl.atomic_add(logits_ptr + offs, tl.zeros((BLOCK_E,), dtype=tl.int32), mask=mask, sem="acquire")
         softmax_topk_store(bits.to(tl.float32, bitcast=True), offs, mask, wout_ptr, ids_ptr, K, RENORM, BLOCK_E)
+        if COUNT:  # the expert-distribution recorder's count (recorder_kernel.py's, for this one row)
+            tl.debug_barrier()  # the ids stored above, read back by every thread
+            offs_k = tl.arange(0, BLOCK_K)
+            if HAS_VALID:  # a graph's padding row (valid_rows[0] == 0) counts nothing
+                mk = offs_k < tl.where(tl.load(valid_ptr) > 0, K, 0)
+            else:
+                mk = offs_k < K
+            ids = tl.load(ids_ptr + offs_k, mask=mk, other=0).to(tl.int64)
+            mk = mk & (ids >= 0) & (ids < E)
+            tl.atomic_add(counts_ptr + ids, tl.full((BLOCK_K,), 1, tl.int64), mask=mk)
 
 
 def new_ticket(device: torch.device) -> torch.Tensor:
@@ -66,8 +77,13 @@ def router_topk(
     renormalize: bool,
     ticket: torch.Tensor,  # new_ticket(); never shared by launches that may run at the same time
     config: tuple[int, int, int] | None = None,  # (EP, BLOCK_H, warps), powers of two; default CONFIG
+    counts: torch.Tensor | None = None,  # [E] int64: += 1 for each chosen expert (the recorder's count)
+    valid_rows: torch.Tensor | None = None,  # device [1] integer: count only when valid_rows[0] > 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weights [1, K] float32, ids [1, K] int32, logits [1, E] float32 rounded to x's dtype) of one token."""
+    """(weights [1, K] float32, ids [1, K] int32, logits [1, E] float32 rounded to x's dtype) of one token.
+
+    With `counts`, the launch also counts the chosen experts (what recorder_kernel.count_experts would do in a
+    second launch)."""
     t, h = x.shape
     e = weight.shape[0]
     assert t == 1 and weight.shape[1] == h and weight.is_contiguous() and 0 < top_k <= e <= 4096, (x.shape, weight.shape)
@@ -76,7 +92,13 @@ def router_topk(
     w = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
     ep, block_h, warps = config or CONFIG
-    _router_topk_kernel[(triton.cdiv(e, ep),)](x, weight, logits, ticket, w, ids, h, e, K=top_k, RENORM=renormalize,
-                                                EP=ep, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(e),
-                                                num_warps=warps)
+    if counts is not None:
+        assert counts.shape == (e,) and counts.dtype == torch.int64 and counts.device == x.device, counts.shape
+    cnt = counts if counts is not None else logits  # unread pointers without COUNT / HAS_VALID
+    valid = valid_rows if valid_rows is not None else cnt
+    _router_topk_kernel[(triton.cdiv(e, ep),)](x, weight, logits, ticket, w, ids, cnt, valid, h, e, K=top_k,
+                                                RENORM=renormalize, EP=ep, BLOCK_H=block_h,
+                                                BLOCK_E=triton.next_power_of_2(e), COUNT=counts is not None,
+                                                HAS_VALID=valid_rows is not None,
+                                                BLOCK_K=triton.next_power_of_2(top_k), num_warps=warps)
     return w, ids, logits.view(torch.float32)

@@ -127,7 +127,8 @@ def _mla_decode_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         part = (b * NUM_HEADS + heads).to(tl.int64) * num_splits + split  # [BLOCK_H] rows of [B, H, X]
-        tl.store(part_out_ptr + part[:, None] * LKV + offs_l[None, :], out, mask=io_mask)
+        tl.store(part_out_ptr + part[:, None] * LKV + offs_l[None, :], out.to(part_out_ptr.dtype.element_ty),
+                 mask=io_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=h_mask)
 
@@ -160,7 +161,7 @@ def _mla_reduce_kernel(
         w = tl.exp2(tl.load(part_lse_ptr + row + x0 + offs_x, mask=x_mask, other=float("-inf")) - m_all)  # empty: 0
         total += w
         part = tl.load(part_out_ptr + (row + x0 + offs_x)[:, None] * LKV + offs_l[None, :],
-                       mask=x_mask[:, None] & l_mask[None, :], other=0.0)  # [BLOCK_X, BLOCK_L]
+                       mask=x_mask[:, None] & l_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_X, BLOCK_L]
         acc += tl.sum(w[:, None] * part, 0)
     t = tl.sum(total, 0)
     out = acc / tl.where(t > 0, t, 1.0)
@@ -212,6 +213,7 @@ def _pad(n: int) -> int:
 
 
 _REDUCE_BLOCK_X = 8  # splits the merge kernel loads at a time ([8, 512] fp32: 32 registers a thread at 4 warps)
+_PARTIAL_DTYPE = torch.float32  # the splits' normalized partial outputs (the merge adds them in fp32)
 
 # Rates of choose_num_splits' time model (H200-like guesses; only their ratios matter, and only roughly).
 _PROGRAM_FLOPS = 2.5e12  # tensor-core FLOP/s of one program (one an SM: ~330 TFLOP/s over 132 SMs)
@@ -286,7 +288,7 @@ def mla_decode(
         bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * page
         num_splits = choose_num_splits(bsz, heads, lkv, rope, bound, cfg, _num_sms(q_lat.device))
     if num_splits > 1:
-        part_out = torch.empty(bsz, heads, num_splits, lkv, dtype=torch.float32, device=q_lat.device)
+        part_out = torch.empty(bsz, heads, num_splits, lkv, dtype=_PARTIAL_DTYPE, device=q_lat.device)
         part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q_lat.device)
     else:
         part_out = part_lse = out  # unused
