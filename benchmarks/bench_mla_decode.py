@@ -242,7 +242,8 @@ class Bench:
         tile = tile or a.tile
         cfg = self.config(tile) if tile else self.m.decode_config(self.dtype, a.lkv, a.heads,
                                                                              a.device != "cuda")
-        return self.m.choose_num_splits(row.batch, a.heads, a.lkv, a.rope, row.pages_per_seq * a.page, cfg, self.sms)
+        return self.m.choose_num_splits(row.batch, a.heads, a.lkv, a.rope, row.pages_per_seq * a.page, cfg, self.sms,
+                                        partial_bytes=ELT)
 
 
 def kernel_flops(a: argparse.Namespace, row: Row) -> int:

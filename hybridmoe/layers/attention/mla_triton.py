@@ -59,7 +59,7 @@ def _mla_decode_kernel(
     split_len = ceil(seq_len / X) rounded up to BLOCK_N, so a sequence's work spreads over all X
     programs whatever its length (some stay empty when seq_len < X * BLOCK_N). Without SPLIT (X == 1)
     the program writes the output; otherwise the normalized partial output and its log-sum-exp (base 2)
-    go to part_out [B, H, X, Lkv] / part_lse [B, H, X]. X is a runtime value so that the batch sizes of
+    go to part_out [B, H, X, Lkv] (fp32 or the model dtype) / part_lse [B, H, X] (fp32). X is a runtime value so that the batch sizes of
     the engine's CUDA graphs (each its own X) share one compiled kernel.
     """
     b = tl.program_id(0)
@@ -140,8 +140,8 @@ def _mla_reduce_kernel(
 ):
     """One program: sequence b, head h. Merges the X partial outputs, each weighted by 2^(lse - max).
 
-    BLOCK_X splits at a time ([BLOCK_X, Lkv] fp32 loads, several rows in flight: at batch 1 the
-    partials are as many bytes as the cache, and one row a step left this kernel latency-bound)."""
+    BLOCK_X split rows a step ([BLOCK_X, Lkv] loads; _REDUCE_BLOCK_X says which measured best). The partials
+    may be fp32 or the model dtype; the sums are fp32."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = (b * NUM_HEADS + h).to(tl.int64) * num_splits
@@ -212,25 +212,31 @@ def _pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-_REDUCE_BLOCK_X = 8  # splits the merge kernel loads at a time ([8, 512] fp32: 32 registers a thread at 4 warps)
-_PARTIAL_DTYPE = torch.float32  # the splits' normalized partial outputs (the merge adds them in fp32)
+# The merge's split rows a step, and the dtype of the splits' normalized partial outputs (None: the input's; the
+# merge adds them in fp32). At batch 1 the partials are as many bytes as the cache (B * H * X * Lkv against
+# B * ctx * (Lkv + R)): halving them, with one row a step, measured best (H100 host, session 27,
+# results/session27/mla_split_probe.py: B 1 x 8K kernel 25.9 us at X 64 against 33.6 us before, fp32 partials
+# at X 43 with 8 rows a step; 8 rows a step did not pay with bf16 partials, nor at B 16).
+_REDUCE_BLOCK_X = 1
+_PARTIAL_DTYPE: torch.dtype | None = None
 
 # Rates of choose_num_splits' time model (H200-like guesses; only their ratios matter, and only roughly).
 _PROGRAM_FLOPS = 2.5e12  # tensor-core FLOP/s of one program (one an SM: ~330 TFLOP/s over 132 SMs)
-_PARTIAL_BW = 3.0e12  # B/s for the fp32 partial results, written by the splits and read by the merge
+_PARTIAL_BW = 3.0e12  # B/s for the partial results, written by the splits and read by the merge
 _MERGE_S = 3e-6  # the merge kernel's launch and tail
 _FIXED_TOKENS = 32  # a program's fixed work (q tile load, epilogue) in tokens' worth of its compute
 
 
 @functools.lru_cache(maxsize=1024)  # eager decode calls it once a layer a step
 def choose_num_splits(num_seqs: int, num_heads: int, lkv: int, rope: int, max_tokens: int, cfg: MLADecodeConfig,
-                      num_sms: int, max_splits: int = 64) -> int:
+                      num_sms: int, max_splits: int = 64, partial_bytes: int = 2) -> int:
     """Context splits X from static sizes only: the X of least modeled time for sequences of max_tokens.
 
     Time(X) = waves * (fixed + ceil(max_tokens / X) tokens) + [X > 1] * (merge launch + partial traffic),
     where the num_seqs * ceil(H / block_h) * X programs run one an SM (the bf16 tile's shared memory
     allows one) in ceil(programs / num_sms) waves, a token costs a program 2 * block_h * (2 Lkv + R) FLOP,
-    and the partials are B * H * X * Lkv fp32 written once and read once. At a batch that fills the
+    and the partials are B * H * X * Lkv elements of partial_bytes (the input dtype's: 2 for bf16) written
+    once and read once. At a batch that fills the
     SMs this gives X = 1; at batch 1 a few dozen splits, fewer for short contexts, where the partials
     would outweigh the cache rows.
     """
@@ -242,7 +248,7 @@ def choose_num_splits(num_seqs: int, num_heads: int, lkv: int, rope: int, max_to
         split_tokens = triton.cdiv(triton.cdiv(max_tokens, x), cfg.block_n) * cfg.block_n
         t = triton.cdiv(programs * x, num_sms) * (_FIXED_TOKENS + split_tokens) * token_s
         if x > 1:
-            t += _MERGE_S + num_seqs * num_heads * x * lkv * 8 / _PARTIAL_BW
+            t += _MERGE_S + num_seqs * num_heads * x * lkv * 2 * partial_bytes / _PARTIAL_BW
         if t < best_t:
             best, best_t = x, t
     return best
@@ -286,9 +292,10 @@ def mla_decode(
     head_blocks = triton.cdiv(heads, cfg.block_h)
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * page
-        num_splits = choose_num_splits(bsz, heads, lkv, rope, bound, cfg, _num_sms(q_lat.device))
+        num_splits = choose_num_splits(bsz, heads, lkv, rope, bound, cfg, _num_sms(q_lat.device),
+                                       partial_bytes=q_lat.element_size())
     if num_splits > 1:
-        part_out = torch.empty(bsz, heads, num_splits, lkv, dtype=_PARTIAL_DTYPE, device=q_lat.device)
+        part_out = torch.empty(bsz, heads, num_splits, lkv, dtype=_PARTIAL_DTYPE or q_lat.dtype, device=q_lat.device)
         part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q_lat.device)
     else:
         part_out = part_lse = out  # unused
