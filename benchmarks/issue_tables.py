@@ -51,8 +51,14 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def _default_settings(rows: list[dict]) -> list[dict]:
+    """The rows (runs or summary entries) of the engine's default settings: a bench_hybrid_decode.py A/B's
+    `--fused-reduce off` rows left out (files from before the option have none)."""
+    return [r for r in rows if r.get("fused_reduce", "on") == "on"]
+
+
 def issue16_deferral(d: dict, src: str) -> list[Row]:
-    runs = [r for r in d["runs"] if r["batch"] == 1]
+    runs = [r for r in _default_settings(d["runs"]) if r["batch"] == 1]
     busy = {k: _median([r["cpu_busy_ms_per_step"] for r in runs if r["deferred"] == k]) for k in (0, 2)}
     tps = {k: _median([r["tokens_per_s"] for r in runs if r["deferred"] == k]) for k in (0, 2)}
     idle = _median([r["cpu_trace"]["idle_before_us"] for r in runs if r["deferred"] == 2 and r.get("cpu_trace")])
@@ -70,9 +76,10 @@ def issue16_deferral(d: dict, src: str) -> list[Row]:
 
 def issue16_hybrid(d: dict, src: str) -> list[Row]:
     rows = []
-    summ = {(s["deferred"], s["batch"]): s for s in d.get("summary", [])}
+    summary = _default_settings(d.get("summary", []))
+    summ = {(s["deferred"], s["batch"]): s for s in summary}
     best_probe = max(d.get("stream_probes_gbps") or [float("nan")])
-    for k in sorted({s["deferred"] for s in d.get("summary", []) if s["batch"] == 1}):
+    for k in sorted({s["deferred"] for s in summary if s["batch"] == 1}):
         s = summ[(k, 1)]
         ratio = s.get("median_ratio_to_best_probe_bound", float("nan"))
         is_default = k == DEFAULT_DEFERRAL

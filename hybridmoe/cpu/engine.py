@@ -172,6 +172,17 @@ class CPUThreadPool:
         native.lib().hm_pool_dynamic(self._h, int(bool(on)))
 
     @property
+    def fused_reduce(self) -> bool:
+        """Whether a one-token MoE task does its weighted sum of the experts' outputs inside the down-projection
+        phase, each output chunk by the thread that completes it (default), instead of after that phase
+        (on the leader alone up to reduce_inline_rows); benchmarks switch it off to compare."""
+        return bool(native.lib().hm_pool_fused_reduce(self._h, -1))
+
+    @fused_reduce.setter
+    def fused_reduce(self, on: bool) -> None:
+        native.lib().hm_pool_fused_reduce(self._h, int(bool(on)))
+
+    @property
     def reduce_inline_rows(self) -> int:
         """Rows (tokens x top-k) up to which a MoE task's weighted sum of the experts' outputs runs on the
         leader thread alone (default 16: decode sizes); above, on all threads. Benchmarks compare."""

@@ -213,6 +213,46 @@ def test_light_phases_do_every_piece(method):
 
 
 @pytest.mark.parametrize("method", ["AMXINT8", "BF16"])
+def test_fused_reduce_changes_nothing_but_speed(method):
+    """CPUThreadPool.fused_reduce (default on): a one-token task sums its experts' outputs inside the down
+    phase, each 256-column chunk by the thread that completes it, instead of in a phase after it. Bit for bit
+    the same output, on fresh inputs (a chunk never summed would keep the previous task's values): H 640 (two
+    whole chunks and a half one), experts skipped (the GPU's), accumulate into fp32 and bf16 outputs, a pool
+    whose threads sleep between phases (they join late) and a one-thread pool; T > 1 ignores the setting."""
+    g = torch.Generator().manual_seed(13)
+    e, h, i, k = 7, 640, 128, 4
+    packed = pack_layer(torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1, method)
+    pools = [CPUThreadPool(threads=3, settings=CPUEngineSettings(spin_us=0)), CPUThreadPool(threads=1)]
+    try:
+        assert all(p.fused_reduce for p in pools)
+        for pool in pools:
+            lay = CPUMoELayer(packed, pool=pool)
+            for j in range(12):
+                t = 1 if j < 10 else 3
+                x = torch.randn(t, h, generator=g)
+                ids = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k].contiguous()
+                w = torch.rand(t, k, generator=g)
+                skip = torch.rand(e, generator=g) < 0.3 if j % 2 else None
+                if skip is not None:
+                    skip[ids[0, 0]] = False  # some expert stays on the CPU (none: nothing to sum)
+                acc, dt = j % 3 == 1, (torch.float32, torch.bfloat16)[j % 4 == 3]
+                base = torch.randn(t, h, generator=g).to(dt)
+                outs = []
+                for fused in (True, False):
+                    pool.fused_reduce = fused
+                    assert pool.fused_reduce == fused
+                    o = base.clone()
+                    outs.append(lay.forward(x, ids, w, out=o, accumulate=acc, skip_mask=skip))
+                pool.fused_reduce = True
+                assert torch.equal(outs[0], outs[1]), f"task {j} (T={t}, skip {skip is not None}, acc {acc}, {dt})"
+                assert not torch.equal(outs[0], base), f"task {j}: nothing written"
+            del lay
+    finally:
+        for p in pools:
+            p.close()
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "BF16"])
 def test_reduce_inline_rows_changes_nothing_but_speed(method):
     """CPUThreadPool.reduce_inline_rows moves a task's weighted sum between the leader alone and all threads:
     the same sum per output row either way (bit for bit), for T * K below, at and above the default 16."""

@@ -138,6 +138,8 @@ struct Workspace {
   std::vector<int64_t> count, offs, pos, qbase;
   std::unique_ptr<std::atomic<int>[]> qdone;  // [units] w13 N-blocks done per (expert, row chunk, block)
   int64_t qcap = 0;
+  std::unique_ptr<std::atomic<int>[]> rdone;  // [chunks] w2 N-blocks done per HCHUNK output chunk (fuse_red)
+  int64_t rcap = 0;
   std::vector<Item> items;
   std::vector<std::vector<Item>> per_sub;
   explicit Workspace(int n) : cbuf(size_t(n)) {}
@@ -169,6 +171,7 @@ struct Ctx {
   int64_t ngsl = 0;
   float* slot_w;
   bool fuse_q2 = false;  // the activation is converted inside the w13 phase (Kernels::quant_block)
+  bool fuse_red = false;  // one token: the weighted sum is done inside the w2 phase (reduce_done)
   const LoraTask* lora = nullptr;  // the pairs' adapter deltas (lora.h); null: none in this task
   int64_t sub_beg[MAXSUB + 1];
   Counter next[MAXSUB];
@@ -271,6 +274,8 @@ void ph_quant2(int tid, void* p) {
     }
 }
 
+HM_AVX2 void reduce_done(const Ctx& c, int nb0, int nb1, int M);
+
 template <bool STAGE1>
 HM_AVX2 void ph_gemm(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
@@ -315,18 +320,19 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
       ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2, c.prefetch};
       c.k->gemm(d.method, d.w2, it.e, A, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp, d.group);
       if (c.lora) lora_down(*c.lora, it.e, r0, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp);
+      if (c.fuse_red) reduce_done(c, it.nb0, it.nb1, M);
     }
   }
 }
 
-HM_AVX2 void ph_reduce(int tid, void* p) {
-  Ctx& c = *static_cast<Ctx*>(p);
+// Output unit u = (token u / nch, columns of chunk u % nch): out (+)= sum_j w_j * y[slot(token, j)].
+HM_AVX2 void reduce_unit(const Ctx& c, int64_t u) {
   const HmTask& t = *c.t;
   const int H = c.d->H, K = t.K;
-  int64_t nch = (H + HCHUNK - 1) / HCHUNK, b, e;
+  const int64_t nch = (H + HCHUNK - 1) / HCHUNK;
   alignas(32) float acc[HCHUNK];
-  for (Pieces pc{c, t.T * nch, 2}; pc.next(b, e);)
-    for (int64_t u = b; u < e; ++u) {
+  {
+    {
       int64_t tok = u / nch;
       int h0 = int(u % nch) * HCHUNK, hn = std::min(HCHUNK, H - h0);
       float* of = t.out_dtype == DT_F32 ? static_cast<float*>(t.out) + tok * H + h0 : nullptr;
@@ -354,6 +360,32 @@ HM_AVX2 void ph_reduce(int tid, void* p) {
         }
       }
     }
+  }
+}
+
+HM_AVX2 void ph_reduce(int tid, void* p) {
+  Ctx& c = *static_cast<Ctx*>(p);
+  const int64_t nch = (c.d->H + HCHUNK - 1) / HCHUNK;
+  int64_t b, e;
+  for (Pieces pc{c, c.t->T * nch, 2}; pc.next(b, e);)
+    for (int64_t u = b; u < e; ++u) reduce_unit(c, u);
+}
+
+// fuse_red (one token): a w2 item of M rows over N-blocks [nb0, nb1) is done; the thread that completes a
+// chunk's last N-block of every slot sums that chunk (acq_rel: it sees the other items' y). The weighted sum
+// then runs spread over the threads as the chunks complete, inside the phase, instead of on the leader alone
+// after its barrier (11 us of a 504 us batch-1 task on the 16-core H100 host, session 23, paid by each task:
+// at deferral 2 two a layer).
+HM_AVX2 void reduce_done(const Ctx& c, int nb0, int nb1, int M) {
+  constexpr int kChunkNB = HCHUNK / 16;
+  const int NB = c.d->w2.N / 16;
+  const int64_t nch = (c.d->H + HCHUNK - 1) / HCHUNK;
+  for (int ch = nb0 / kChunkNB; ch * kChunkNB < nb1; ++ch) {
+    const int lo = std::max(nb0, ch * kChunkNB), hi = std::min(nb1, (ch + 1) * kChunkNB);
+    const int want = int(c.S) * (std::min(NB, (ch + 1) * kChunkNB) - ch * kChunkNB);
+    const int n = (hi - lo) * M;
+    if (c.ws->rdone[size_t(ch)].fetch_add(n, std::memory_order_acq_rel) + n == want && ch < nch) reduce_unit(c, ch);
+  }
 }
 
 // The output rows of the tokens marked in c.badrow, NaN (HmTask.nan_rows; rare: on the leader).
@@ -449,6 +481,17 @@ void prepare_qdone(Ctx& c) {
   for (int64_t i = 0; i < n; ++i) ws.qdone[size_t(i)].store(0, std::memory_order_relaxed);
 }
 
+// The counters of the fused weighted sum: one per HCHUNK chunk of the w2 output columns, zero.
+void prepare_rdone(Ctx& c) {
+  Workspace& ws = *c.ws;
+  const int64_t n = (c.d->w2.N / 16 + HCHUNK / 16 - 1) / (HCHUNK / 16);
+  if (n > ws.rcap) {
+    ws.rdone.reset(new std::atomic<int>[size_t(n)]);
+    ws.rcap = n;
+  }
+  for (int64_t i = 0; i < n; ++i) ws.rdone[size_t(i)].store(0, std::memory_order_relaxed);
+}
+
 std::string route(Ctx& c) {
   const HmTask& t = *c.t;
   Workspace& ws = *c.ws;
@@ -516,7 +559,8 @@ struct Stopwatch {
 };
 }  // namespace
 
-std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int prefetch_bytes, int reduce_inline_rows) {
+std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int prefetch_bytes, int reduce_inline_rows,
+                         bool fuse_reduce) {
   if (!t.layer) return "null layer";
   const HmLayer& L = *static_cast<const HmLayer*>(t.layer);
   const LayerDesc& d = L.d;
@@ -591,6 +635,8 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
       return "expert activation holds NaN or Inf (an overflow, or non-finite expert weights)" + c.at_token();
     sw.lap(3);
     build_items(c, d.w2, CW2, 1);
+    c.fuse_red = fuse_reduce && t.T == 1;
+    if (c.fuse_red) prepare_rdone(c);
     pool.parallel(ph_gemm<false>, &c, dyn);
     sw.lap(4);
   } else {
@@ -599,7 +645,7 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
   // a decode-sized sum (T * K <= 16 rows of H) costs a few us on one thread, less than a phase, on the
   // 2-core Zen 4; on the 16-core H100 host the T=1 sum took 11 us of a 504 us Qwen3-30B-A3B task (its rows
   // written by other cores): reduce_inline_rows lets benchmarks compare (bench_cpu_moe --reduce-inline)
-  light(pool, c, ph_reduce, t.T * int64_t(t.K) <= reduce_inline_rows);
+  if (!c.fuse_red) light(pool, c, ph_reduce, t.T * int64_t(t.K) <= reduce_inline_rows);
   if (c.any_badrow.load()) nan_rows(c);
   sw.lap(5);
   g_profile[6] += 1;  // task count

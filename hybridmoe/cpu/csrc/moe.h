@@ -50,10 +50,11 @@ constexpr int kReduceInlineRows = 16;
 
 // Runs the task with the pool's threads (call on the leader thread); prefetch_bytes: the few-row
 // kernels' software prefetch distance (0: none); reduce_inline_rows: the weighted sum of the experts'
-// outputs runs on the leader alone up to this many rows (T * K), on all threads above. Returns "" or
-// an error text.
+// outputs runs on the leader alone up to this many rows (T * K), on all threads above; fuse_reduce: a
+// one-token task does that sum inside the w2 phase instead (each output chunk by the thread that
+// completes it), whatever reduce_inline_rows says. Returns "" or an error text.
 std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& task, int prefetch_bytes,
-                         int reduce_inline_rows = kReduceInlineRows);
+                         int reduce_inline_rows = kReduceInlineRows, bool fuse_reduce = true);
 
 // Stream-read bandwidth of `bytes` with all pool threads (leader thread), GB/s.
 double stream_read(ThreadPool& pool, int64_t bytes, int iters);
