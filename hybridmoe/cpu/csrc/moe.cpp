@@ -138,7 +138,7 @@ struct Workspace {
   std::vector<int64_t> count, offs, pos, qbase;
   std::unique_ptr<std::atomic<int>[]> qdone;  // [units] w13 N-blocks done per (expert, row chunk, block)
   int64_t qcap = 0;
-  std::unique_ptr<std::atomic<int>[]> rdone;  // [chunks] w2 N-blocks done per HCHUNK output chunk (fuse_red)
+  std::unique_ptr<Counter[]> rdone;  // [chunks] w2 N-blocks done per HCHUNK output chunk (fuse_red), a line each
   int64_t rcap = 0;
   std::vector<Item> items;
   std::vector<std::vector<Item>> per_sub;
@@ -382,9 +382,9 @@ HM_AVX2 void reduce_done(const Ctx& c, int nb0, int nb1, int M) {
   const int64_t nch = (c.d->H + HCHUNK - 1) / HCHUNK;
   for (int ch = nb0 / kChunkNB; ch * kChunkNB < nb1; ++ch) {
     const int lo = std::max(nb0, ch * kChunkNB), hi = std::min(nb1, (ch + 1) * kChunkNB);
-    const int want = int(c.S) * (std::min(NB, (ch + 1) * kChunkNB) - ch * kChunkNB);
-    const int n = (hi - lo) * M;
-    if (c.ws->rdone[size_t(ch)].fetch_add(n, std::memory_order_acq_rel) + n == want && ch < nch) reduce_unit(c, ch);
+    const int64_t want = c.S * (std::min(NB, (ch + 1) * kChunkNB) - ch * kChunkNB);
+    const int64_t n = int64_t(hi - lo) * M;
+    if (c.ws->rdone[size_t(ch)].v.fetch_add(n, std::memory_order_acq_rel) + n == want && ch < nch) reduce_unit(c, ch);
   }
 }
 
@@ -486,10 +486,10 @@ void prepare_rdone(Ctx& c) {
   Workspace& ws = *c.ws;
   const int64_t n = (c.d->w2.N / 16 + HCHUNK / 16 - 1) / (HCHUNK / 16);
   if (n > ws.rcap) {
-    ws.rdone.reset(new std::atomic<int>[size_t(n)]);
+    ws.rdone.reset(new Counter[size_t(n)]);
     ws.rcap = n;
   }
-  for (int64_t i = 0; i < n; ++i) ws.rdone[size_t(i)].store(0, std::memory_order_relaxed);
+  for (int64_t i = 0; i < n; ++i) ws.rdone[size_t(i)].v.store(0, std::memory_order_relaxed);
 }
 
 std::string route(Ctx& c) {
