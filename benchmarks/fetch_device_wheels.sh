@@ -3,7 +3,7 @@
 # versions installed in the current environment, for `run` calls that carry ".whl": run_device_suite.sh installs
 # them into /tmp/site and puts that on PYTHONPATH. Needed by the server tests, bench_serving and the grammar GPU
 # tests (fastapi 0.165 imports opentelemetry-api: without it tests/lora/test_lora_server.py did not collect there;
-# without gguf, `import gguf` in the tests found the tests/gguf folder and tests/cpu stopped at collection).
+# without gguf, `import gguf` in the tests once found the tests/gguf folder, since renamed tests/gguf_io).
 #   . /tmp/venv/bin/activate && bash benchmarks/fetch_device_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

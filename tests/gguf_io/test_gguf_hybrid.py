@@ -3,7 +3,7 @@ torch backend, the copies plain CPU copies, the same layer code as on a GPU mach
 strategy, deferral, the layerwise prefill (GGUF blocks streamed and dequantized: the torch reference
 here, the Triton kernel on CUDA) with and without dynamic expert update, the memory plan.
 
-Tolerances (the model: tests/gguf/conftest.py, experts Q4_K / Q6_K / Q8_0 by layer; reference: every
+Tolerances (the model: tests/gguf_io/conftest.py, experts Q4_K / Q6_K / Q8_0 by layer; reference: every
 expert on the torch side, i.e. torch on the dequantized blocks in fp32):
   * a layerwise forward computes every expert in torch on exactly those weights (the streamed blocks
     dequantized by the reference, fp32): only the summation order differs, logits < 1e-5 relative;

@@ -22,7 +22,7 @@ def test_replay_leaves_the_bf16_numbers(qwen3_gguf):
     ref = LLM(str(qwen3_gguf[1]), **opts)
     run = LLM(str(qwen3_gguf[1]), dtype="bfloat16", **opts)
     a, b = replayed_pair(run.prompt_logits, ref, PROMPT)
-    assert _rel(a, b) < 0.05  # measured 0.035 (without the replay: routing flips, tests/gguf/cuda_parity.py)
+    assert _rel(a, b) < 0.05  # measured 0.035 (without the replay: routing flips, tests/gguf_io/cuda_parity.py)
     own = ref.prompt_logits(PROMPT).float()
     same_a, same_b = replayed_pair(ref.prompt_logits, ref, PROMPT)
     assert torch.equal(same_a, own) and torch.equal(same_b, own)

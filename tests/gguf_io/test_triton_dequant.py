@@ -236,7 +236,7 @@ def test_kernel_cuda_layer_sized(name):
     print(f"{name}: {s * 1e6:.0f} us for {e}x{n}x{k}: {(b.nbytes + e * n * k * 2) / s / 1e9:.0f} GB/s read+write")
 
 
-if __name__ == "__main__":  # interpreter entry point: python tests/gguf/test_triton_dequant.py [cases|layerwise]
+if __name__ == "__main__":  # interpreter entry point: python tests/gguf_io/test_triton_dequant.py [cases|layerwise]
     import os
 
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 (before triton is imported)"

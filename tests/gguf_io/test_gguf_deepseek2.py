@@ -1,13 +1,13 @@
 """`--model FILE.gguf` alone for llama.cpp's deepseek2 architecture: a tiny DeepSeek-V3 (q_lora_rank,
 sigmoid noaux_tc over 4 groups keeping 2 with the selection bias, 1 shared expert, 1 dense layer,
 YaRN) and a V2-Lite style model (no q_lora_rank, softmax group_limited_greedy, 2 shared experts, 2
-dense layers, YaRN) written to GGUF as llama.cpp's converter does (tests/gguf/deepseek2_files.py),
+dense layers, YaRN) written to GGUF as llama.cpp's converter does (tests/gguf_io/deepseek2_files.py),
 in its newer form (kv_b split into attn_k_b / attn_v_b) and its older one (one attn_kv_b).
 
 Tolerances: (a) the GGUF alone against the HF directory plus the GGUF experts (--kt-method
 LLAMAFILE): the same numbers reach the same kernels, logits equal to 1e-6. (b) against torch on the
 dequantized weights: the CPU kernels' per-token Q8_K activation rounding only, 0.10 relative (as
-tests/gguf/test_gguf_model.py). (c) every expert on the torch side from the GGUF: the same numbers
+tests/gguf_io/test_gguf_model.py). (c) every expert on the torch side from the GGUF: the same numbers
 in fp32 with another summation order, 1e-4; the same against transformers' own model on that
 directory (tests/test_deepseek.py's bound).
 """
