@@ -331,34 +331,30 @@ HM_AVX2 void reduce_unit(const Ctx& c, int64_t u) {
   const int H = c.d->H, K = t.K;
   const int64_t nch = (H + HCHUNK - 1) / HCHUNK;
   alignas(32) float acc[HCHUNK];
-  {
-    {
-      int64_t tok = u / nch;
-      int h0 = int(u % nch) * HCHUNK, hn = std::min(HCHUNK, H - h0);
-      float* of = t.out_dtype == DT_F32 ? static_cast<float*>(t.out) + tok * H + h0 : nullptr;
-      uint16_t* ob = t.out_dtype == DT_BF16 ? static_cast<uint16_t*>(t.out) + tok * H + h0 : nullptr;
-      for (int h = 0; h < hn; ++h) acc[h] = !t.accumulate ? 0.0f : of ? of[h] : bf16_to_f32(ob[h]);
-      for (int j = 0; j < K; ++j) {
-        int32_t s = c.tok_slot[tok * K + j];
-        if (s < 0) continue;
-        const float* ys = c.y + int64_t(s) * c.d->Hp + h0;
-        __m256 w = _mm256_set1_ps(c.slot_w[s]);
-        int h = 0;
-        for (; h + 8 <= hn; h += 8)
-          _mm256_store_ps(acc + h, _mm256_fmadd_ps(w, _mm256_loadu_ps(ys + h), _mm256_load_ps(acc + h)));
-        for (; h < hn; ++h) acc[h] += c.slot_w[s] * ys[h];
-      }
-      if (of) {
-        std::memcpy(of, acc, size_t(hn) * 4);
-      } else {
-        int h = 0;
-        for (; h + 8 <= hn; h += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + h), f32_to_bf16_8(_mm256_load_ps(acc + h)));
-        for (; h < hn; ++h) {
-          uint32_t x;
-          std::memcpy(&x, &acc[h], 4);
-          ob[h] = uint16_t((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
-        }
-      }
+  int64_t tok = u / nch;
+  int h0 = int(u % nch) * HCHUNK, hn = std::min(HCHUNK, H - h0);
+  float* of = t.out_dtype == DT_F32 ? static_cast<float*>(t.out) + tok * H + h0 : nullptr;
+  uint16_t* ob = t.out_dtype == DT_BF16 ? static_cast<uint16_t*>(t.out) + tok * H + h0 : nullptr;
+  for (int h = 0; h < hn; ++h) acc[h] = !t.accumulate ? 0.0f : of ? of[h] : bf16_to_f32(ob[h]);
+  for (int j = 0; j < K; ++j) {
+    int32_t s = c.tok_slot[tok * K + j];
+    if (s < 0) continue;
+    const float* ys = c.y + int64_t(s) * c.d->Hp + h0;
+    __m256 w = _mm256_set1_ps(c.slot_w[s]);
+    int h = 0;
+    for (; h + 8 <= hn; h += 8)
+      _mm256_store_ps(acc + h, _mm256_fmadd_ps(w, _mm256_loadu_ps(ys + h), _mm256_load_ps(acc + h)));
+    for (; h < hn; ++h) acc[h] += c.slot_w[s] * ys[h];
+  }
+  if (of) {
+    std::memcpy(of, acc, size_t(hn) * 4);
+  } else {
+    int h = 0;
+    for (; h + 8 <= hn; h += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + h), f32_to_bf16_8(_mm256_load_ps(acc + h)));
+    for (; h < hn; ++h) {
+      uint32_t x;
+      std::memcpy(&x, &acc[h], 4);
+      ob[h] = uint16_t((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
     }
   }
 }
