@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridmoe.cpu import native  # noqa: E402
-from hybridmoe.cpu.engine import CPUMoELayer, CPUThreadPool  # noqa: E402
+from hybridmoe.cpu.engine import FUSE_MODES, CPUMoELayer, CPUThreadPool  # noqa: E402
 from hybridmoe.cpu.quant import PackedLayer, PackedMatrix, pack_layer  # noqa: E402
 from hybridmoe.cpu.settings import CPUEngineSettings  # noqa: E402
 
@@ -84,7 +84,7 @@ def run_pool(args, pool: CPUThreadPool, sets: list[tuple[str, list[CPUMoELayer],
     h = args.H
     pf = pool.settings.prefetch_bytes
     rows = []
-    dyn0, ri0, fr0 = pool.dynamic_phases, pool.reduce_inline_rows, pool.fused_reduce  # restored after the rows
+    dyn0, ri0, fr0 = pool.dynamic_phases, pool.reduce_inline_rows, pool.fuse_mode  # restored after the rows
     for t in args.T:
         # the probe read 94-147 GB/s minutes apart on one machine: each row gets its own, taken
         # right before it, and the ratio is to the median of the first and that one
@@ -96,10 +96,10 @@ def run_pool(args, pool: CPUThreadPool, sets: list[tuple[str, list[CPUMoELayer],
         for method, layers, ebytes in sets:
             for dyn in args.dynamic or [dyn0]:  # interleaved with the methods, against the same probe
                 for ri in args.reduce_inline or [ri0]:
-                    for fr in args.fused_reduce or [fr0]:
-                        pool.dynamic_phases, pool.reduce_inline_rows, pool.fused_reduce = dyn, ri, fr
+                    for fr in args.fuse or [fr0]:
+                        pool.dynamic_phases, pool.reduce_inline_rows, pool.fuse_mode = dyn, ri, fr
                         rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri, fr))
-    pool.dynamic_phases, pool.reduce_inline_rows, pool.fused_reduce = dyn0, ri0, fr0
+    pool.dynamic_phases, pool.reduce_inline_rows, pool.fuse_mode = dyn0, ri0, fr0
     return rows
 
 
@@ -144,7 +144,7 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri,
         "prefetch": pf,
         "dynamic_phases": dyn,
         "reduce_inline_rows": ri,
-        "fused_reduce": fr,
+        "fuse": fr,
         "phase_us": phases,
         "us_per_layer": med * 1e6,
         "eff_bw_gbps": bw,
@@ -157,7 +157,7 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri,
     ph = " ".join(f"{k}={v:.0f}" for k, v in phases.items()) if args.profile else ""
     print(
         f"{method:>8} {t:>6} {med * 1e6:>10.1f} {bw:>8.1f} {bw / ref_bw:>6.2f} {tflops:>8.2f} {experts:>8.1f} "
-        f"{ref_bw:>7.1f} {pf:>6} {'on' if dyn else 'off':>4} {ri:>4} {'on' if fr else 'off':>4}  {ph}", flush=True
+        f"{ref_bw:>7.1f} {pf:>6} {'on' if dyn else 'off':>4} {ri:>4} {fr:>6}  {ph}", flush=True
     )
     return row
 
@@ -196,7 +196,7 @@ def run(args) -> dict:
               f"subpools={pool.subpools} E={e} k={k} H={h} I={i} layers={args.layers} expert={eb / 1e6:.2f} MB")
     print(f"# prep={prep_s:.1f}s; stream-read bandwidth (library pool, {args.stream_bytes >> 20} MiB): {stream:.1f} GB/s")
     print(f"{'method':>8} {'T':>6} {'us/layer':>10} {'GB/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'experts':>8} "
-          f"{'stream':>7} {'pf':>6} {'dyn':>4} {'ri':>4} {'fr':>4}")
+          f"{'stream':>7} {'pf':>6} {'dyn':>4} {'ri':>4} {'fuse':>6}")
     rows = []
     probes = [stream]
     for st in settings:
@@ -242,6 +242,14 @@ def run(args) -> dict:
         "stream_probes_gbps": probes,
         "results": rows,
     }
+
+
+def _fuse_list(s: str) -> list[str]:
+    vals = s.split(",")
+    for v in vals:
+        if v not in FUSE_MODES:
+            raise argparse.ArgumentTypeError(f"{v!r}: one of {', '.join(FUSE_MODES)}")
+    return vals
 
 
 def _on_off_list(s: str) -> list[bool]:
@@ -292,9 +300,11 @@ def main(argv=None):
                     help="e.g. 16,0: every row with the pool's reduce_inline_rows at each value in turn (the "
                          "weighted sum of T * K rows on the leader alone up to that many; 0: always on all "
                          "threads)")
-    ap.add_argument("--fused-reduce", type=_on_off_list, default=None,
-                    help="on,off: every row with the pool's fused_reduce on and off in turn (CPUThreadPool."
-                         "fused_reduce: a one-token task's weighted sum inside its down phase, or after it)")
+    ap.add_argument("--fuse", type=_fuse_list, default=None,
+                    help="e.g. on,off or on,reduce,quant,off: every row with the pool's fuse_mode at each value in "
+                         "turn (CPUThreadPool.fuse_mode: a one-token task's weighted sum inside its down phase "
+                         "(reduce), a decode task's activation conversion inside its gate/up phase (quant), both "
+                         "(on, the default) or neither (off))")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     if args.dummy_model is not None:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import add_shape_args, parse_shape_args, start_decode, write_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hybridmoe.cpu.engine import FUSE_MODES  # noqa: E402
 from hybridmoe.cpu.settings import CPUEngineSettings  # noqa: E402
 
 
@@ -150,9 +151,10 @@ def main() -> None:
     p.add_argument("--hostfn-spin-us", type=int, default=CPUEngineSettings().hostfn_spin_us,
                    help="CPUEngineSettings.hostfn_spin_us: host-function waits spin this long before sleeping "
                         "(-1: the pool's spin); fixed for the run (the CPU pool's setting)")
-    p.add_argument("--fused-reduce", default="on", type=lambda v: v.split(","), metavar="on[,off]",
-                   help="CPUThreadPool.fused_reduce for the batch-1 rows, each value in turn (on,off: an A/B in one "
-                        "process): a one-token task's weighted sum inside its down phase (on) or after it")
+    p.add_argument("--fuse", default="on", type=lambda v: v.split(","), metavar="on[,off,reduce,quant]",
+                   help="CPUThreadPool.fuse_mode for the batch-1 rows, each value in turn (on,off: an A/B in one "
+                        "process): a one-token task's weighted sum inside its down phase (reduce), its activation "
+                        "conversion inside its gate/up phase (quant), both (on, the default) or neither (off)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole grid this many times, interleaved (the host's bandwidth drifts); the "
                         "summary gives each setting's median")
@@ -171,8 +173,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tests), not a measurement")
     p.add_argument("--out", default=None)
     a = parse_shape_args(p)
-    if not a.fused_reduce or any(v not in ("on", "off") for v in a.fused_reduce):
-        p.error(f"--fused-reduce {','.join(a.fused_reduce)}: on, off or on,off")
+    if not a.fuse or any(v not in FUSE_MODES for v in a.fuse):
+        p.error(f"--fuse {','.join(a.fuse)}: a comma list of {', '.join(FUSE_MODES)}")
     if a.gguf:
         from hybridmoe.cpu.gguf_quant import TYPE_IDS
 
@@ -231,13 +233,13 @@ def main() -> None:
                 runner.graphs = graphs if mode == "on" else None
                 spin = default_pool().native_settings().hostfn_spin_us  # what the pool got from the config
                 blocking = "on" if llm.engine.sampler.wait_event is not None else "off"  # as the config set it
-                for b, fr in [(bs, f) for bs in a.batch for f in (a.fused_reduce if bs == 1 else ["on"])]:
-                    default_pool().fused_reduce = fr == "on"
+                for b, fr in [(bs, f) for bs in a.batch for f in (a.fuse if bs == 1 else ["on"])]:
+                    default_pool().fuse_mode = fr
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
                     row = {"rep": rep, "deferred": deferred, "graphs": mode, "batch": b,
-                           "steps": steps, "blocking_sync": blocking, "hostfn_spin_us": spin, "fused_reduce": fr,
+                           "steps": steps, "blocking_sync": blocking, "hostfn_spin_us": spin, "fuse": fr,
                            **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
-                    default_pool().fused_reduce = True
+                    default_pool().fuse_mode = "on"
                     if b == 1:
                         before = probes[-1]
                         probes.append(default_pool().stream_read_gbps())
@@ -255,7 +257,7 @@ def main() -> None:
                     extra = (f"  bound {bound:.0f}, ratio {row['ratio_to_bound']:.2f} (adjacent probes "
                              f"{row['ratio_to_adjacent_bound']:.2f})") if b == 1 else ""
                     bl = "" if blocking == "on" else f" blocking-sync {blocking:3s}"
-                    bl += "" if fr == "on" else " fused-reduce off"
+                    bl += "" if fr == "on" else f" fuse {fr}"
                     print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
@@ -277,18 +279,18 @@ def main() -> None:
             if "extrapolated_tokens_per_s" in row:
                 row["extrapolated_ratio_to_best_probe_bound"] = (row["extrapolated_tokens_per_s"] * bpt * target / n_moe
                                                                  / (best * 1e9))
-        key = tuple(row[k] for k in ("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fused_reduce"))
+        key = tuple(row[k] for k in ("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fuse"))
         groups.setdefault(key, []).append(row)
     print(f"best probe of the run {best:.1f} GB/s -> bound {best * 1e9 / bpt:.1f} tok/s; probes "
           f"{', '.join(f'{v:.0f}' for v in probes)}")
     results["summary"] = []
     for key, rows in groups.items():
         med = statistics.median(r["tokens_per_s"] for r in rows)
-        entry = dict(zip(("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fused_reduce"),
+        entry = dict(zip(("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fuse"),
                          key), runs=len(rows), median_tokens_per_s=med,
                      tokens_per_s=[r["tokens_per_s"] for r in rows])
         line = (f"deferred {key[0]} graphs {key[1]:3s} batch {key[2]:3d} blocking-sync {key[3]:3s} "
-                f"hostfn-spin {key[4]} fused-reduce {key[5]}: median {med:.1f} tok/s of {len(rows)} "
+                f"hostfn-spin {key[4]} fuse {key[5]}: median {med:.1f} tok/s of {len(rows)} "
                 f"({', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])})")
         if target and key[2] == 1:
             ext = statistics.median(r["extrapolated_tokens_per_s"] for r in rows)

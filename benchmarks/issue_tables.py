@@ -53,8 +53,9 @@ def _median(xs: list[float]) -> float:
 
 def _default_settings(rows: list[dict]) -> list[dict]:
     """The rows (runs or summary entries) of the engine's default settings: a bench_hybrid_decode.py A/B's
-    `--fused-reduce off` rows left out (files from before the option have none)."""
-    return [r for r in rows if r.get("fused_reduce", "on") == "on"]
+    `--fuse` (session 27: `--fused-reduce`) rows other than `on` left out (files from before the option have
+    none)."""
+    return [r for r in rows if r.get("fuse", r.get("fused_reduce", "on")) == "on"]
 
 
 def issue16_deferral(d: dict, src: str) -> list[Row]:

@@ -35,15 +35,15 @@ def test_bench_hybrid_decode_smoke(tmp_path):
            "--layers", "2", "--experts", "8", "--topk", "2", "--hidden", "64", "--inter", "64", "--heads", "4",
            "--kv-heads", "2", "--head-dim", "16", "--vocab", "128", "--gpu-experts", "2", "--deferred", "0", "1",
            "--batch", "1", "--graphs", "off", "--off-steps", "3", "--prompt-len", "8", "--blocking-sync", "on",
-           "--hostfn-spin-us=-1", "--repeat", "2", "--fused-reduce", "on,off",
+           "--hostfn-spin-us=-1", "--repeat", "2", "--fuse", "on,quant",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = res["runs"]
-    # the grid twice, interleaved: (repeat, deferral, fused reduce)
-    assert [(r["rep"], r["deferred"], r["fused_reduce"]) for r in rows] == [
-        (rep, d, fr) for rep in (0, 1) for d in (0, 1) for fr in ("on", "off")]
+    # the grid twice, interleaved: (repeat, deferral, fuse mode)
+    assert [(r["rep"], r["deferred"], r["fuse"]) for r in rows] == [
+        (rep, d, fr) for rep in (0, 1) for d in (0, 1) for fr in ("on", "quant")]
     assert all(r["hostfn_spin_us"] == -1 for r in rows)
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["cpu_tasks_per_step"] > 0
@@ -54,12 +54,12 @@ def test_bench_hybrid_decode_smoke(tmp_path):
         assert r["ratio_to_bound"] * r["stream_read_gbps"] / hi * 0.9999 <= r["ratio_to_adjacent_bound"]
         assert r["ratio_to_adjacent_bound"] <= r["ratio_to_bound"] * r["stream_read_gbps"] / lo * 1.0001
     assert "CPU trace:" in proc.stdout
-    summary = {(e["deferred"], e["fused_reduce"]): e for e in res["summary"]}
-    assert sorted(summary) == [(0, "off"), (0, "on"), (1, "off"), (1, "on")]
+    summary = {(e["deferred"], e["fuse"]): e for e in res["summary"]}
+    assert sorted(summary) == [(0, "on"), (0, "quant"), (1, "on"), (1, "quant")]
     for (d, fr), e in summary.items():
-        vals = sorted(r["tokens_per_s"] for r in rows if r["deferred"] == d and r["fused_reduce"] == fr)
+        vals = sorted(r["tokens_per_s"] for r in rows if r["deferred"] == d and r["fuse"] == fr)
         assert e["runs"] == 2 and e["median_tokens_per_s"] == (vals[0] + vals[1]) / 2
-    assert "median" in proc.stdout and "fused-reduce off" in proc.stdout
+    assert "median" in proc.stdout and "fuse quant" in proc.stdout
 
 
 def test_bench_hybrid_decode_from_gguf_experts(tmp_path):

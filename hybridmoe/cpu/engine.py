@@ -47,6 +47,11 @@ _TOKEN_ERROR = re.compile(r"(?:non-finite routing weight|holds NaN or Inf(?: \([
                           r"|row (\d+) of the input holds NaN or Inf")
 
 
+# CPUThreadPool.fuse_mode's names -> the native fuse bits (csrc/moe.h: 1 the one-token weighted sum inside the
+# down phase, 2 the few-row activation conversion inside the gate/up phase)
+FUSE_MODES = {"on": 3, "off": 0, "reduce": 1, "quant": 2}
+
+
 class CPUThreadPool:
     """The native thread pool: `threads` pinned threads (None: physical cores - 1) in
     `threadpool_count` sub-pools (one per NUMA node), optionally only on `numa_nodes`' cores, tuned
@@ -171,16 +176,50 @@ class CPUThreadPool:
     def dynamic_phases(self, on: bool) -> None:
         native.lib().hm_pool_dynamic(self._h, int(bool(on)))
 
+    def _fuse_bit(self, bit: int, on: bool | None) -> bool:
+        """Reads (on None) or sets one of the pool's fuse bits (csrc/moe.h kFuse*); returns the bit before."""
+        lib = native.lib()
+        was = lib.hm_pool_fuse(self._h, -1)
+        if on is not None:
+            lib.hm_pool_fuse(self._h, (was | bit) if on else (was & ~bit))
+        return bool(was & bit)
+
     @property
     def fused_reduce(self) -> bool:
         """Whether a one-token MoE task does its weighted sum of the experts' outputs inside the down-projection
         phase, each output chunk by the thread that completes it (default), instead of after that phase
         (on the leader alone up to reduce_inline_rows); benchmarks switch it off to compare."""
-        return bool(native.lib().hm_pool_fused_reduce(self._h, -1))
+        return self._fuse_bit(1, None)
 
     @fused_reduce.setter
     def fused_reduce(self, on: bool) -> None:
-        native.lib().hm_pool_fused_reduce(self._h, int(bool(on)))
+        self._fuse_bit(1, bool(on))
+
+    @property
+    def fused_quant(self) -> bool:
+        """Whether a MoE task with at most 16 rows an expert (decode) converts each expert's activation rows
+        for the down projection inside the gate/up phase, by the thread that completes the expert's last
+        item (default), instead of in a phase of its own after it (on the leader alone up to 8 rows; not
+        with LoRA adapters, nor for GGUF layers, which convert per 256-column block inside the phase
+        anyway); benchmarks switch it off to compare."""
+        return self._fuse_bit(2, None)
+
+    @fused_quant.setter
+    def fused_quant(self, on: bool) -> None:
+        self._fuse_bit(2, bool(on))
+
+    @property
+    def fuse_mode(self) -> str:
+        """Both fuse settings as one name of FUSE_MODES (benchmarks' --fuse): on (both, the default), off
+        (neither), reduce (fused_reduce only), quant (fused_quant only)."""
+        bits = native.lib().hm_pool_fuse(self._h, -1)
+        return next(k for k, v in FUSE_MODES.items() if v == bits)
+
+    @fuse_mode.setter
+    def fuse_mode(self, mode: str) -> None:
+        if mode not in FUSE_MODES:
+            raise ValueError(f"fuse mode {mode!r}: one of {', '.join(FUSE_MODES)}")
+        native.lib().hm_pool_fuse(self._h, FUSE_MODES[mode])
 
     @property
     def reduce_inline_rows(self) -> int:

@@ -53,7 +53,7 @@ int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go) {
     pool->ev(1, my_id);
     try {
       err = run_moe_task(pool->tp, *pool->ws, t, prefetch, pool->reduce_inline_rows.load(std::memory_order_relaxed),
-                         pool->fuse_reduce.load(std::memory_order_relaxed) != 0);
+                         pool->fuse.load(std::memory_order_relaxed));
     } catch (const std::exception& e) {
       err = std::string("CPU MoE task failed: ") + e.what();
     } catch (...) {
@@ -80,7 +80,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 23; }  // 23: hm_pool_fused_reduce; 22: hm_amx_emulated; 21: hm_pool_reduce_inline; 20: HmTask.nan_rows, hm_argmax_bf16's nonfinite mark; 19: hm_attn_kernel (the AVX-512 decode attention span); 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
+int hm_abi_version() { return 24; }  // 24: hm_pool_fuse (was hm_pool_fused_reduce); 23: hm_pool_fused_reduce; 22: hm_amx_emulated; 21: hm_pool_reduce_inline; 20: HmTask.nan_rows, hm_argmax_bf16's nonfinite mark; 19: hm_attn_kernel (the AVX-512 decode attention span); 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];
@@ -182,7 +182,7 @@ int hm_run_task(void* p, const HmTask* task, int64_t spin_us, char* err, int err
     try {
       x.err = hm::run_moe_task(x.pool->tp, *x.pool->ws, *x.t, int(x.pool->settings.prefetch_bytes),
                                x.pool->reduce_inline_rows.load(std::memory_order_relaxed),
-                               x.pool->fuse_reduce.load(std::memory_order_relaxed) != 0);
+                               x.pool->fuse.load(std::memory_order_relaxed));
     } catch (const std::exception& e) {
       x.err = std::string("CPU MoE task failed: ") + e.what();
     } catch (...) {
@@ -313,12 +313,13 @@ int hm_pool_reduce_inline(void* p, int rows) {
   return was;
 }
 
-// Whether a one-token task does its weighted sum of the experts' outputs inside the w2 phase (run_moe_task's
-// fuse_reduce; on by default). on < 0: only reads it. Returns the setting before. Call between tasks.
-int hm_pool_fused_reduce(void* p, int on) {
+// Which light phases of a MoE task run inside its GEMM phases (run_moe_task's fuse bits, moe.h: 1 the
+// one-token weighted sum, 2 the few-row activation conversion; both by default). bits < 0: only reads
+// them. Returns the bits before. Call between tasks.
+int hm_pool_fuse(void* p, int bits) {
   Pool* pool = static_cast<Pool*>(p);
-  const int was = pool->fuse_reduce.load();
-  if (on >= 0) pool->fuse_reduce.store(on != 0 ? 1 : 0);
+  const int was = pool->fuse.load();
+  if (bits >= 0) pool->fuse.store(bits & hm::kFuseAll);
   return was;
 }
 

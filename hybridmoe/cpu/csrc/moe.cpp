@@ -1,6 +1,8 @@
 // The MoE layer driver (see moe.h). Phases, each spread over all pool threads:
 //   1 quantize x per slot  2 w13 GEMM + activation  3 quantize the activation
 //   4 w2 GEMM into y[slot]  5 out[t] (+)= sum_j w_j * y[slot(t, j)]
+// Decode-sized tasks fold phase 3 into phase 2 (each expert's rows converted by the thread that finishes
+// its last gate/up item) and, at one token, phase 5 into phase 4 (moe.h kFuse*).
 // Kernels with quant_block (GGUF) fold phase 3 into phase 2: each 256-column block of an expert's
 // activation rows is converted by the thread that finishes the last gate/up item of that block.
 // Rows of an expert routed one token only are not gathered in phase 1: its items read the token's
@@ -140,6 +142,8 @@ struct Workspace {
   int64_t qcap = 0;
   std::unique_ptr<Counter[]> rdone;  // [chunks] w2 N-blocks done per HCHUNK output chunk (fuse_red), a line each
   int64_t rcap = 0;
+  std::unique_ptr<Counter[]> edone;  // [E] w13 N-blocks done per expert (fuse_q2row), a line each
+  int64_t ecap = 0;
   std::vector<Item> items;
   std::vector<std::vector<Item>> per_sub;
   explicit Workspace(int n) : cbuf(size_t(n)) {}
@@ -172,6 +176,7 @@ struct Ctx {
   float* slot_w;
   bool fuse_q2 = false;  // the activation is converted inside the w13 phase (Kernels::quant_block)
   bool fuse_red = false;  // one token: the weighted sum is done inside the w2 phase (reduce_done)
+  bool fuse_q2row = false;  // few rows an expert: its activation rows are converted inside the w13 phase
   const LoraTask* lora = nullptr;  // the pairs' adapter deltas (lora.h); null: none in this task
   int64_t sub_beg[MAXSUB + 1];
   Counter next[MAXSUB];
@@ -262,16 +267,19 @@ inline void round_to_bf16(float* x, int64_t n) {
   }
 }
 
+// slot s's activation row -> the w2 GEMM's input format
+void quant2_slot(Ctx& c, int64_t s) {
+  if (c.round_act_bf16) round_to_bf16(c.af + s * c.d->Ip, c.d->I);
+  if (!c.k->quant_row(c.d->method, c.af + s * c.d->Ip, DT_F32, c.d->I, c.d->Ip, c.d->group, c.A2 + s * c.ld2,
+                      c.sx2 + s, c.g2 + s * c.gs2))
+    c.mark_bad(c.slot_tok[s]);
+}
+
 void ph_quant2(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
   int64_t b, e;
   for (Pieces pc{c, c.S, 1}; pc.next(b, e);)
-    for (int64_t s = b; s < e; ++s) {
-      if (c.round_act_bf16) round_to_bf16(c.af + s * c.d->Ip, c.d->I);
-      if (!c.k->quant_row(c.d->method, c.af + s * c.d->Ip, DT_F32, c.d->I, c.d->Ip, c.d->group, c.A2 + s * c.ld2,
-                          c.sx2 + s, c.g2 + s * c.gs2))
-        c.mark_bad(c.slot_tok[s]);
-    }
+    for (int64_t s = b; s < e; ++s) quant2_slot(c, s);
 }
 
 HM_AVX2 void reduce_done(const Ctx& c, int nb0, int nb1, int M);
@@ -315,6 +323,10 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
           for (int r = 0; r < M; ++r)
             if (!c.k->quant_block(c.af + (r0 + r) * d.Ip, d.Ip, kb, c.A2 + (r0 + r) * c.ld2))
               c.mark_bad(c.slot_tok[r0 + r]);
+      } else if (c.fuse_q2row) {  // the expert's last item converts its rows (acq_rel: sees the others' af)
+        const int n = it.nb1 - it.nb0;
+        if (c.ws->edone[size_t(it.e)].v.fetch_add(n, std::memory_order_acq_rel) + n == d.w13.N / 16)
+          for (int r = 0; r < M; ++r) quant2_slot(c, r0 + r);
       }
     } else {
       ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2, c.prefetch};
@@ -477,6 +489,18 @@ void prepare_qdone(Ctx& c) {
   for (int64_t i = 0; i < n; ++i) ws.qdone[size_t(i)].store(0, std::memory_order_relaxed);
 }
 
+// The counters of the fused per-expert activation conversion: one per expert with rows, zero.
+void prepare_edone(Ctx& c) {
+  Workspace& ws = *c.ws;
+  const int64_t E = c.d->E;
+  if (E > ws.ecap) {
+    ws.edone.reset(new Counter[size_t(E)]);
+    ws.ecap = E;
+  }
+  for (int64_t e = 0; e < E; ++e)
+    if (ws.count[size_t(e)] > 0) ws.edone[size_t(e)].v.store(0, std::memory_order_relaxed);
+}
+
 // The counters of the fused weighted sum: one per HCHUNK chunk of the w2 output columns, zero.
 void prepare_rdone(Ctx& c) {
   Workspace& ws = *c.ws;
@@ -556,7 +580,7 @@ struct Stopwatch {
 }  // namespace
 
 std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int prefetch_bytes, int reduce_inline_rows,
-                         bool fuse_reduce) {
+                         int fuse) {
   if (!t.layer) return "null layer";
   const HmLayer& L = *static_cast<const HmLayer*>(t.layer);
   const LayerDesc& d = L.d;
@@ -619,6 +643,13 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     sw.lap(7);
     c.fuse_q2 = c.k->quant_block && !c.round_act_bf16 && d.I == d.Ip && d.Ip % QBLK == 0 && d.w13.N == 2 * d.Ip;
     if (c.fuse_q2) prepare_qdone(c);
+    // Few rows an expert (decode): each expert's rows are converted by the thread that completes its last
+    // w13 item, inside the phase, not by the leader alone after the phase's barrier (~6 us of a batch-1 task
+    // on the 16-core H100 host, session 23, paid by each task). Not with LoRA: its mid step reads every
+    // expert's activation after the phase, before the conversion.
+    c.fuse_q2row = !c.fuse_q2 && !c.lora && (fuse & kFuseQuant) &&
+                   *std::max_element(ws.count.begin(), ws.count.end()) <= kFuseQuantRows;
+    if (c.fuse_q2row) prepare_edone(c);
     build_items(c, d.w13, CW1, 0);
     // items from a counter: a dynamic phase where one sub-pool holds them all (with several, the
     // leader's fn drains its own sub-pool's items only)
@@ -626,12 +657,12 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     pool.parallel(ph_gemm<true>, &c, dyn);
     if (c.lora) lora_mid(*c.lora, c.af);  // the down units read the activations before they are quantized
     sw.lap(2);
-    if (!c.fuse_q2) light(pool, c, ph_quant2, c.S <= kInlineRows2);
+    if (!c.fuse_q2 && !c.fuse_q2row) light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load())  // the token's values overflowed, or the expert's weights hold NaN (a damaged GGUF block's scale)
       return "expert activation holds NaN or Inf (an overflow, or non-finite expert weights)" + c.at_token();
     sw.lap(3);
     build_items(c, d.w2, CW2, 1);
-    c.fuse_red = fuse_reduce && t.T == 1;
+    c.fuse_red = (fuse & kFuseReduce) && t.T == 1;
     if (c.fuse_red) prepare_rdone(c);
     pool.parallel(ph_gemm<false>, &c, dyn);
     sw.lap(4);

@@ -48,13 +48,19 @@ void workspace_destroy(Workspace*);
 // the leader alone.
 constexpr int kReduceInlineRows = 16;
 
+// run_moe_task's fuse bits. kFuseReduce: a one-token task does its weighted sum inside the w2 phase
+// (each output chunk by the thread that completes it), whatever reduce_inline_rows says. kFuseQuant: a
+// task whose experts have at most kFuseQuantRows rows each converts each expert's activation rows
+// inside the w13 phase (by the thread that completes the expert's last item), not in a phase of its own.
+constexpr int kFuseReduce = 1, kFuseQuant = 2, kFuseAll = 3;
+constexpr int kFuseQuantRows = 16;
+
 // Runs the task with the pool's threads (call on the leader thread); prefetch_bytes: the few-row
 // kernels' software prefetch distance (0: none); reduce_inline_rows: the weighted sum of the experts'
-// outputs runs on the leader alone up to this many rows (T * K), on all threads above; fuse_reduce: a
-// one-token task does that sum inside the w2 phase instead (each output chunk by the thread that
-// completes it), whatever reduce_inline_rows says. Returns "" or an error text.
+// outputs runs on the leader alone up to this many rows (T * K), on all threads above; fuse: light
+// phases folded into the GEMM phases (kFuse* bits). Returns "" or an error text.
 std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& task, int prefetch_bytes,
-                         int reduce_inline_rows = kReduceInlineRows, bool fuse_reduce = true);
+                         int reduce_inline_rows = kReduceInlineRows, int fuse = kFuseAll);
 
 // Stream-read bandwidth of `bytes` with all pool threads (leader thread), GB/s.
 double stream_read(ThreadPool& pool, int64_t bytes, int iters);

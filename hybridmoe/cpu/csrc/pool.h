@@ -58,7 +58,7 @@ struct Pool {
   // hm_run_task may run a task of an AMX layer on its caller too (hm_pool_inline 2); off by default
   std::atomic<bool> inline_amx{false};
   std::atomic<int> reduce_inline_rows{kReduceInlineRows};  // run_moe_task's (hm_pool_reduce_inline)
-  std::atomic<int> fuse_reduce{1};  // run_moe_task's (hm_pool_fused_reduce)
+  std::atomic<int> fuse{kFuseAll};  // run_moe_task's fuse bits (hm_pool_fuse)
 
   Pool(int n, const int* cpus, int nsub, const HmPoolSettings& s)
       : settings(s), tp(n, cpus, nsub, s.spin_us * 1000), ws(workspace_create(tp.size())) {}
