@@ -48,8 +48,9 @@ _TOKEN_ERROR = re.compile(r"(?:non-finite routing weight|holds NaN or Inf(?: \([
 
 
 # CPUThreadPool.fuse_mode's names -> the native fuse bits (csrc/moe.h: 1 the one-token weighted sum inside the
-# down phase, 2 the few-row activation conversion inside the gate/up phase)
-FUSE_MODES = {"on": 3, "off": 0, "reduce": 1, "quant": 2}
+# down phase, 2 the few-row activation conversion inside the gate/up phase, 4 with 2: the down items in the gate/up
+# phase, each after its expert's rows, no barrier between the two)
+FUSE_MODES = {"on": 7, "off": 0, "reduce": 1, "quant": 2, "chain": 6, "nochain": 3}
 
 
 class CPUThreadPool:
@@ -209,11 +210,23 @@ class CPUThreadPool:
         self._fuse_bit(2, bool(on))
 
     @property
+    def chained_phases(self) -> bool:
+        """With fused_quant's tasks: whether the down-projection items run in the gate/up phase, each once its
+        expert's activation rows are converted (default), instead of in a phase after a barrier; benchmarks
+        switch it off to compare."""
+        return self._fuse_bit(4, None)
+
+    @chained_phases.setter
+    def chained_phases(self, on: bool) -> None:
+        self._fuse_bit(4, bool(on))
+
+    @property
     def fuse_mode(self) -> str:
-        """Both fuse settings as one name of FUSE_MODES (benchmarks' --fuse): on (both, the default), off
-        (neither), reduce (fused_reduce only), quant (fused_quant only)."""
+        """The three fuse settings as one name of FUSE_MODES (benchmarks' --fuse): on (all, the default), off
+        (none), reduce (fused_reduce only), quant (fused_quant only), chain (fused_quant and chained_phases),
+        nochain (fused_reduce and fused_quant); "bits N" for another mix."""
         bits = native.lib().hm_pool_fuse(self._h, -1)
-        return next(k for k, v in FUSE_MODES.items() if v == bits)
+        return next((k for k, v in FUSE_MODES.items() if v == bits), f"bits {bits}")
 
     @fuse_mode.setter
     def fuse_mode(self, mode: str) -> None:

@@ -256,16 +256,17 @@ def test_fused_reduce_changes_nothing_but_speed(method):
 def test_fused_quant_changes_nothing_but_speed(method):
     """CPUThreadPool.fused_quant (default on): a task with at most 16 rows an expert converts each expert's
     activation rows for the down projection inside the gate/up phase, by the thread that completes the expert's
-    last item, instead of in a phase after it. Bit for bit the same output on fresh inputs (a row never
-    converted would keep the previous task's values), fp32 and bf16 x (bf16 x on the BF16 fp32-activation
-    kernel rounds the activation first), T = 1, 3, 5 and 40 (above 16 rows an expert: the phase as before),
-    a pool whose threads sleep between phases and a one-thread pool."""
+    last item, instead of in a phase after it; with chained_phases (default on) the down items run in that phase
+    too, each once its expert's rows are converted. Every fuse mode gives bit for bit the same output on fresh
+    inputs (a row never converted, or read before it is, would hold the previous task's values), fp32 and bf16 x
+    (bf16 x on the BF16 fp32-activation kernel rounds the activation first), T = 1, 3, 5 and 40 (above 16 rows
+    an expert: the phases as before), a pool whose threads sleep between phases and a one-thread pool."""
     g = torch.Generator().manual_seed(14)
     e, h, i, k = 7, 320, 192, 4
     packed = pack_layer(torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1, method)
     pools = [CPUThreadPool(threads=3, settings=CPUEngineSettings(spin_us=0)), CPUThreadPool(threads=1)]
     try:
-        assert all(p.fused_quant and p.fused_reduce for p in pools)
+        assert all(p.fused_quant and p.fused_reduce and p.chained_phases and p.fuse_mode == "on" for p in pools)
         for pool in pools:
             lay = CPUMoELayer(packed, pool=pool)
             for j in range(12):
@@ -279,7 +280,12 @@ def test_fused_quant_changes_nothing_but_speed(method):
                     assert pool.fused_quant == fused and pool.fused_reduce  # one bit, not the other
                     outs.append(lay.forward(x, ids, w))
                 pool.fused_quant = True
-                assert torch.equal(outs[0], outs[1]), f"task {j} (T={t}, x {x.dtype})"
+                for mode in ("nochain", "chain", "off", "on"):
+                    pool.fuse_mode = mode
+                    assert pool.fuse_mode == mode
+                    outs.append(lay.forward(x, ids, w))
+                for o, what in zip(outs[1:], ("fused_quant off", "nochain", "chain", "off", "on")):
+                    assert torch.equal(outs[0], o), f"task {j} (T={t}, x {x.dtype}): {what}"
                 assert outs[0].abs().sum() > 0, f"task {j}: nothing written"
             del lay
     finally:

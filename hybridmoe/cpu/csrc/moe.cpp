@@ -23,6 +23,8 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <initializer_list>
+#include <tuple>
 #include <vector>
 
 namespace hm {
@@ -71,6 +73,7 @@ struct Buf {
 
 struct Item {
   int e, nb0, nb1, m0, m1;
+  int stage = 0;  // 0: w13, 1: w2 (a chained phase holds both, ph_chain)
 };
 
 struct alignas(64) Counter {
@@ -177,6 +180,7 @@ struct Ctx {
   bool fuse_q2 = false;  // the activation is converted inside the w13 phase (Kernels::quant_block)
   bool fuse_red = false;  // one token: the weighted sum is done inside the w2 phase (reduce_done)
   bool fuse_q2row = false;  // few rows an expert: its activation rows are converted inside the w13 phase
+  bool chain = false;  // fuse_q2row and w2 items in the w13 phase: each waits for its expert's rows (ph_chain)
   const LoraTask* lora = nullptr;  // the pairs' adapter deltas (lora.h); null: none in this task
   int64_t sub_beg[MAXSUB + 1];
   Counter next[MAXSUB];
@@ -284,55 +288,81 @@ void ph_quant2(int tid, void* p) {
 
 HM_AVX2 void reduce_done(const Ctx& c, int nb0, int nb1, int M);
 
-template <bool STAGE1>
+// One w13 item: the gate/up GEMM of its rows and N-blocks into C, the activation into af; the conversion of the
+// activation where fused (fuse_q2: the 256-column block whose last item this is; fuse_q2row: the expert's rows
+// after its last item, then edone[e] one past the expert's N-block count, the rows' ready mark for ph_chain).
+HM_AVX2 void w13_item(Ctx& c, const Item& it, float* C) {
+  const LayerDesc& d = *c.d;
+  int64_t r0 = c.ws->offs[size_t(it.e)] + it.m0;
+  int M = it.m1 - it.m0;
+  if (c.lora) lora_prefetch(*c.lora, 0, it.e, r0, M, it.nb0, it.nb1);  // lands during the GEMM
+  // one row: the token's row of XQ as it is (XQ holds PADROWS spare rows like A1)
+  const int64_t xr = M == 1 ? c.slot_tok[r0] : -1;
+  ActView A = xr >= 0 ? ActView{c.XQ + xr * c.ld1, c.ld1, c.XS + xr, c.XG + xr * c.gs1, c.gs1, c.prefetch}
+                      : ActView{c.A1 + r0 * c.ld1, c.ld1, c.sx1 + r0, c.g1 + r0 * c.gs1, c.gs1, c.prefetch};
+  int64_t ldc = int64_t(it.nb1 - it.nb0) * 16;
+  c.k->gemm(d.method, d.w13, it.e, A, M, it.nb0, it.nb1, C, ldc, d.group);
+  if (c.lora) lora_gate_up(*c.lora, it.e, r0, M, it.nb0, it.nb1, C, ldc);  // before the activation
+  for (int r = 0; r < M; ++r)
+    for (int pr = 0; pr < (it.nb1 - it.nb0) / 2; ++pr) {
+      const float* g = C + r * ldc + pr * 32;
+      act16(d, g, g + 16, c.af + (r0 + r) * d.Ip + (it.nb0 / 2 + pr) * 16);
+    }
+  if (c.fuse_q2) {  // the last item of its block converts the block's rows (acq_rel: sees the others' af)
+    const int kb = it.nb0 / QNB, n = it.nb1 - it.nb0;
+    std::atomic<int>& done = c.ws->qdone[size_t(c.ws->qbase[size_t(it.e)] + (it.m0 / MC) * (d.Ip / QBLK) + kb)];
+    if (done.fetch_add(n, std::memory_order_acq_rel) + n == QNB)
+      for (int r = 0; r < M; ++r)
+        if (!c.k->quant_block(c.af + (r0 + r) * d.Ip, d.Ip, kb, c.A2 + (r0 + r) * c.ld2))
+          c.mark_bad(c.slot_tok[r0 + r]);
+  } else if (c.fuse_q2row) {  // the expert's last item converts its rows (acq_rel: sees the others' af)
+    const int n = it.nb1 - it.nb0;
+    std::atomic<int64_t>& done = c.ws->edone[size_t(it.e)].v;
+    if (done.fetch_add(n, std::memory_order_acq_rel) + n == d.w13.N / 16) {
+      for (int r = 0; r < M; ++r) quant2_slot(c, r0 + r);
+      done.fetch_add(1, std::memory_order_release);  // ready (ph_chain's w2 items of this expert wait for it)
+    }
+  }
+}
+
+HM_AVX2 void w2_item(Ctx& c, const Item& it) {
+  const LayerDesc& d = *c.d;
+  int64_t r0 = c.ws->offs[size_t(it.e)] + it.m0;
+  int M = it.m1 - it.m0;
+  if (c.lora) lora_prefetch(*c.lora, 1, it.e, r0, M, it.nb0, it.nb1);
+  ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2, c.prefetch};
+  c.k->gemm(d.method, d.w2, it.e, A, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp, d.group);
+  if (c.lora) lora_down(*c.lora, it.e, r0, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp);
+  if (c.fuse_red) reduce_done(c, it.nb0, it.nb1, M);
+}
+
+// A GEMM phase: one item per claim from the thread's sub-pool's counter. STAGE < 2: the items of that stage
+// (w13, w2); STAGE 2 (chain): the w13 items, then the w2 items, in one phase: a w2 item first waits for its
+// expert's activation rows (fuse_q2row's ready mark). Every w13 item is claimed before any w2 item and none
+// waits, so the wait always ends; it replaces the barrier between the stages, whose threads idled while the
+// last w13 items finished.
+template <int STAGE>
 HM_AVX2 void ph_gemm(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
-  const LayerDesc& d = *c.d;
   int sub = c.pool->sub_of(tid);
   int64_t beg = c.sub_beg[sub], n = c.sub_beg[sub + 1] - beg;
-  float* C = STAGE1 ? c.ws->cbuf[size_t(tid)].get<float>(size_t(MC) * CW_BIG * 16) : nullptr;
+  float* C = STAGE != 1 ? c.ws->cbuf[size_t(tid)].get<float>(size_t(MC) * CW_BIG * 16) : nullptr;
   std::atomic<int64_t>& next = c.next[sub].v;
+  const int64_t ready = c.d->w13.N / 16 + 1;
   for (;;) {  // one item per claim
     const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
     if (i >= n) break;
     const Item& it = c.ws->items[size_t(beg + i)];
     if (it.e < 0) {  // a LoRA rank-product unit
-      lora_unit(*c.lora, STAGE1 ? 0 : 1, it.nb0);
+      lora_unit(*c.lora, STAGE == 0 ? 0 : 1, it.nb0);
       continue;
     }
-    int64_t r0 = c.ws->offs[size_t(it.e)] + it.m0;
-    int M = it.m1 - it.m0;
-    if (c.lora) lora_prefetch(*c.lora, STAGE1 ? 0 : 1, it.e, r0, M, it.nb0, it.nb1);  // lands during the GEMM
-    if (STAGE1) {
-      // one row: the token's row of XQ as it is (XQ holds PADROWS spare rows like A1)
-      const int64_t xr = M == 1 ? c.slot_tok[r0] : -1;
-      ActView A = xr >= 0 ? ActView{c.XQ + xr * c.ld1, c.ld1, c.XS + xr, c.XG + xr * c.gs1, c.gs1, c.prefetch}
-                          : ActView{c.A1 + r0 * c.ld1, c.ld1, c.sx1 + r0, c.g1 + r0 * c.gs1, c.gs1, c.prefetch};
-      int64_t ldc = int64_t(it.nb1 - it.nb0) * 16;
-      c.k->gemm(d.method, d.w13, it.e, A, M, it.nb0, it.nb1, C, ldc, d.group);
-      if (c.lora) lora_gate_up(*c.lora, it.e, r0, M, it.nb0, it.nb1, C, ldc);  // before the activation
-      for (int r = 0; r < M; ++r)
-        for (int pr = 0; pr < (it.nb1 - it.nb0) / 2; ++pr) {
-          const float* g = C + r * ldc + pr * 32;
-          act16(d, g, g + 16, c.af + (r0 + r) * d.Ip + (it.nb0 / 2 + pr) * 16);
-        }
-      if (c.fuse_q2) {  // the last item of its block converts the block's rows (acq_rel: sees the others' af)
-        const int kb = it.nb0 / QNB, n = it.nb1 - it.nb0;
-        std::atomic<int>& done = c.ws->qdone[size_t(c.ws->qbase[size_t(it.e)] + (it.m0 / MC) * (d.Ip / QBLK) + kb)];
-        if (done.fetch_add(n, std::memory_order_acq_rel) + n == QNB)
-          for (int r = 0; r < M; ++r)
-            if (!c.k->quant_block(c.af + (r0 + r) * d.Ip, d.Ip, kb, c.A2 + (r0 + r) * c.ld2))
-              c.mark_bad(c.slot_tok[r0 + r]);
-      } else if (c.fuse_q2row) {  // the expert's last item converts its rows (acq_rel: sees the others' af)
-        const int n = it.nb1 - it.nb0;
-        if (c.ws->edone[size_t(it.e)].v.fetch_add(n, std::memory_order_acq_rel) + n == d.w13.N / 16)
-          for (int r = 0; r < M; ++r) quant2_slot(c, r0 + r);
-      }
+    if (STAGE == 0 || (STAGE == 2 && it.stage == 0)) {
+      w13_item(c, it, C);
     } else {
-      ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2, c.prefetch};
-      c.k->gemm(d.method, d.w2, it.e, A, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp, d.group);
-      if (c.lora) lora_down(*c.lora, it.e, r0, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp);
-      if (c.fuse_red) reduce_done(c, it.nb0, it.nb1, M);
+      if (STAGE == 2)
+        while (c.ws->edone[size_t(it.e)].v.load(std::memory_order_acquire) < ready) _mm_pause();
+      w2_item(c, it);
     }
   }
 }
@@ -443,17 +473,15 @@ int few_row_cw(const Ctx& c, const PackedMat& W, int NB, int cw) {
   return cw;
 }
 
-// Items for one GEMM stage: the stage's LoRA rank-product units first (e = -1, nb0 = the unit;
+// Items for one GEMM stage (appended to the sub-pools' lists): the stage's LoRA rank-product units first (e = -1, nb0 = the unit;
 // round robin over the sub-pools: GEMM items of their expert wait for them, lora.h), then per
 // active expert, row chunks x N-block chunks (`cw` N-blocks per item for few rows), grouped by
 // sub-pool.
-void build_items(Ctx& c, const PackedMat& W, int cw, int stage) {
+void add_items(Ctx& c, const PackedMat& W, int cw, int stage) {
   const int NB = W.N / 16;
   cw = few_row_cw(c, W, NB, cw);
   Workspace& ws = *c.ws;
-  int nsub = std::min(c.pool->num_sub(), MAXSUB);
-  ws.per_sub.resize(size_t(nsub));
-  for (auto& v : ws.per_sub) v.clear();
+  const int nsub = int(ws.per_sub.size());
   const int64_t nu = c.lora ? lora_units(*c.lora, stage) : 0;
   for (int64_t u = 0; u < nu; ++u) ws.per_sub[size_t(u % nsub)].push_back(Item{-1, int(u), 0, 0, 0});
   for (int e = 0; e < c.d->E; ++e) {
@@ -462,9 +490,19 @@ void build_items(Ctx& c, const PackedMat& W, int cw, int stage) {
     for (int64_t m0 = 0; m0 < M; m0 += MC)
       for (int nb = 0; nb < NB; nb += w) {
         int sub = int(int64_t(nb) * nsub / NB);
-        ws.per_sub[size_t(sub)].push_back(Item{e, nb, std::min(nb + w, NB), int(m0), int(std::min<int64_t>(M, m0 + MC))});
+        ws.per_sub[size_t(sub)].push_back(
+            Item{e, nb, std::min(nb + w, NB), int(m0), int(std::min<int64_t>(M, m0 + MC)), stage});
       }
   }
+}
+
+// The items of the next phase: those of each stage given, a stage after the other within each sub-pool.
+void build_items(Ctx& c, std::initializer_list<std::tuple<const PackedMat*, int, int>> stages) {
+  Workspace& ws = *c.ws;
+  int nsub = std::min(c.pool->num_sub(), MAXSUB);
+  ws.per_sub.resize(size_t(nsub));
+  for (auto& v : ws.per_sub) v.clear();
+  for (const auto& [W, cw, stage] : stages) add_items(c, *W, cw, stage);
   ws.items.clear();
   for (int s = 0; s < nsub; ++s) {
     c.sub_beg[s] = int64_t(ws.items.size());
@@ -650,22 +688,33 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     c.fuse_q2row = !c.fuse_q2 && !c.lora && (fuse & kFuseQuant) &&
                    *std::max_element(ws.count.begin(), ws.count.end()) <= kFuseQuantRows;
     if (c.fuse_q2row) prepare_edone(c);
-    build_items(c, d.w13, CW1, 0);
+    c.chain = c.fuse_q2row && (fuse & kFuseChain);
+    c.fuse_red = (fuse & kFuseReduce) && t.T == 1;
+    if (c.fuse_red) prepare_rdone(c);
     // items from a counter: a dynamic phase where one sub-pool holds them all (with several, the
     // leader's fn drains its own sub-pool's items only)
     const bool dyn = pool.num_sub() == 1;
-    pool.parallel(ph_gemm<true>, &c, dyn);
+    if (c.chain) {  // both GEMM stages in one phase (ph_gemm<2>)
+      build_items(c, {{&d.w13, CW1, 0}, {&d.w2, CW2, 1}});
+      pool.parallel(ph_gemm<2>, &c, dyn);
+      sw.lap(2);
+      if (c.bad.load())
+        return "expert activation holds NaN or Inf (an overflow, or non-finite expert weights)" + c.at_token();
+      sw.lap(3);
+      sw.lap(4);
+    } else {
+    build_items(c, {{&d.w13, CW1, 0}});
+    pool.parallel(ph_gemm<0>, &c, dyn);
     if (c.lora) lora_mid(*c.lora, c.af);  // the down units read the activations before they are quantized
     sw.lap(2);
     if (!c.fuse_q2 && !c.fuse_q2row) light(pool, c, ph_quant2, c.S <= kInlineRows2);
     if (c.bad.load())  // the token's values overflowed, or the expert's weights hold NaN (a damaged GGUF block's scale)
       return "expert activation holds NaN or Inf (an overflow, or non-finite expert weights)" + c.at_token();
     sw.lap(3);
-    build_items(c, d.w2, CW2, 1);
-    c.fuse_red = (fuse & kFuseReduce) && t.T == 1;
-    if (c.fuse_red) prepare_rdone(c);
-    pool.parallel(ph_gemm<false>, &c, dyn);
+    build_items(c, {{&d.w2, CW2, 1}});
+    pool.parallel(ph_gemm<1>, &c, dyn);
     sw.lap(4);
+    }
   } else {
     c.y = nullptr;
   }

@@ -52,7 +52,9 @@ constexpr int kReduceInlineRows = 16;
 // (each output chunk by the thread that completes it), whatever reduce_inline_rows says. kFuseQuant: a
 // task whose experts have at most kFuseQuantRows rows each converts each expert's activation rows
 // inside the w13 phase (by the thread that completes the expert's last item), not in a phase of its own.
-constexpr int kFuseReduce = 1, kFuseQuant = 2, kFuseAll = 3;
+// kFuseChain (with kFuseQuant's tasks): the w2 items run in the w13 phase too, each after its expert's
+// rows are converted, without the barrier between the two.
+constexpr int kFuseReduce = 1, kFuseQuant = 2, kFuseChain = 4, kFuseAll = 7;
 constexpr int kFuseQuantRows = 16;
 
 // Runs the task with the pool's threads (call on the leader thread); prefetch_bytes: the few-row
