@@ -19,8 +19,10 @@ from nan_rows_check import run_poisoned
 
 from hybridmoe.cpu import gguf_quant as gq
 from hybridmoe.cpu import native
+from hybridmoe.cpu.engine import CPUThreadPool
 from hybridmoe.cpu.gguf_engine import GGUFExperts, GGUFMoELayer
 from hybridmoe.cpu.reference import max_error, moe_reference, rel_error
+from hybridmoe.cpu.settings import CPUEngineSettings
 
 ORACLE_REL, ORACLE_MAX, ACT_REL = 2e-3, 2e-2, 0.04
 # (gate, up, down) type triples: every type in every role somewhere, mixed families in one layer
@@ -188,6 +190,31 @@ def test_activation_blocks_converted_inside_gate_up(types, isa, pool, t, e, k):
     # read x's quantized row in place), few-row ones (direct kernels, 2-N-block items), many-row
     # ones (tile path, 8-N-block items) and experts of more than 256 rows (two row chunks).
     check(types, isa, pool, t, e, k, 512, 768, random_bytes=True, act_check=False)
+
+
+@pytest.mark.parametrize("types", TRIPLES[:3], ids=TRIPLE_IDS[:3])
+def test_chained_phases_change_nothing_but_speed(types, isa, pool):
+    """With few rows an expert (at most 16) a GGUF task runs its down items in the gate/up phase, each once its
+    expert's three 256-column activation blocks are converted (CPUThreadPool.chained_phases): every fuse mode
+    gives bit for bit the same output on fresh inputs, at T = 1, 5 (chained) and 40 (34 rows an expert: not
+    chained); on a pool of 3 threads that sleep between phases as well as the fixture's pool."""
+    ex, _ = experts(types, 6, 512, 768, True)
+    pools = [pool, CPUThreadPool(threads=3, settings=CPUEngineSettings(spin_us=0))]
+    try:
+        for pl in pools:
+            layer = GGUFMoELayer(ex, isa=isa, pool=pl)
+            for j, t in enumerate((1, 5, 40, 1)):
+                x = torch.randn(t, 512, generator=torch.Generator().manual_seed(j))
+                ids, w = routing(t, 6, 4, seed=j)
+                outs = []
+                for mode in ("on", "nochain", "off"):
+                    pl.fuse_mode = mode
+                    outs.append(layer.forward(x, ids, w))
+                pl.fuse_mode = "on"
+                assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), f"T={t} ({j})"
+                assert outs[0].abs().sum() > 0
+    finally:
+        pools[1].close()
 
 
 def _q8_0_constant(rows: int, k: int, d: float, q: int) -> torch.Tensor:

@@ -145,7 +145,7 @@ struct Workspace {
   int64_t qcap = 0;
   std::unique_ptr<Counter[]> rdone;  // [chunks] w2 N-blocks done per HCHUNK output chunk (fuse_red), a line each
   int64_t rcap = 0;
-  std::unique_ptr<Counter[]> edone;  // [E] w13 N-blocks done per expert (fuse_q2row), a line each
+  std::unique_ptr<Counter[]> edone;  // [E] per expert: w13 N-blocks done (fuse_q2row) / blocks converted (chain)
   int64_t ecap = 0;
   std::vector<Item> items;
   std::vector<std::vector<Item>> per_sub;
@@ -180,7 +180,8 @@ struct Ctx {
   bool fuse_q2 = false;  // the activation is converted inside the w13 phase (Kernels::quant_block)
   bool fuse_red = false;  // one token: the weighted sum is done inside the w2 phase (reduce_done)
   bool fuse_q2row = false;  // few rows an expert: its activation rows are converted inside the w13 phase
-  bool chain = false;  // fuse_q2row and w2 items in the w13 phase: each waits for its expert's rows (ph_chain)
+  bool chain = false;  // w2 items in the w13 phase, each after its expert's rows are converted (ph_gemm<2>)
+  int64_t ready_at = 0;  // chain: edone[e] at this value = expert e's rows converted
   const LoraTask* lora = nullptr;  // the pairs' adapter deltas (lora.h); null: none in this task
   int64_t sub_beg[MAXSUB + 1];
   Counter next[MAXSUB];
@@ -311,10 +312,12 @@ HM_AVX2 void w13_item(Ctx& c, const Item& it, float* C) {
   if (c.fuse_q2) {  // the last item of its block converts the block's rows (acq_rel: sees the others' af)
     const int kb = it.nb0 / QNB, n = it.nb1 - it.nb0;
     std::atomic<int>& done = c.ws->qdone[size_t(c.ws->qbase[size_t(it.e)] + (it.m0 / MC) * (d.Ip / QBLK) + kb)];
-    if (done.fetch_add(n, std::memory_order_acq_rel) + n == QNB)
+    if (done.fetch_add(n, std::memory_order_acq_rel) + n == QNB) {
       for (int r = 0; r < M; ++r)
         if (!c.k->quant_block(c.af + (r0 + r) * d.Ip, d.Ip, kb, c.A2 + (r0 + r) * c.ld2))
           c.mark_bad(c.slot_tok[r0 + r]);
+      if (c.chain) c.ws->edone[size_t(it.e)].v.fetch_add(1, std::memory_order_release);  // a block of Ip / QBLK
+    }
   } else if (c.fuse_q2row) {  // the expert's last item converts its rows (acq_rel: sees the others' af)
     const int n = it.nb1 - it.nb0;
     std::atomic<int64_t>& done = c.ws->edone[size_t(it.e)].v;
@@ -338,9 +341,9 @@ HM_AVX2 void w2_item(Ctx& c, const Item& it) {
 
 // A GEMM phase: one item per claim from the thread's sub-pool's counter. STAGE < 2: the items of that stage
 // (w13, w2); STAGE 2 (chain): the w13 items, then the w2 items, in one phase: a w2 item first waits for its
-// expert's activation rows (fuse_q2row's ready mark). Every w13 item is claimed before any w2 item and none
-// waits, so the wait always ends; it replaces the barrier between the stages, whose threads idled while the
-// last w13 items finished.
+// expert's activation rows (edone[e] = ready_at: fuse_q2row's ready mark, or fuse_q2's blocks all
+// converted). Every w13 item is claimed before any w2 item and none waits, so the wait always ends; it
+// replaces the barrier between the stages, whose threads idled while the last w13 items finished.
 template <int STAGE>
 HM_AVX2 void ph_gemm(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
@@ -348,7 +351,6 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
   int64_t beg = c.sub_beg[sub], n = c.sub_beg[sub + 1] - beg;
   float* C = STAGE != 1 ? c.ws->cbuf[size_t(tid)].get<float>(size_t(MC) * CW_BIG * 16) : nullptr;
   std::atomic<int64_t>& next = c.next[sub].v;
-  const int64_t ready = c.d->w13.N / 16 + 1;
   for (;;) {  // one item per claim
     const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
     if (i >= n) break;
@@ -361,7 +363,7 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
       w13_item(c, it, C);
     } else {
       if (STAGE == 2)
-        while (c.ws->edone[size_t(it.e)].v.load(std::memory_order_acquire) < ready) _mm_pause();
+        while (c.ws->edone[size_t(it.e)].v.load(std::memory_order_acquire) < c.ready_at) _mm_pause();
       w2_item(c, it);
     }
   }
@@ -473,10 +475,10 @@ int few_row_cw(const Ctx& c, const PackedMat& W, int NB, int cw) {
   return cw;
 }
 
-// Items for one GEMM stage (appended to the sub-pools' lists): the stage's LoRA rank-product units first (e = -1, nb0 = the unit;
-// round robin over the sub-pools: GEMM items of their expert wait for them, lora.h), then per
-// active expert, row chunks x N-block chunks (`cw` N-blocks per item for few rows), grouped by
-// sub-pool.
+// Items for one GEMM stage, appended to the sub-pools' lists: the stage's LoRA rank-product units first
+// (e = -1, nb0 = the unit; round robin over the sub-pools: GEMM items of their expert wait for them,
+// lora.h), then per active expert, row chunks x N-block chunks (`cw` N-blocks per item for few rows),
+// grouped by sub-pool.
 void add_items(Ctx& c, const PackedMat& W, int cw, int stage) {
   const int NB = W.N / 16;
   cw = few_row_cw(c, W, NB, cw);
@@ -685,10 +687,12 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
     // w13 item, inside the phase, not by the leader alone after the phase's barrier (~6 us of a batch-1 task
     // on the 16-core H100 host, session 23, paid by each task). Not with LoRA: its mid step reads every
     // expert's activation after the phase, before the conversion.
-    c.fuse_q2row = !c.fuse_q2 && !c.lora && (fuse & kFuseQuant) &&
-                   *std::max_element(ws.count.begin(), ws.count.end()) <= kFuseQuantRows;
-    if (c.fuse_q2row) prepare_edone(c);
-    c.chain = c.fuse_q2row && (fuse & kFuseChain);
+    const bool few = *std::max_element(ws.count.begin(), ws.count.end()) <= kFuseQuantRows;
+    c.fuse_q2row = !c.fuse_q2 && !c.lora && (fuse & kFuseQuant) && few;
+    // GGUF (fuse_q2) converts per 256-column block inside the phase anyway: chained when few rows and no LoRA
+    c.chain = (fuse & kFuseChain) && (c.fuse_q2row || (c.fuse_q2 && few && !c.lora));
+    c.ready_at = c.fuse_q2row ? d.w13.N / 16 + 1 : d.Ip / QBLK;
+    if (c.fuse_q2row || c.chain) prepare_edone(c);
     c.fuse_red = (fuse & kFuseReduce) && t.T == 1;
     if (c.fuse_red) prepare_rdone(c);
     // items from a counter: a dynamic phase where one sub-pool holds them all (with several, the

@@ -52,8 +52,8 @@ constexpr int kReduceInlineRows = 16;
 // (each output chunk by the thread that completes it), whatever reduce_inline_rows says. kFuseQuant: a
 // task whose experts have at most kFuseQuantRows rows each converts each expert's activation rows
 // inside the w13 phase (by the thread that completes the expert's last item), not in a phase of its own.
-// kFuseChain (with kFuseQuant's tasks): the w2 items run in the w13 phase too, each after its expert's
-// rows are converted, without the barrier between the two.
+// kFuseChain (kFuseQuant's tasks, and GGUF tasks of as few rows an expert, without LoRA): the w2 items
+// run in the w13 phase too, each after its expert's rows are converted, without the barrier between.
 constexpr int kFuseReduce = 1, kFuseQuant = 2, kFuseChain = 4, kFuseAll = 7;
 constexpr int kFuseQuantRows = 16;
 
