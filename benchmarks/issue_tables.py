@@ -162,21 +162,22 @@ def issue16_ab_decode(d: dict, src: str) -> list[Row]:
 
 
 def issue18_gguf(d: dict, src: str) -> list[Row]:
-    """Decode sizes against the best probe (the first prefetch distance of the run: the default); large T in
-    TFLOP/s (median of the rounds), reported."""
+    """Decode sizes against the best probe (the first prefetch distance of the run: the default; `--fuse` rows
+    other than `on` left out); large T in TFLOP/s (median of the rounds), reported."""
     rows = []
     first_pf = d["summary"][0]["prefetch"] if d.get("summary") else None
     for s in d.get("summary", []):
-        if s["prefetch"] != first_pf or s["T"] > 16:
+        if s["prefetch"] != first_pf or s["T"] > 16 or s.get("fuse", "on") != "on":
             continue
         r = s["ratio_to_stream"]
         target = s["type"] in ("Q4_K", "Q8_0")
         rows.append(Row(18, "speed", f"{s['type']} experts T {s['T']} (prefetch {s['prefetch']})", s["GB/s"], "GB/s",
                         f"best probe {d['stream_read_gbps']:.1f} GB/s; ratio {r:.3f}", ">= 0.75" if target else "",
                         (r >= 0.75) if target else None, src))
-    large = sorted({(r["type"], r["T"]) for r in d.get("rows", []) if r["T"] > 16})
+    on = [r for r in d.get("rows", []) if r.get("fuse", "on") == "on"]
+    large = sorted({(r["type"], r["T"]) for r in on if r["T"] > 16})
     for typ, t in large:
-        v = _median([r["TFLOP/s"] for r in d["rows"] if (r["type"], r["T"]) == (typ, t)])
+        v = _median([r["TFLOP/s"] for r in on if (r["type"], r["T"]) == (typ, t)])
         rows.append(Row(18, "speed", f"{typ} experts T {t}", v, "TFLOP/s", "", "reported", None, src))
     return rows
 

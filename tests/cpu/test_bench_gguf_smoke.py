@@ -26,6 +26,12 @@ def test_bench_gguf_moe_smoke(tmp_path):
     summary = {(s["type"], s["T"], s["prefetch"]): s for s in res["summary"]}
     assert len(summary) == 8 and all(s["rounds"] == 2 for s in summary.values())
     assert all(summary[(ty, t, 0)]["vs_first"] == 1.0 for ty in ("Q4_K", "Q8_0") for t in (1, 3))
+    # --fuse: every row in each mode in turn, the summary per mode
+    res = bench_gguf_moe.main(["--types", "Q4_K", "--E", "8", "--H", "256", "--I", "256", "--T", "1", "--layers", "1",
+                               "--seconds", "0.05", "--min-iters", "2", "--threads", "1", "--stream-bytes",
+                               str(1 << 24), "--fuse", "on,nochain"])
+    assert [(r["fuse"], r["T"]) for r in res["rows"]] == [("on", 1), ("nochain", 1)]
+    assert sorted(s["fuse"] for s in res["summary"]) == ["nochain", "on"]
 
 
 def test_bench_gguf_moe_bad_rounds_is_a_usage_error(capsys):
