@@ -73,7 +73,7 @@ struct Buf {
 
 struct Item {
   int e, nb0, nb1, m0, m1;
-  int stage = 0;  // 0: w13, 1: w2 (a chained phase holds both, ph_chain)
+  int stage = 0;  // 0: w13, 1: w2 (a chained phase holds both, ph_gemm<2>)
 };
 
 struct alignas(64) Counter {
@@ -291,7 +291,7 @@ HM_AVX2 void reduce_done(const Ctx& c, int nb0, int nb1, int M);
 
 // One w13 item: the gate/up GEMM of its rows and N-blocks into C, the activation into af; the conversion of the
 // activation where fused (fuse_q2: the 256-column block whose last item this is; fuse_q2row: the expert's rows
-// after its last item, then edone[e] one past the expert's N-block count, the rows' ready mark for ph_chain).
+// after its last item, then edone[e] one past the expert's N-block count, the rows' ready mark for ph_gemm<2>).
 HM_AVX2 void w13_item(Ctx& c, const Item& it, float* C) {
   const LayerDesc& d = *c.d;
   int64_t r0 = c.ws->offs[size_t(it.e)] + it.m0;
@@ -323,7 +323,7 @@ HM_AVX2 void w13_item(Ctx& c, const Item& it, float* C) {
     std::atomic<int64_t>& done = c.ws->edone[size_t(it.e)].v;
     if (done.fetch_add(n, std::memory_order_acq_rel) + n == d.w13.N / 16) {
       for (int r = 0; r < M; ++r) quant2_slot(c, r0 + r);
-      done.fetch_add(1, std::memory_order_release);  // ready (ph_chain's w2 items of this expert wait for it)
+      done.fetch_add(1, std::memory_order_release);  // ready (ph_gemm<2>'s w2 items of this expert wait for it)
     }
   }
 }
