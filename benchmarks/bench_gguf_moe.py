@@ -106,11 +106,19 @@ def main(argv=None) -> dict:
                     "(rows of the 2m set are named TYPE@2m)")
     ap.add_argument("--fuse", default="on", help="CPUThreadPool.fuse_mode values, each in turn for every row "
                     "(e.g. on,nochain: the down items chained into the gate/up phase, or not)")
+    ap.add_argument("--block-prefetch", default="0", help="CPUThreadPool.block_prefetch modes, each in turn for every "
+                    "row (0 none, 1 the next block's rows towards L2, 2 towards L1; e.g. 0,1)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     fuses = a.fuse.split(",")
     if not fuses or any(f not in FUSE_MODES for f in fuses):
         ap.error(f"--fuse {a.fuse}: a comma list of {', '.join(FUSE_MODES)}")
+    try:
+        bps = [int(v) for v in a.block_prefetch.split(",")]
+    except ValueError:
+        bps = []
+    if not bps or any(v not in (0, 1, 2) for v in bps):
+        ap.error(f"--block-prefetch {a.block_prefetch}: a comma list of 0, 1, 2")
     pages = a.pages.split(",")
     if not pages or any(p not in ("4k", "2m") for p in pages):
         ap.error(f"--pages takes 4k, 2m or 4k,2m, got {a.pages!r}")
@@ -136,15 +144,16 @@ def main(argv=None) -> dict:
         for pf in prefetch[k0:] + prefetch[:k0]:
             pool.prefetch_bytes = pf
             for t in a.T:
-                for typ, layers, fuse in [(ty, ls, f) for ty, ls in sets.items() for f in fuses]:  # a probe per T
-                    pool.fuse_mode = fuse
+                for typ, layers, fuse, bp in [(ty, ls, f, b) for ty, ls in sets.items() for f in fuses for b in bps]:
+                    pool.fuse_mode = fuse  # a probe per T
+                    pool.block_prefetch = bp
                     sec, touched = measure(layers, t, a.k, a.E, a.H, a.seconds, a.min_iters, a.max_iters, a.timing)
                     prof = native.profile(reset=True)
                     per_expert = sum(m.numel() for m in layers[0].packed.tensors().values()) / a.E
                     gbs = touched * per_expert / sec / 1e9
                     tflops = 2 * 3 * a.H * a.I * t * a.k / sec / 1e12
                     phases = {p: v / max(1.0, prof["tasks"]) * 1e6 for p, v in prof.items() if p != "tasks"}
-                    rows.append({"type": typ, "T": t, "prefetch": pf, "fuse": fuse, "round": rnd, "ms": sec * 1e3, "GB/s": gbs,
+                    rows.append({"type": typ, "T": t, "prefetch": pf, "fuse": fuse, "bp": bp, "round": rnd, "ms": sec * 1e3, "GB/s": gbs,
                                  "TFLOP/s": tflops, "phases_us": phases, "probe_before": probes[-1]})
                 probes.append(pool.stream_read_gbps(a.stream_bytes, 5))
                 for r in rows:
@@ -156,17 +165,19 @@ def main(argv=None) -> dict:
     for r in rows:
         r["ratio_to_stream"] = r["GB/s"] / best
         r["ratio_to_adjacent"] = r["GB/s"] / max(r["probe_before"], r["probe_after"])
-        print(f"{r['type']:7s} T={r['T']:5d} pf={r['prefetch']:5d} fuse {r['fuse']:7s} round {r['round']}  {r['ms']:9.3f} ms  "
+        print(f"{r['type']:7s} T={r['T']:5d} pf={r['prefetch']:5d} fuse {r['fuse']:7s} bp {r['bp']} round {r['round']}  "
+              f"{r['ms']:9.3f} ms  "
               f"{r['GB/s']:7.1f} GB/s  ratio {r['ratio_to_stream']:.2f} (adjacent {r['ratio_to_adjacent']:.2f})  "
               f"{r['TFLOP/s']:.3f} TFLOP/s")
         if a.profile:
             print("         phases (us/task): " + ", ".join(f"{p} {v:.1f}" for p, v in r["phases_us"].items()))
     summary = summarize(rows, prefetch, best)
-    if a.rounds > 1 or len(prefetch) > 1 or len(fuses) > 1:
+    if a.rounds > 1 or len(prefetch) > 1 or len(fuses) > 1 or len(bps) > 1:
         for s in summary:
-            print(f"median {s['type']:7s} T={s['T']:5d} pf={s['prefetch']:5d} fuse {s['fuse']:7s} {s['GB/s']:7.1f} GB/s  ratio "
+            print(f"median {s['type']:7s} T={s['T']:5d} pf={s['prefetch']:5d} fuse {s['fuse']:7s} bp {s['bp']} {s['GB/s']:7.1f} GB/s  ratio "
                   f"{s['ratio_to_stream']:.2f} (adjacent {s['ratio_to_adjacent']:.2f})  vs pf={prefetch[0]}: "
-                  f"{s['vs_first']:.3f} (rounds {s['rounds']})")
+                  f"{s['vs_first']:.3f}" + (f", vs bp 0: {s['vs_bp0']:.3f}" if s["vs_bp0"] is not None else "")
+                  + f" (rounds {s['rounds']})")
     res = {"kernel": kernel, "threads": threads, "timing": a.timing, "stream_read_gbps": best, "probes": probes, "rows": rows,
            "summary": summary, "shape": {"E": a.E, "k": a.k, "H": a.H, "I": a.I}}
     if a.json:
@@ -176,19 +187,21 @@ def main(argv=None) -> dict:
 
 
 def summarize(rows: list[dict], prefetch: list[int], best: float) -> list[dict]:
-    """Per (type, T, distance, fuse mode): the medians over rounds of GB/s and of the ratio to the adjacent probes,
-    and the median over rounds of GB/s / the first distance's GB/s (same fuse mode) in the same round (the
-    bandwidth drifts between rounds, less within one)."""
-    by = {(r["type"], r["T"], r["prefetch"], r["fuse"], r["round"]): r for r in rows}
+    """Per (type, T, distance, fuse mode, block prefetch): the medians over rounds of GB/s and of the ratio to the
+    adjacent probes, and the median over rounds of GB/s / the first distance's GB/s (same fuse mode and block
+    prefetch) in the same round (the bandwidth drifts between rounds, less within one)."""
+    by = {(r["type"], r["T"], r["prefetch"], r["fuse"], r.get("bp", 0), r["round"]): r for r in rows}
     out = []
-    for typ, t, pf, fu in dict.fromkeys((r["type"], r["T"], r["prefetch"], r["fuse"]) for r in rows):
-        mine = [r for r in rows if (r["type"], r["T"], r["prefetch"], r["fuse"]) == (typ, t, pf, fu)]
-        vs = [r["GB/s"] / by[(typ, t, prefetch[0], fu, r["round"])]["GB/s"] for r in mine]
+    for typ, t, pf, fu, bp in dict.fromkeys((r["type"], r["T"], r["prefetch"], r["fuse"], r.get("bp", 0)) for r in rows):
+        mine = [r for r in rows if (r["type"], r["T"], r["prefetch"], r["fuse"], r.get("bp", 0)) == (typ, t, pf, fu, bp)]
+        vs = [r["GB/s"] / by[(typ, t, prefetch[0], fu, bp, r["round"])]["GB/s"] for r in mine]
+        bp0 = [r["GB/s"] / by[(typ, t, pf, fu, 0, r["round"])]["GB/s"] for r in mine
+               if (typ, t, pf, fu, 0, r["round"]) in by]
         gbs = statistics.median(r["GB/s"] for r in mine)
-        out.append({"type": typ, "T": t, "prefetch": pf, "fuse": fu, "rounds": len(mine), "GB/s": gbs,
+        out.append({"type": typ, "T": t, "prefetch": pf, "fuse": fu, "bp": bp, "rounds": len(mine), "GB/s": gbs,
                     "ratio_to_stream": gbs / best,
                     "ratio_to_adjacent": statistics.median(r["ratio_to_adjacent"] for r in mine),
-                    "vs_first": statistics.median(vs)})
+                    "vs_first": statistics.median(vs), "vs_bp0": statistics.median(bp0) if bp0 else None})
     return out
 
 

@@ -235,6 +235,20 @@ class CPUThreadPool:
         native.lib().hm_pool_fuse(self._h, FUSE_MODES[mode])
 
     @property
+    def block_prefetch(self) -> int:
+        """The GGUF decode kernels' next-block prefetch: 0 none (default); 1 / 2: while a row of an item's
+        16-row block is computed, the same row of the item's next block is requested towards L2 / L1 (a
+        longer lead than prefetch_bytes, for cores whose L1 fill buffers bound their reads). Benchmarks
+        compare the modes."""
+        return int(native.lib().hm_pool_block_prefetch(self._h, -1))
+
+    @block_prefetch.setter
+    def block_prefetch(self, mode: int) -> None:
+        if mode not in (0, 1, 2):
+            raise ValueError(f"block_prefetch must be 0, 1 or 2, got {mode!r}")
+        native.lib().hm_pool_block_prefetch(self._h, int(mode))
+
+    @property
     def reduce_inline_rows(self) -> int:
         """Rows (tokens x top-k) up to which a MoE task's weighted sum of the experts' outputs runs on the
         leader thread alone (default 16: decode sizes); above, on all threads. Benchmarks compare."""

@@ -17,7 +17,7 @@ from hybridmoe import envs
 from hybridmoe.cpu import build as _build
 from hybridmoe.cpu.settings import CPUEngineSettings
 
-ABI_VERSION = 24  # csrc/api.cpp hm_abi_version
+ABI_VERSION = 25  # csrc/api.cpp hm_abi_version
 ISAS = {"avx2": 0, "avx512": 1, "amx": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DT_F32, DT_BF16 = 0, 1
@@ -199,6 +199,7 @@ def _declare(lib) -> None:
         "hm_pool_dynamic": (i32, [vp, i32]),
         "hm_pool_reduce_inline": (i32, [vp, i32]),
         "hm_pool_fuse": (i32, [vp, i32]),
+        "hm_pool_block_prefetch": (i32, [vp, i32]),
         "hm_pool_prefetch": (i64, [vp, i64]),
         "hm_pending": (i64, [vp]),
         "hm_completed": (i64, [vp]),

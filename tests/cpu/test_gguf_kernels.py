@@ -195,8 +195,9 @@ def test_activation_blocks_converted_inside_gate_up(types, isa, pool, t, e, k):
 @pytest.mark.parametrize("types", TRIPLES[:3], ids=TRIPLE_IDS[:3])
 def test_chained_phases_change_nothing_but_speed(types, isa, pool):
     """With few rows an expert (at most 16) a GGUF task runs its down items in the gate/up phase, each once its
-    expert's three 256-column activation blocks are converted (CPUThreadPool.chained_phases): every fuse mode
-    gives bit for bit the same output on fresh inputs, at T = 1, 5 (chained) and 40 (34 rows an expert: not
+    expert's three 256-column activation blocks are converted (CPUThreadPool.chained_phases): every fuse mode,
+    and the next-block prefetch (CPUThreadPool.block_prefetch) towards L2 and L1, give bit for bit the same output
+    on fresh inputs, at T = 1, 5 (chained) and 40 (34 rows an expert: not
     chained); on a pool of 3 threads that sleep between phases as well as the fixture's pool."""
     ex, _ = experts(types, 6, 512, 768, True)
     pools = [pool, CPUThreadPool(threads=3, settings=CPUEngineSettings(spin_us=0))]
@@ -207,12 +208,15 @@ def test_chained_phases_change_nothing_but_speed(types, isa, pool):
                 x = torch.randn(t, 512, generator=torch.Generator().manual_seed(j))
                 ids, w = routing(t, 6, 4, seed=j)
                 outs = []
-                for mode in ("on", "nochain", "off"):
-                    pl.fuse_mode = mode
+                for mode, bp in (("on", 0), ("nochain", 0), ("off", 0), ("on", 1), ("nochain", 2)):
+                    pl.fuse_mode, pl.block_prefetch = mode, bp
                     outs.append(layer.forward(x, ids, w))
-                pl.fuse_mode = "on"
-                assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), f"T={t} ({j})"
+                pl.fuse_mode, pl.block_prefetch = "on", 0
+                assert all(torch.equal(outs[0], o) for o in outs[1:]), f"T={t} ({j})"
                 assert outs[0].abs().sum() > 0
+        assert pool.block_prefetch == 0
+        with pytest.raises(ValueError, match="block_prefetch"):
+            pool.block_prefetch = 3
     finally:
         pools[1].close()
 

@@ -56,6 +56,9 @@ struct ActView {
   // (0: none): the pool's setting (CPUEngineSettings.prefetch_bytes), passed with every GEMM call.
   // The AMX tile kernels use it too, per weight block of a pair, on their first pass over the pair.
   int prefetch;
+  // The GGUF direct kernels' second prefetch (hm_pool_block_prefetch): 0 none; 1 / 2: while row r of an
+  // item's N-block is computed, row r of the item's next N-block is requested towards L2 (1) or L1 (2).
+  int block_prefetch = 0;
 };
 
 // The per-ISA kernel table. A method a table cannot run has gemm == nullptr.

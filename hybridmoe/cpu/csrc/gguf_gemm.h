@@ -73,9 +73,16 @@ void gemm(int, const PackedMat& W, int e, const ActView& A, int M, int nb0, int 
     const uint8_t* base = blk.base;
     if (direct && A.prefetch && pr.b && nb + 1 < nb1) NBlock(pr, e, nb + 1).prefetch_head(A.prefetch);
     if (direct) {  // the rows stay in L1/L2 for the later row groups: prefetch once
+      const uint8_t* nxt = nullptr;
+      int64_t nrs = 0;
+      int nnext = 0;
+      if (A.block_prefetch && nb + 1 < nb1) {
+        const NBlock nx(pr, e, nb + 1);
+        nxt = nx.base, nrs = nx.m->row_bytes, nnext = nx.nrows;
+      }
       for (int m0 = 0; m0 < M; m0 += MR)
         direct_rows(m->type, base, m->row_bytes, nrows, B, A, m->K, m0, M - m0 < MR ? M - m0 : MR,
-                    Cb + int64_t(m0) * ldc, ldc, m0 == 0 ? A.prefetch : 0);
+                    Cb + int64_t(m0) * ldc, ldc, m0 == 0 ? A.prefetch : 0, m0 == 0 ? nxt : nullptr, nrs, nnext);
       continue;
     }
     UBlk* U = tl_ubuf.get(int64_t(16) * B);

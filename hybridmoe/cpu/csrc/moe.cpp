@@ -164,6 +164,7 @@ struct Ctx {
   ThreadPool* pool;
   Workspace* ws;
   int prefetch = 0;  // software prefetch distance of the few-row kernels (bytes)
+  int block_prefetch = 0;  // ActView::block_prefetch
   int nth = 1;  // threads sharing the current light phase (1: run inline by the leader)
   std::atomic<int64_t> light_next{0};  // the next piece of a parallel light phase (Pieces)
   bool round_act_bf16 = false;  // BF16 on the fp32-activation kernel with bf16 x: round like the others
@@ -301,6 +302,7 @@ HM_AVX2 void w13_item(Ctx& c, const Item& it, float* C) {
   const int64_t xr = M == 1 ? c.slot_tok[r0] : -1;
   ActView A = xr >= 0 ? ActView{c.XQ + xr * c.ld1, c.ld1, c.XS + xr, c.XG + xr * c.gs1, c.gs1, c.prefetch}
                       : ActView{c.A1 + r0 * c.ld1, c.ld1, c.sx1 + r0, c.g1 + r0 * c.gs1, c.gs1, c.prefetch};
+  A.block_prefetch = c.block_prefetch;
   int64_t ldc = int64_t(it.nb1 - it.nb0) * 16;
   c.k->gemm(d.method, d.w13, it.e, A, M, it.nb0, it.nb1, C, ldc, d.group);
   if (c.lora) lora_gate_up(*c.lora, it.e, r0, M, it.nb0, it.nb1, C, ldc);  // before the activation
@@ -334,6 +336,7 @@ HM_AVX2 void w2_item(Ctx& c, const Item& it) {
   int M = it.m1 - it.m0;
   if (c.lora) lora_prefetch(*c.lora, 1, it.e, r0, M, it.nb0, it.nb1);
   ActView A{c.A2 + r0 * c.ld2, c.ld2, c.sx2 + r0, c.g2 + r0 * c.gs2, c.gs2, c.prefetch};
+  A.block_prefetch = c.block_prefetch;
   c.k->gemm(d.method, d.w2, it.e, A, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp, d.group);
   if (c.lora) lora_down(*c.lora, it.e, r0, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp);
   if (c.fuse_red) reduce_done(c, it.nb0, it.nb1, M);
@@ -620,7 +623,7 @@ struct Stopwatch {
 }  // namespace
 
 std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int prefetch_bytes, int reduce_inline_rows,
-                         int fuse) {
+                         int fuse, int block_prefetch) {
   if (!t.layer) return "null layer";
   const HmLayer& L = *static_cast<const HmLayer*>(t.layer);
   const LayerDesc& d = L.d;
@@ -645,6 +648,7 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
   c.pool = &pool;
   c.ws = &ws;
   c.prefetch = prefetch_bytes;
+  c.block_prefetch = block_prefetch;
   c.xes = t.x_dtype == DT_F32 ? 4 : 2;
   if (t.nan_rows) {
     c.badrow = ws.badrow.get<uint8_t>(size_t(t.T));

@@ -60,9 +60,10 @@ constexpr int kFuseQuantRows = 16;
 // Runs the task with the pool's threads (call on the leader thread); prefetch_bytes: the few-row
 // kernels' software prefetch distance (0: none); reduce_inline_rows: the weighted sum of the experts'
 // outputs runs on the leader alone up to this many rows (T * K), on all threads above; fuse: light
-// phases folded into the GEMM phases (kFuse* bits). Returns "" or an error text.
+// phases folded into the GEMM phases (kFuse* bits); block_prefetch: ActView::block_prefetch. Returns "" or
+// an error text.
 std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& task, int prefetch_bytes,
-                         int reduce_inline_rows = kReduceInlineRows, int fuse = kFuseAll);
+                         int reduce_inline_rows = kReduceInlineRows, int fuse = kFuseAll, int block_prefetch = 0);
 
 // Stream-read bandwidth of `bytes` with all pool threads (leader thread), GB/s.
 double stream_read(ThreadPool& pool, int64_t bytes, int iters);
