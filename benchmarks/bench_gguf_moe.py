@@ -106,8 +106,8 @@ def main(argv=None) -> dict:
                     "(rows of the 2m set are named TYPE@2m)")
     ap.add_argument("--fuse", default="on", help="CPUThreadPool.fuse_mode values, each in turn for every row "
                     "(e.g. on,nochain: the down items chained into the gate/up phase, or not)")
-    ap.add_argument("--block-prefetch", default="0", help="CPUThreadPool.block_prefetch modes, each in turn for every "
-                    "row (0 none, 1 the next block's rows towards L2, 2 towards L1; e.g. 0,1)")
+    ap.add_argument("--block-prefetch", default="1", help="CPUThreadPool.block_prefetch modes, each in turn for every "
+                    "row (0 none, 1 the next block's rows towards L2: the default, 2 towards L1; e.g. 1,0)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     fuses = a.fuse.split(",")

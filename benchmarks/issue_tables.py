@@ -163,11 +163,14 @@ def issue16_ab_decode(d: dict, src: str) -> list[Row]:
 
 def issue18_gguf(d: dict, src: str) -> list[Row]:
     """Decode sizes against the best probe (the first prefetch distance of the run: the default; `--fuse` rows
-    other than `on` left out); large T in TFLOP/s (median of the rounds), reported."""
+    other than `on` and `--block-prefetch` rows other than the default 1 left out; files from before session 29
+    have no bp key: their rows ran without it); large T in TFLOP/s (median of the rounds), reported."""
     rows = []
     first_pf = d["summary"][0]["prefetch"] if d.get("summary") else None
+    bps = {s.get("bp", 0) for s in d.get("summary", [])}
+    want_bp = 1 if 1 in bps else 0
     for s in d.get("summary", []):
-        if s["prefetch"] != first_pf or s["T"] > 16 or s.get("fuse", "on") != "on":
+        if s["prefetch"] != first_pf or s["T"] > 16 or s.get("fuse", "on") != "on" or s.get("bp", 0) != want_bp:
             continue
         r = s["ratio_to_stream"]
         target = s["type"] in ("Q4_K", "Q8_0")

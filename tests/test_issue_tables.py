@@ -89,6 +89,18 @@ def test_cpu_serving_decode_gguf_mla(tmp_path: Path) -> None:
     assert not any("context 4096" in r for r in rows)
 
 
+def test_gguf_rows_of_the_default_block_prefetch(tmp_path: Path) -> None:
+    """bench_gguf_moe --block-prefetch 1,0: the table takes the default mode's (1) rows only."""
+    gguf = {"stream_read_gbps": 100.0, "summary": [
+        {"type": "Q4_K", "T": 1, "prefetch": 2048, "fuse": "on", "bp": 1, "GB/s": 76.0, "ratio_to_stream": 0.76},
+        {"type": "Q4_K", "T": 1, "prefetch": 2048, "fuse": "on", "bp": 0, "GB/s": 70.0, "ratio_to_stream": 0.70},
+        {"type": "Q8_0", "T": 4, "prefetch": 2048, "fuse": "on", "bp": 0, "GB/s": 90.0, "ratio_to_stream": 0.90},
+        {"type": "Q8_0", "T": 4, "prefetch": 2048, "fuse": "on", "bp": 1, "GB/s": 60.0, "ratio_to_stream": 0.60}]}
+    rows = [r for r in rows_of(tmp_path, {"gguf": gguf}).values() if r.issue == 18]
+    assert sorted((r.what, r.value) for r in rows) == [("Q4_K experts T 1 (prefetch 2048)", 76.0),
+                                                       ("Q8_0 experts T 4 (prefetch 2048)", 60.0)]
+
+
 def test_missing_files_and_bad_flags(tmp_path: Path, capsys) -> None:
     assert it.tables(tmp_path) == []
     assert it.main([str(tmp_path)]) == 0

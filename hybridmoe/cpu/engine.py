@@ -236,10 +236,10 @@ class CPUThreadPool:
 
     @property
     def block_prefetch(self) -> int:
-        """The GGUF decode kernels' next-block prefetch: 0 none (default); 1 / 2: while a row of an item's
+        """The GGUF decode kernels' next-block prefetch: 0 none; 1 (default) / 2: while a row of an item's
         16-row block is computed, the same row of the item's next block is requested towards L2 / L1 (a
-        longer lead than prefetch_bytes, for cores whose L1 fill buffers bound their reads). Benchmarks
-        compare the modes."""
+        longer lead than prefetch_bytes: one core's GGUF reads from DRAM are bound by the misses it keeps in
+        flight). Benchmarks compare the modes."""
         return int(native.lib().hm_pool_block_prefetch(self._h, -1))
 
     @block_prefetch.setter

@@ -208,13 +208,13 @@ def test_chained_phases_change_nothing_but_speed(types, isa, pool):
                 x = torch.randn(t, 512, generator=torch.Generator().manual_seed(j))
                 ids, w = routing(t, 6, 4, seed=j)
                 outs = []
-                for mode, bp in (("on", 0), ("nochain", 0), ("off", 0), ("on", 1), ("nochain", 2)):
+                for mode, bp in (("on", 1), ("nochain", 1), ("off", 1), ("on", 0), ("nochain", 2)):
                     pl.fuse_mode, pl.block_prefetch = mode, bp
                     outs.append(layer.forward(x, ids, w))
-                pl.fuse_mode, pl.block_prefetch = "on", 0
+                pl.fuse_mode, pl.block_prefetch = "on", 1
                 assert all(torch.equal(outs[0], o) for o in outs[1:]), f"T={t} ({j})"
                 assert outs[0].abs().sum() > 0
-        assert pool.block_prefetch == 0
+        assert pool.block_prefetch == 1
         with pytest.raises(ValueError, match="block_prefetch"):
             pool.block_prefetch = 3
     finally:

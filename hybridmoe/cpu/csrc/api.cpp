@@ -324,8 +324,8 @@ int hm_pool_fuse(void* p, int bits) {
   return was;
 }
 
-// The GGUF direct kernels' next-block prefetch (common.h ActView::block_prefetch: 0 none, 1 towards L2,
-// 2 towards L1); mode < 0: only reads it. Returns the mode before. Call between tasks.
+// The GGUF direct kernels' next-block prefetch (common.h ActView::block_prefetch: 0 none, 1 towards L2 (the
+// default), 2 towards L1); mode < 0: only reads it. Returns the mode before. Call between tasks.
 int hm_pool_block_prefetch(void* p, int mode) {
   Pool* pool = static_cast<Pool*>(p);
   const int was = pool->block_prefetch.load();

@@ -59,7 +59,7 @@ struct Pool {
   std::atomic<bool> inline_amx{false};
   std::atomic<int> reduce_inline_rows{kReduceInlineRows};  // run_moe_task's (hm_pool_reduce_inline)
   std::atomic<int> fuse{kFuseAll};  // run_moe_task's fuse bits (hm_pool_fuse)
-  std::atomic<int> block_prefetch{0};  // run_moe_task's (hm_pool_block_prefetch)
+  std::atomic<int> block_prefetch{1};  // run_moe_task's (hm_pool_block_prefetch; towards L2 by default)
 
   Pool(int n, const int* cpus, int nsub, const HmPoolSettings& s)
       : settings(s), tp(n, cpus, nsub, s.spin_us * 1000), ws(workspace_create(tp.size())) {}
