@@ -53,9 +53,9 @@ def _median(xs: list[float]) -> float:
 
 def _default_settings(rows: list[dict]) -> list[dict]:
     """The rows (runs or summary entries) of the engine's default settings: a bench_hybrid_decode.py A/B's
-    `--fuse` (session 27: `--fused-reduce`) rows other than `on` left out (files from before the option have
-    none)."""
-    return [r for r in rows if r.get("fuse", r.get("fused_reduce", "on")) == "on"]
+    `--fuse` (session 27: `--fused-reduce`) rows other than `on` and `--block-prefetch` rows other than 1 left out
+    (files from before the options have none)."""
+    return [r for r in rows if r.get("fuse", r.get("fused_reduce", "on")) == "on" and r.get("block_prefetch", 1) == 1]
 
 
 def issue16_deferral(d: dict, src: str) -> list[Row]:
@@ -189,7 +189,7 @@ def issue18_hybrid(d: dict, src: str) -> list[Row]:
     return [Row(18, "speed", f"hybrid GGUF decode batch {s['batch']}, deferral {s['deferred']}",
                 s["median_tokens_per_s"], "tok/s",
                 f"ratio to the best-probe bound {s.get('median_ratio_to_best_probe_bound', float('nan')):.3f}",
-                "reported", None, src) for s in d.get("summary", [])]
+                "reported", None, src) for s in _default_settings(d.get("summary", []))]
 
 
 def issue15_mla(d: dict, src: str) -> list[Row]:
