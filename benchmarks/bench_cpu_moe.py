@@ -97,14 +97,17 @@ def run_pool(args, pool: CPUThreadPool, sets: list[tuple[str, list[CPUMoELayer],
             for dyn in args.dynamic or [dyn0]:  # interleaved with the methods, against the same probe
                 for ri in args.reduce_inline or [ri0]:
                     for fr in args.fuse or [fr0]:
-                        pool.dynamic_phases, pool.reduce_inline_rows, pool.fuse_mode = dyn, ri, fr
-                        rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri, fr))
+                        for gap in args.gap_us or [0]:
+                            pool.dynamic_phases, pool.reduce_inline_rows, pool.fuse_mode = dyn, ri, fr
+                            rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri,
+                                                 fr, gap))
     pool.dynamic_phases, pool.reduce_inline_rows, pool.fuse_mode = dyn0, ri0, fr0
     return rows
 
 
-def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri, fr) -> dict:
-    """One method at one T: the median time of tasks with fresh random routing."""
+def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri, fr, gap_us=0) -> dict:
+    """One method at one T: the median time of tasks with fresh random routing; gap_us: the caller spins this long
+    after each task before it submits the next (the pool idles, as it does between a hybrid decode's layers)."""
     e, k, h, i = args.E, args.k, args.H, args.I
 
     def route(t=t, k=k):  # fresh random routing for every call
@@ -132,6 +135,10 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri,
         times.append(time.perf_counter() - s)
         byts.append(nbytes)
         n += 1
+        if gap_us:
+            until = time.perf_counter() + gap_us * 1e-6
+            while time.perf_counter() < until:
+                pass
     med = statistics.median(times)
     bw = statistics.median(b / s for b, s in zip(byts, times)) / 1e9
     tflops = 2.0 * t * k * 3 * h * i / med / 1e12
@@ -145,6 +152,7 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri,
         "dynamic_phases": dyn,
         "reduce_inline_rows": ri,
         "fuse": fr,
+        "gap_us": gap_us,
         "phase_us": phases,
         "us_per_layer": med * 1e6,
         "eff_bw_gbps": bw,
@@ -157,7 +165,8 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri,
     ph = " ".join(f"{k}={v:.0f}" for k, v in phases.items()) if args.profile else ""
     print(
         f"{method:>8} {t:>6} {med * 1e6:>10.1f} {bw:>8.1f} {bw / ref_bw:>6.2f} {tflops:>8.2f} {experts:>8.1f} "
-        f"{ref_bw:>7.1f} {pf:>6} {'on' if dyn else 'off':>4} {ri:>4} {fr:>6}  {ph}", flush=True
+        f"{ref_bw:>7.1f} {pf:>6} {'on' if dyn else 'off':>4} {ri:>4} {fr:>6}{f'  gap {gap_us} us' if gap_us else ''}  {ph}",
+        flush=True
     )
     return row
 
@@ -270,6 +279,16 @@ def _rows_list(s: str) -> list[int]:
     return vals
 
 
+def _us_list(s: str) -> list[int]:
+    try:
+        vals = [int(v) for v in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of microseconds, got {s!r}") from None
+    if any(not 0 <= v <= 1_000_000 for v in vals):
+        raise argparse.ArgumentTypeError(f"gaps must be in [0, 1000000] us, got {s!r}")
+    return vals
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--E", type=int, default=128)
@@ -305,6 +324,10 @@ def main(argv=None):
                          "turn (CPUThreadPool.fuse_mode: a one-token task's weighted sum inside its down phase "
                          "(reduce), a decode task's activation conversion inside its gate/up phase (quant), both "
                          "(on, the default) or neither (off))")
+    ap.add_argument("--gap-us", type=_us_list, default=None,
+                    help="e.g. 0,100: every row at each value in turn, the tasks spaced by that many microseconds "
+                         "(the pool idle between tasks, as between a hybrid decode's layers at deferral 0; 0: back "
+                         "to back)")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     if args.dummy_model is not None:
