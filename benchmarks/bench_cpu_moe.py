@@ -85,6 +85,7 @@ def run_pool(args, pool: CPUThreadPool, sets: list[tuple[str, list[CPUMoELayer],
     pf = pool.settings.prefetch_bytes
     rows = []
     dyn0, ri0, fr0 = pool.dynamic_phases, pool.reduce_inline_rows, pool.fuse_mode  # restored after the rows
+    ipt0 = pool.items_per_thread
     for t in args.T:
         # the probe read 94-147 GB/s minutes apart on one machine: each row gets its own, taken
         # right before it, and the ratio is to the median of the first and that one
@@ -96,16 +97,18 @@ def run_pool(args, pool: CPUThreadPool, sets: list[tuple[str, list[CPUMoELayer],
         for method, layers, ebytes in sets:
             for dyn in args.dynamic or [dyn0]:  # interleaved with the methods, against the same probe
                 for ri in args.reduce_inline or [ri0]:
-                    for fr in args.fuse or [fr0]:
-                        for gap in args.gap_us or [0]:
-                            pool.dynamic_phases, pool.reduce_inline_rows, pool.fuse_mode = dyn, ri, fr
-                            rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri,
-                                                 fr, gap))
+                    for fr, gap, ipt in [(f, g, n) for f in args.fuse or [fr0] for g in args.gap_us or [0]
+                                         for n in args.items_per_thread or [ipt0]]:
+                        pool.dynamic_phases, pool.reduce_inline_rows, pool.fuse_mode = dyn, ri, fr
+                        pool.items_per_thread = ipt
+                        rows.append(_measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri,
+                                             fr, gap, ipt))
     pool.dynamic_phases, pool.reduce_inline_rows, pool.fuse_mode = dyn0, ri0, fr0
+    pool.items_per_thread = ipt0
     return rows
 
 
-def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri, fr, gap_us=0) -> dict:
+def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri, fr, gap_us=0, ipt=8) -> dict:
     """One method at one T: the median time of tasks with fresh random routing; gap_us: the caller spins this long
     after each task before it submits the next (the pool idles, as it does between a hybrid decode's layers)."""
     e, k, h, i = args.E, args.k, args.H, args.I
@@ -153,6 +156,7 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri,
         "reduce_inline_rows": ri,
         "fuse": fr,
         "gap_us": gap_us,
+        "items_per_thread": ipt,
         "phase_us": phases,
         "us_per_layer": med * 1e6,
         "eff_bw_gbps": bw,
@@ -165,7 +169,8 @@ def _measure(args, pool, layers, ebytes, method, t, x, out, ref_bw, pf, dyn, ri,
     ph = " ".join(f"{k}={v:.0f}" for k, v in phases.items()) if args.profile else ""
     print(
         f"{method:>8} {t:>6} {med * 1e6:>10.1f} {bw:>8.1f} {bw / ref_bw:>6.2f} {tflops:>8.2f} {experts:>8.1f} "
-        f"{ref_bw:>7.1f} {pf:>6} {'on' if dyn else 'off':>4} {ri:>4} {fr:>6}{f'  gap {gap_us} us' if gap_us else ''}  {ph}",
+        f"{ref_bw:>7.1f} {pf:>6} {'on' if dyn else 'off':>4} {ri:>4} {fr:>6}{f'  gap {gap_us} us' if gap_us else ''}"
+        f"{f'  ipt {ipt}' if args.items_per_thread else ''}  {ph}",
         flush=True
     )
     return row
@@ -289,6 +294,16 @@ def _us_list(s: str) -> list[int]:
     return vals
 
 
+def _ipt_list(s: str) -> list[int]:
+    try:
+        vals = [int(v) for v in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of item counts, got {s!r}") from None
+    if any(not 1 <= v <= 64 for v in vals):
+        raise argparse.ArgumentTypeError(f"items per thread must be in [1, 64], got {s!r}")
+    return vals
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--E", type=int, default=128)
@@ -328,6 +343,9 @@ def main(argv=None):
                     help="e.g. 0,100: every row at each value in turn, the tasks spaced by that many microseconds "
                          "(the pool idle between tasks, as between a hybrid decode's layers at deferral 0; 0: back "
                          "to back)")
+    ap.add_argument("--items-per-thread", type=_ipt_list, default=None,
+                    help="e.g. 8,4,2: every row with the pool's items_per_thread at each value in turn (a decode "
+                         "task's items sized for about that many a thread: fewer, longer weight streams)")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     if args.dummy_model is not None:

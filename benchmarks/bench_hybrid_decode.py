@@ -158,6 +158,9 @@ def main() -> None:
     p.add_argument("--block-prefetch", default=[1], type=lambda v: [int(x) for x in v.split(",")], metavar="1[,0]",
                    help="CPUThreadPool.block_prefetch for the batch-1 rows, each value in turn (GGUF experts: 0 none, "
                         "1 the next block's rows towards L2, the default; 2 towards L1)")
+    p.add_argument("--items-per-thread", default=[8], type=lambda v: [int(x) for x in v.split(",")], metavar="8[,4,2]",
+                   help="CPUThreadPool.items_per_thread for the batch-1 rows, each value in turn (a decode task's "
+                        "items sized for about that many a thread; default 8)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole grid this many times, interleaved (the host's bandwidth drifts); the "
                         "summary gives each setting's median")
@@ -180,6 +183,8 @@ def main() -> None:
         p.error(f"--fuse {','.join(a.fuse)}: a comma list of {', '.join(FUSE_MODES)}")
     if not a.block_prefetch or any(v not in (0, 1, 2) for v in a.block_prefetch):
         p.error(f"--block-prefetch {a.block_prefetch}: a comma list of 0, 1, 2")
+    if not a.items_per_thread or any(not 1 <= v <= 64 for v in a.items_per_thread):
+        p.error(f"--items-per-thread {a.items_per_thread}: a comma list of 1..64")
     if a.gguf:
         from hybridmoe.cpu.gguf_quant import TYPE_IDS
 
@@ -238,14 +243,17 @@ def main() -> None:
                 runner.graphs = graphs if mode == "on" else None
                 spin = default_pool().native_settings().hostfn_spin_us  # what the pool got from the config
                 blocking = "on" if llm.engine.sampler.wait_event is not None else "off"  # as the config set it
-                for b, fr, bp in [(bs, f, q) for bs in a.batch for f in (a.fuse if bs == 1 else ["on"])
-                                  for q in (a.block_prefetch if bs == 1 else [1])]:
+                for b, fr, bp, ipt in [(bs, f, q, n) for bs in a.batch for f in (a.fuse if bs == 1 else ["on"])
+                                       for q in (a.block_prefetch if bs == 1 else [1])
+                                       for n in (a.items_per_thread if bs == 1 else [8])]:
                     default_pool().fuse_mode, default_pool().block_prefetch = fr, bp
+                    default_pool().items_per_thread = ipt
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
                     row = {"rep": rep, "deferred": deferred, "graphs": mode, "batch": b,
                            "steps": steps, "blocking_sync": blocking, "hostfn_spin_us": spin, "fuse": fr,
-                           "block_prefetch": bp, **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
+                           "block_prefetch": bp, "items_per_thread": ipt, **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     default_pool().fuse_mode, default_pool().block_prefetch = "on", 1
+                    default_pool().items_per_thread = 8
                     if b == 1:
                         before = probes[-1]
                         probes.append(default_pool().stream_read_gbps())
@@ -265,6 +273,7 @@ def main() -> None:
                     bl = "" if blocking == "on" else f" blocking-sync {blocking:3s}"
                     bl += "" if fr == "on" else f" fuse {fr}"
                     bl += "" if bp == 1 else f" bp {bp}"
+                    bl += "" if ipt == 8 else f" ipt {ipt}"
                     print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
@@ -287,18 +296,18 @@ def main() -> None:
                 row["extrapolated_ratio_to_best_probe_bound"] = (row["extrapolated_tokens_per_s"] * bpt * target / n_moe
                                                                  / (best * 1e9))
         key = tuple(row[k] for k in ("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fuse",
-                                     "block_prefetch"))
+                                     "block_prefetch", "items_per_thread"))
         groups.setdefault(key, []).append(row)
     print(f"best probe of the run {best:.1f} GB/s -> bound {best * 1e9 / bpt:.1f} tok/s; probes "
           f"{', '.join(f'{v:.0f}' for v in probes)}")
     results["summary"] = []
     for key, rows in groups.items():
         med = statistics.median(r["tokens_per_s"] for r in rows)
-        entry = dict(zip(("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fuse", "block_prefetch"),
-                         key), runs=len(rows), median_tokens_per_s=med,
+        entry = dict(zip(("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fuse", "block_prefetch",
+                          "items_per_thread"), key), runs=len(rows), median_tokens_per_s=med,
                      tokens_per_s=[r["tokens_per_s"] for r in rows])
         line = (f"deferred {key[0]} graphs {key[1]:3s} batch {key[2]:3d} blocking-sync {key[3]:3s} "
-                f"hostfn-spin {key[4]} fuse {key[5]} bp {key[6]}: median {med:.1f} tok/s of {len(rows)} "
+                f"hostfn-spin {key[4]} fuse {key[5]} bp {key[6]} ipt {key[7]}: median {med:.1f} tok/s of {len(rows)} "
                 f"({', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])})")
         if target and key[2] == 1:
             ext = statistics.median(r["extrapolated_tokens_per_s"] for r in rows)

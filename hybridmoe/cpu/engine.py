@@ -249,6 +249,19 @@ class CPUThreadPool:
         native.lib().hm_pool_block_prefetch(self._h, int(mode))
 
     @property
+    def items_per_thread(self) -> int:
+        """A decode-sized task's items are sized for about this many a thread (1-64, default 8): fewer make
+        each item a longer weight stream (the prefetchers ramp up once per item) and the phase's tail longer.
+        Benchmarks compare values."""
+        return int(native.lib().hm_pool_items_per_thread(self._h, 0))
+
+    @items_per_thread.setter
+    def items_per_thread(self, n: int) -> None:
+        if not isinstance(n, int) or not 1 <= n <= 64:
+            raise ValueError(f"items_per_thread must be an int in [1, 64], got {n!r}")
+        native.lib().hm_pool_items_per_thread(self._h, n)
+
+    @property
     def reduce_inline_rows(self) -> int:
         """Rows (tokens x top-k) up to which a MoE task's weighted sum of the experts' outputs runs on the
         leader thread alone (default 16: decode sizes); above, on all threads. Benchmarks compare."""

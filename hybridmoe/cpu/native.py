@@ -200,6 +200,7 @@ def _declare(lib) -> None:
         "hm_pool_reduce_inline": (i32, [vp, i32]),
         "hm_pool_fuse": (i32, [vp, i32]),
         "hm_pool_block_prefetch": (i32, [vp, i32]),
+        "hm_pool_items_per_thread": (i32, [vp, i32]),
         "hm_pool_prefetch": (i64, [vp, i64]),
         "hm_pending": (i64, [vp]),
         "hm_completed": (i64, [vp]),

@@ -293,6 +293,38 @@ def test_fused_quant_changes_nothing_but_speed(method):
             p.close()
 
 
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16"])
+def test_items_per_thread_changes_nothing_but_speed(method):
+    """CPUThreadPool.items_per_thread sizes a decode task's items (1: up to 32 N-blocks an item, 64: the minimum
+    2 or 4): every output element still comes from one item with the same K order, so the outputs are bit for bit
+    equal, at T = 1, 4 and 40 (above 16 rows an expert: items of their own size), with and without the fusions."""
+    g = torch.Generator().manual_seed(15)
+    e, h, i, k = 7, 320, 192, 4
+    packed = pack_layer(torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1, method)
+    pool = CPUThreadPool(threads=3)
+    try:
+        assert pool.items_per_thread == 8
+        lay = CPUMoELayer(packed, pool=pool)
+        for j, t in enumerate((1, 4, 40, 1)):
+            x = torch.randn(t, h, generator=g)
+            ids = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k].contiguous()
+            w = torch.rand(t, k, generator=g)
+            pool.fuse_mode = ("on", "off")[j % 2]
+            outs = []
+            for n in (8, 1, 2, 64):
+                pool.items_per_thread = n
+                assert pool.items_per_thread == n
+                outs.append(lay.forward(x, ids, w))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), f"T={t}"
+            assert outs[0].abs().sum() > 0
+        for bad in (0, 65, 2.0):
+            with pytest.raises(ValueError, match="items_per_thread"):
+                pool.items_per_thread = bad
+        del lay
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("method", ["AMXINT8", "BF16"])
 def test_reduce_inline_rows_changes_nothing_but_speed(method):
     """CPUThreadPool.reduce_inline_rows moves a task's weighted sum between the leader alone and all threads:

@@ -196,8 +196,8 @@ def test_activation_blocks_converted_inside_gate_up(types, isa, pool, t, e, k):
 def test_chained_phases_change_nothing_but_speed(types, isa, pool):
     """With few rows an expert (at most 16) a GGUF task runs its down items in the gate/up phase, each once its
     expert's three 256-column activation blocks are converted (CPUThreadPool.chained_phases): every fuse mode,
-    and the next-block prefetch (CPUThreadPool.block_prefetch) towards L2 and L1, give bit for bit the same output
-    on fresh inputs, at T = 1, 5 (chained) and 40 (34 rows an expert: not
+    the next-block prefetch (CPUThreadPool.block_prefetch) towards L2 and L1, and items sized for 1 and 64 a
+    thread (CPUThreadPool.items_per_thread) give bit for bit the same output on fresh inputs, at T = 1, 5 (chained) and 40 (34 rows an expert: not
     chained); on a pool of 3 threads that sleep between phases as well as the fixture's pool."""
     ex, _ = experts(types, 6, 512, 768, True)
     pools = [pool, CPUThreadPool(threads=3, settings=CPUEngineSettings(spin_us=0))]
@@ -208,10 +208,11 @@ def test_chained_phases_change_nothing_but_speed(types, isa, pool):
                 x = torch.randn(t, 512, generator=torch.Generator().manual_seed(j))
                 ids, w = routing(t, 6, 4, seed=j)
                 outs = []
-                for mode, bp in (("on", 1), ("nochain", 1), ("off", 1), ("on", 0), ("nochain", 2)):
-                    pl.fuse_mode, pl.block_prefetch = mode, bp
+                for mode, bp, ipt in (("on", 1, 8), ("nochain", 1, 8), ("off", 1, 8), ("on", 0, 8), ("nochain", 2, 8),
+                                      ("on", 1, 1), ("on", 1, 64)):
+                    pl.fuse_mode, pl.block_prefetch, pl.items_per_thread = mode, bp, ipt
                     outs.append(layer.forward(x, ids, w))
-                pl.fuse_mode, pl.block_prefetch = "on", 1
+                pl.fuse_mode, pl.block_prefetch, pl.items_per_thread = "on", 1, 8
                 assert all(torch.equal(outs[0], o) for o in outs[1:]), f"T={t} ({j})"
                 assert outs[0].abs().sum() > 0
         assert pool.block_prefetch == 1

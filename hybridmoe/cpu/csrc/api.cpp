@@ -52,8 +52,7 @@ int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go) {
     }
     pool->ev(1, my_id);
     try {
-      err = run_moe_task(pool->tp, *pool->ws, t, prefetch, pool->reduce_inline_rows.load(std::memory_order_relaxed),
-                         pool->fuse.load(std::memory_order_relaxed), pool->block_prefetch.load(std::memory_order_relaxed));
+      err = run_moe_task(pool->tp, *pool->ws, t, pool->task_opts(prefetch));
     } catch (const std::exception& e) {
       err = std::string("CPU MoE task failed: ") + e.what();
     } catch (...) {
@@ -80,7 +79,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 25; }  // 25: hm_pool_block_prefetch; 24: hm_pool_fuse (was hm_pool_fused_reduce); 23: hm_pool_fused_reduce; 22: hm_amx_emulated; 21: hm_pool_reduce_inline; 20: HmTask.nan_rows, hm_argmax_bf16's nonfinite mark; 19: hm_attn_kernel (the AVX-512 decode attention span); 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
+int hm_abi_version() { return 25; }  // 25: hm_pool_block_prefetch, hm_pool_items_per_thread; 24: hm_pool_fuse (was hm_pool_fused_reduce); 23: hm_pool_fused_reduce; 22: hm_amx_emulated; 21: hm_pool_reduce_inline; 20: HmTask.nan_rows, hm_argmax_bf16's nonfinite mark; 19: hm_attn_kernel (the AVX-512 decode attention span); 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];
@@ -180,10 +179,7 @@ int hm_run_task(void* p, const HmTask* task, int64_t spin_us, char* err, int err
   auto fn = [](void* r) {
     Run& x = *static_cast<Run*>(r);
     try {
-      x.err = hm::run_moe_task(x.pool->tp, *x.pool->ws, *x.t, int(x.pool->settings.prefetch_bytes),
-                               x.pool->reduce_inline_rows.load(std::memory_order_relaxed),
-                               x.pool->fuse.load(std::memory_order_relaxed),
-                               x.pool->block_prefetch.load(std::memory_order_relaxed));
+      x.err = hm::run_moe_task(x.pool->tp, *x.pool->ws, *x.t, x.pool->task_opts(int(x.pool->settings.prefetch_bytes)));
     } catch (const std::exception& e) {
       x.err = std::string("CPU MoE task failed: ") + e.what();
     } catch (...) {
@@ -330,6 +326,15 @@ int hm_pool_block_prefetch(void* p, int mode) {
   Pool* pool = static_cast<Pool*>(p);
   const int was = pool->block_prefetch.load();
   if (mode >= 0) pool->block_prefetch.store(mode > 2 ? 2 : mode);
+  return was;
+}
+
+// Few-row (decode) items are sized for about this many a thread (TaskOpts::items_per_thread, 1..64, default 8:
+// fewer make longer weight streams and a longer tail); n <= 0: only reads it. Returns the setting before.
+int hm_pool_items_per_thread(void* p, int n) {
+  Pool* pool = static_cast<Pool*>(p);
+  const int was = pool->items_per_thread.load();
+  if (n > 0) pool->items_per_thread.store(n > 64 ? 64 : n);
   return was;
 }
 

@@ -165,6 +165,7 @@ struct Ctx {
   Workspace* ws;
   int prefetch = 0;  // software prefetch distance of the few-row kernels (bytes)
   int block_prefetch = 0;  // ActView::block_prefetch
+  int items_per_thread = kFewItemsPerThread;  // TaskOpts::items_per_thread
   int nth = 1;  // threads sharing the current light phase (1: run inline by the leader)
   std::atomic<int64_t> light_next{0};  // the next piece of a parallel light phase (Pieces)
   bool round_act_bf16 = false;  // BF16 on the fp32-activation kernel with bf16 x: round like the others
@@ -459,8 +460,8 @@ void light(ThreadPool& pool, Ctx& c, ThreadPool::PhaseFn fn, bool inline_) {
   }
 }
 
-// N-blocks per item of the experts with few rows (decode): ~8 items a thread over all of them (a thread
-// that finishes late holds the phase up by a part of one item), at most
+// N-blocks per item of the experts with few rows (decode): ~8 items a thread over all of them
+// (TaskOpts::items_per_thread; a thread that finishes late holds the phase up by a part of one item), at most
 // kFewItemBytes of weights (and CW_FEW blocks), at least cw; a power of two (a w13 item never straddles
 // a quant block). Each item is one linear read of its weights; a thread that moves on to another item
 // starts a new stream, which the hardware prefetchers take a while to follow. On the 2-core Zen 4
@@ -473,7 +474,7 @@ int few_row_cw(const Ctx& c, const PackedMat& W, int NB, int cw) {
     if (M > 0 && M < BIG_ROWS) blocks += NB;
   }
   const int64_t block_bytes = std::max<int64_t>(1, W.expert_stride / std::max(1, NB));
-  const int64_t want = std::min(blocks / (8 * int64_t(c.pool->size())), kFewItemBytes / block_bytes);
+  const int64_t want = std::min(blocks / (c.items_per_thread * int64_t(c.pool->size())), kFewItemBytes / block_bytes);
   while (cw * 2 <= want && cw * 2 <= CW_FEW) cw *= 2;
   return cw;
 }
@@ -622,8 +623,8 @@ struct Stopwatch {
 };
 }  // namespace
 
-std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int prefetch_bytes, int reduce_inline_rows,
-                         int fuse, int block_prefetch) {
+std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, const TaskOpts& opts) {
+  const int fuse = opts.fuse, reduce_inline_rows = opts.reduce_inline_rows;
   if (!t.layer) return "null layer";
   const HmLayer& L = *static_cast<const HmLayer*>(t.layer);
   const LayerDesc& d = L.d;
@@ -647,8 +648,9 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, int p
   c.round_act_bf16 = L.k_fp32act && c.k == L.k_fp32act && t.x_dtype == DT_BF16;
   c.pool = &pool;
   c.ws = &ws;
-  c.prefetch = prefetch_bytes;
-  c.block_prefetch = block_prefetch;
+  c.prefetch = opts.prefetch_bytes;
+  c.block_prefetch = opts.block_prefetch;
+  c.items_per_thread = std::clamp(opts.items_per_thread, 1, 64);
   c.xes = t.x_dtype == DT_F32 ? 4 : 2;
   if (t.nan_rows) {
     c.badrow = ws.badrow.get<uint8_t>(size_t(t.T));

@@ -57,13 +57,20 @@ constexpr int kReduceInlineRows = 16;
 constexpr int kFuseReduce = 1, kFuseQuant = 2, kFuseChain = 4, kFuseAll = 7;
 constexpr int kFuseQuantRows = 16;
 
-// Runs the task with the pool's threads (call on the leader thread); prefetch_bytes: the few-row
-// kernels' software prefetch distance (0: none); reduce_inline_rows: the weighted sum of the experts'
-// outputs runs on the leader alone up to this many rows (T * K), on all threads above; fuse: light
-// phases folded into the GEMM phases (kFuse* bits); block_prefetch: ActView::block_prefetch. Returns "" or
-// an error text.
-std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& task, int prefetch_bytes,
-                         int reduce_inline_rows = kReduceInlineRows, int fuse = kFuseAll, int block_prefetch = 0);
+// The default of TaskOpts::items_per_thread: few-row (decode) items are sized for about this many a thread.
+constexpr int kFewItemsPerThread = 8;
+
+// A task's run settings (the pool's, read when the task runs; benchmarks switch them between tasks).
+struct TaskOpts {
+  int prefetch_bytes = 0;  // the few-row kernels' software prefetch distance (0: none)
+  int reduce_inline_rows = kReduceInlineRows;  // the weighted sum runs on the leader alone up to T * K rows
+  int fuse = kFuseAll;  // light phases folded into the GEMM phases (kFuse* bits)
+  int block_prefetch = 0;  // ActView::block_prefetch
+  int items_per_thread = kFewItemsPerThread;  // few_row_cw's target of items a thread (1..64)
+};
+
+// Runs the task with the pool's threads (call on the leader thread). Returns "" or an error text.
+std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& task, const TaskOpts& opts);
 
 // Stream-read bandwidth of `bytes` with all pool threads (leader thread), GB/s.
 double stream_read(ThreadPool& pool, int64_t bytes, int iters);

@@ -60,12 +60,23 @@ struct Pool {
   std::atomic<int> reduce_inline_rows{kReduceInlineRows};  // run_moe_task's (hm_pool_reduce_inline)
   std::atomic<int> fuse{kFuseAll};  // run_moe_task's fuse bits (hm_pool_fuse)
   std::atomic<int> block_prefetch{1};  // run_moe_task's (hm_pool_block_prefetch; towards L2 by default)
+  std::atomic<int> items_per_thread{kFewItemsPerThread};  // run_moe_task's (hm_pool_items_per_thread)
 
   Pool(int n, const int* cpus, int nsub, const HmPoolSettings& s)
       : settings(s), tp(n, cpus, nsub, s.spin_us * 1000), ws(workspace_create(tp.size())) {}
   ~Pool() {
     tp.wait_pending(0);
     workspace_destroy(ws);
+  }
+  // The task settings now; prefetch_bytes: the distance to use (submit_task takes it at submit time).
+  TaskOpts task_opts(int prefetch_bytes) const {
+    TaskOpts o;
+    o.prefetch_bytes = prefetch_bytes;
+    o.reduce_inline_rows = reduce_inline_rows.load(std::memory_order_relaxed);
+    o.fuse = fuse.load(std::memory_order_relaxed);
+    o.block_prefetch = block_prefetch.load(std::memory_order_relaxed);
+    o.items_per_thread = items_per_thread.load(std::memory_order_relaxed);
+    return o;
   }
   void ev(int kind, int64_t id, int64_t t = 0) {
     if (!tracing.load(std::memory_order_relaxed)) return;
