@@ -274,34 +274,24 @@ def _on_off_list(s: str) -> list[bool]:
         raise argparse.ArgumentTypeError(f"expected a comma list of on/off, got {s!r}") from None
 
 
-def _rows_list(s: str) -> list[int]:
-    try:
-        vals = [int(v) for v in s.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of row counts, got {s!r}") from None
-    if any(not 0 <= v <= 1 << 30 for v in vals):
-        raise argparse.ArgumentTypeError(f"row counts must be in [0, 2^30], got {s!r}")
-    return vals
+def _int_list(what: str, lo: int, hi: int):
+    """An argparse type: a comma list of ints in [lo, hi] (`what` names them in the error)."""
+
+    def parse(s: str) -> list[int]:
+        try:
+            vals = [int(v) for v in s.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {what}, got {s!r}") from None
+        if any(not lo <= v <= hi for v in vals):
+            raise argparse.ArgumentTypeError(f"{what} must be in [{lo}, {hi}], got {s!r}")
+        return vals
+
+    return parse
 
 
-def _us_list(s: str) -> list[int]:
-    try:
-        vals = [int(v) for v in s.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of microseconds, got {s!r}") from None
-    if any(not 0 <= v <= 1_000_000 for v in vals):
-        raise argparse.ArgumentTypeError(f"gaps must be in [0, 1000000] us, got {s!r}")
-    return vals
-
-
-def _ipt_list(s: str) -> list[int]:
-    try:
-        vals = [int(v) for v in s.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of item counts, got {s!r}") from None
-    if any(not 1 <= v <= 64 for v in vals):
-        raise argparse.ArgumentTypeError(f"items per thread must be in [1, 64], got {s!r}")
-    return vals
+_rows_list = _int_list("row counts", 0, 1 << 30)
+_us_list = _int_list("gaps in microseconds", 0, 1_000_000)
+_ipt_list = _int_list("items per thread", 1, 64)
 
 
 def main(argv=None):

@@ -47,15 +47,16 @@ def report(ok: bool, msg: str, failures: list[str]) -> None:
 
 
 def run_seeded_cases(group: str, cases: Iterable[tuple], dtypes: Iterable[str], dtype_of: dict[str, torch.dtype],
-                     tol: dict[torch.dtype, float], run_case: Callable[..., float], device: str) -> list[str]:
-    """Every case in every dtype with seeds 0 and 1: run_case(case, dtype, device, seed) returns a relative
-    error, checked against tol[dtype]. An exception fails its case only. Returns the failure messages."""
+                     tol: dict[torch.dtype, float], run_case: Callable[..., float], device: str,
+                     seeds: tuple[int, ...] = (0, 1)) -> list[str]:
+    """Every case in every dtype with each seed (0 and 1 by default): run_case(case, dtype, device, seed) returns a
+    relative error, checked against tol[dtype]. An exception fails its case only. Returns the failure messages."""
     failures: list[str] = []
     cases = list(cases)
     for dt in dtypes:
         dtype = dtype_of[dt]
         for case in cases:
-            for seed in (0, 1):
+            for seed in seeds:
                 try:
                     err = run_case(case, dtype, device, seed)
                     ok = err <= tol[dtype]
