@@ -129,6 +129,14 @@ def gguf_experts(a, where: Path) -> str:
     return str(path)
 
 
+def _int_list(v: str) -> list[int]:
+    """An argparse type: a comma list of ints."""
+    try:
+        return [int(x) for x in v.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {v!r}") from None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(p)
@@ -155,10 +163,10 @@ def main() -> None:
                    help="CPUThreadPool.fuse_mode for the batch-1 rows, each value in turn (on,off: an A/B in one "
                         "process): a one-token task's weighted sum inside its down phase (reduce), its activation "
                         "conversion inside its gate/up phase (quant), both (on, the default) or neither (off)")
-    p.add_argument("--block-prefetch", default=[1], type=lambda v: [int(x) for x in v.split(",")], metavar="1[,0]",
+    p.add_argument("--block-prefetch", default=[1], type=_int_list, metavar="1[,0]",
                    help="CPUThreadPool.block_prefetch for the batch-1 rows, each value in turn (GGUF experts: 0 none, "
                         "1 the next block's rows towards L2, the default; 2 towards L1)")
-    p.add_argument("--items-per-thread", default=[8], type=lambda v: [int(x) for x in v.split(",")], metavar="8[,4,2]",
+    p.add_argument("--items-per-thread", default=[8], type=_int_list, metavar="8[,4,2]",
                    help="CPUThreadPool.items_per_thread for the batch-1 rows, each value in turn (a decode task's "
                         "items sized for about that many a thread; default 8)")
     p.add_argument("--repeat", type=int, default=1,
