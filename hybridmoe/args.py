@@ -148,6 +148,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill chunks of at least this many tokens stream the CPU experts to the GPU layer by layer")
     k.add_argument("--kt-enable-dynamic-expert-update", action="store_true",
                    help="after a layerwise prefill, its most used experts take the least used GPU slots")
+    k.add_argument("--hybrid-stream-wait", default=d.hybrid_stream_wait, choices=["auto", "memop", "hostfn"],
+                   help="how the GPU stream waits for a layer's CPU experts: memop (the GPU polls a word the CPU sets; "
+                        "CUDA 12+ drivers), hostfn (a CUDA host function); auto: memop where the driver has it")
     k.add_argument("--record-expert-distribution", default=None,
                    help="write the routed experts' activation statistics to this file at shutdown")
     lo = p.add_argument_group("LoRA adapters (SGLang-compatible)")

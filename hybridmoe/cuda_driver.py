@@ -1,7 +1,8 @@
 """The CUDA driver API calls hybridmoe makes directly: libcuda loaded at run time (never linked),
-host functions enqueued on the current stream, and page-locking CPU tensors in place.
+host functions and memory operations (wait for / write a pinned word) enqueued on the current
+stream, and page-locking CPU tensors in place.
 
-torch covers the rest of CUDA; these three it does not expose. Nothing here runs without a driver
+torch covers the rest of CUDA; these it does not expose. Nothing here runs without a driver
 except the bookkeeping (tests replace `libcuda`).
 """
 
@@ -47,6 +48,63 @@ def launch_host_func(fn_addr: int, userdata: C.Structure) -> None:
     rc = libcuda().cuLaunchHostFunc(C.c_void_p(stream), C.c_void_p(fn_addr), C.c_void_p(C.addressof(userdata)))
     if rc != 0:
         raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}")
+
+
+# ---- stream memory operations on pinned words ------------------------------------------------------
+CU_STREAM_WAIT_VALUE_EQ = 0x1  # cuda.h CUstreamWaitValue_flags
+
+
+def _memop(name: str):
+    """The driver's entry point `name` (its _v2 form first: CUDA 12 renamed the memory operations and
+    later drivers may export only that), or None."""
+    lib = libcuda()
+    for sym in (f"{name}_v2", name):
+        fn = getattr(lib, sym, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+def stream_memops_supported() -> bool:
+    """Whether cuStreamWaitValue32 / cuStreamWriteValue32 can be used: CUDA 12 drivers support them
+    everywhere (before, a module option enabled them); a driver without the entry points cannot."""
+    try:
+        lib, ver = libcuda(), C.c_int()
+        if lib.cuDriverGetVersion(C.byref(ver)) != 0 or ver.value < 12000:
+            return False
+        return all(_memop(n) is not None for n in ("cuStreamWaitValue32", "cuStreamWriteValue32",
+                                                  "cuMemHostGetDevicePointer"))
+    except OSError:
+        return False
+
+
+def host_device_pointer(t: torch.Tensor) -> int:
+    """The device address of a pinned (page-locked) host tensor's first byte, for stream memory
+    operations on it."""
+    fn, ptr = _memop("cuMemHostGetDevicePointer"), C.c_uint64()
+    rc = fn(C.byref(ptr), C.c_void_p(t.data_ptr()), C.c_uint(0))
+    if rc != 0:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUDA error {rc} (is the tensor pinned?)")
+    return ptr.value
+
+
+def stream_wait_value32(addr: int, value: int) -> None:
+    """Enqueue on the current stream: wait until the int32 at device address `addr` equals `value`
+    (the GPU polls it; captured as a memory-operation node during capture)."""
+    stream = torch.cuda.current_stream().cuda_stream
+    rc = _memop("cuStreamWaitValue32")(C.c_void_p(stream), C.c_uint64(addr), C.c_uint32(value),
+                                       C.c_uint(CU_STREAM_WAIT_VALUE_EQ))
+    if rc != 0:
+        raise RuntimeError(f"cuStreamWaitValue32 failed with CUDA error {rc}")
+
+
+def stream_write_value32(addr: int, value: int) -> None:
+    """Enqueue on the current stream: write `value` to the int32 at device address `addr`, after the
+    stream's earlier work (captured as a memory-operation node during capture)."""
+    stream = torch.cuda.current_stream().cuda_stream
+    rc = _memop("cuStreamWriteValue32")(C.c_void_p(stream), C.c_uint64(addr), C.c_uint32(value), C.c_uint(0))
+    if rc != 0:
+        raise RuntimeError(f"cuStreamWriteValue32 failed with CUDA error {rc}")
 
 
 # ---- page-locking CPU tensors in place ------------------------------------------------------------

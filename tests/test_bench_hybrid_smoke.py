@@ -35,7 +35,7 @@ def test_bench_hybrid_decode_smoke(tmp_path):
            "--layers", "2", "--experts", "8", "--topk", "2", "--hidden", "64", "--inter", "64", "--heads", "4",
            "--kv-heads", "2", "--head-dim", "16", "--vocab", "128", "--gpu-experts", "2", "--deferred", "0", "1",
            "--batch", "1", "--graphs", "off", "--off-steps", "3", "--prompt-len", "8", "--blocking-sync", "on",
-           "--hostfn-spin-us=-1", "--repeat", "2", "--fuse", "on,quant",
+           "--hostfn-spin-us=-1", "--repeat", "2", "--fuse", "on,quant", "--stream-wait", "memop",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -44,7 +44,7 @@ def test_bench_hybrid_decode_smoke(tmp_path):
     # the grid twice, interleaved: (repeat, deferral, fuse mode)
     assert [(r["rep"], r["deferred"], r["fuse"]) for r in rows] == [
         (rep, d, fr) for rep in (0, 1) for d in (0, 1) for fr in ("on", "quant")]
-    assert all(r["hostfn_spin_us"] == -1 for r in rows)
+    assert all(r["hostfn_spin_us"] == -1 and r["stream_wait"] == "memop" for r in rows)
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["cpu_tasks_per_step"] > 0
         # every layer's task traced: 2 MoE layers (+1 deferred) per step, 3 steps and more
@@ -59,7 +59,7 @@ def test_bench_hybrid_decode_smoke(tmp_path):
     for (d, fr), e in summary.items():
         vals = sorted(r["tokens_per_s"] for r in rows if r["deferred"] == d and r["fuse"] == fr)
         assert e["runs"] == 2 and e["median_tokens_per_s"] == (vals[0] + vals[1]) / 2
-    assert "median" in proc.stdout and "fuse quant" in proc.stdout
+    assert "median" in proc.stdout and "fuse quant" in proc.stdout and "wait memop" in proc.stdout
 
 
 def test_bench_hybrid_decode_from_gguf_experts(tmp_path):

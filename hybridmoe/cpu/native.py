@@ -17,7 +17,7 @@ from hybridmoe import envs
 from hybridmoe.cpu import build as _build
 from hybridmoe.cpu.settings import CPUEngineSettings
 
-ABI_VERSION = 25  # csrc/api.cpp hm_abi_version
+ABI_VERSION = 26  # csrc/api.cpp hm_abi_version
 ISAS = {"avx2": 0, "avx512": 1, "amx": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DT_F32, DT_BF16 = 0, 1
@@ -120,6 +120,8 @@ class HostCall(C.Structure):
         ("head", C.c_int64),  # ids submitted and not yet waited for (a ring, oldest first)
         ("tail", C.c_int64),
         ("ring", C.c_int64 * 8),
+        # int32* the task sets to 1 when done (None: waited for by hm_sync_hostfn instead; see hostcall.cpp)
+        ("done", C.c_void_p),
     ]
 
 

@@ -18,6 +18,12 @@ owner queues them (`SubmitProgram.submit`) before each replay.
 
 The host functions are C entry points of the native library (no Python runs inside them),
 enqueued with hybridmoe.cuda_driver.launch_host_func.
+
+Waits by memory operations (`memops`, HybridConfig.stream_wait "memop"): each task gets a pinned
+"done" word that the pool sets when the task ends (failed or skipped too); the stream waits for it
+with cuStreamWaitValue32 (the GPU polls the word) and clears it with cuStreamWriteValue32. No host
+function and no driver callback thread is then between a CPU result and the GPU's next kernel. A
+task's next run starts only after its next go word, which the stream sets after that clear.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from contextlib import contextmanager
 import torch
 
 from hybridmoe.cpu import native
-from hybridmoe.cuda_driver import launch_host_func
+from hybridmoe.cuda_driver import host_device_pointer, launch_host_func, stream_wait_value32, stream_write_value32
 
 
 class GatedSubmitter:
@@ -100,10 +106,11 @@ class PinnedIO:
 class StreamCPUTask:
     """One layer's CPU expert task driven from a CUDA stream, on a PinnedIO's buffers; one HostCall
     per token count T points at their first T rows. `shared_input`: read x and w from that PinnedIO
-    instead (a deferred task reads the immediate task's copies; only its ids are its own)."""
+    instead (a deferred task reads the immediate task's copies; only its ids are its own). `memops`:
+    the stream waits on the task's done word instead of a host function (module docstring)."""
 
     def __init__(self, cpu_layer, io: PinnedIO, shared_input: PinnedIO | None = None,
-                 submitter: GatedSubmitter | None = None) -> None:
+                 submitter: GatedSubmitter | None = None, memops: bool = False) -> None:
         self.submitter = submitter or GatedSubmitter()
         self.layer = cpu_layer
         self.io = io
@@ -111,11 +118,14 @@ class StreamCPUTask:
         self.x, self.ids, self.w, self.out = src.x, io.ids, src.w, io.out
         self.lora = src.lora  # per token, like x
         self.calls: dict[int, native.HostCall] = {}
-        # per T: submits queued without their wait queued yet (a forward interrupted in between
+        # per T (_key): submits queued without their wait queued yet (a forward interrupted in between
         # leaves 1: the next submit first queues the missed wait, so waits and submits stay paired)
         self.unsynced: dict[int, int] = {}
         pin = torch.cuda.is_available()
         self.go = torch.zeros(1, dtype=torch.int32, pin_memory=pin)  # set by the stream: the task may start
+        # memops: set to 1 by the pool when a task of this one ends, cleared by the stream after its wait
+        self.done = torch.zeros(1, dtype=torch.int32, pin_memory=pin) if memops else None
+        self._done_addr = None if self.done is None else host_device_pointer(self.done) if pin else self.done.data_ptr()
         self._one: torch.Tensor | None = None  # int32 [1] = 1 on the stream's device (the go copy's source)
         self.pairs: dict[tuple[int, int], native.HostCallPair] = {}  # (T, id(other)) -> pair
         self.sync_fn, self.sync2_fn = native.wait_host_functions()
@@ -128,7 +138,8 @@ class StreamCPUTask:
             # whole batch, and the next one
             task, _ = self.layer.make_task(self.x[:t], self.ids[:t], self.w[:t], self.out[:t], lora_idx=self.lora[:t],
                                            nan_rows=True)
-            call = self.calls[t] = native.HostCall(self.layer.pool.handle, task, 0, 0, 0, 0)
+            call = self.calls[t] = native.HostCall(self.layer.pool.handle, task, 0, 0, 0, 0,
+                                                   done=None if self.done is None else self.done.data_ptr())
         # (a failed task is reported with its message by the engine's CPU error check after the
         # step; the status flag only records it here)
         return call
@@ -139,10 +150,23 @@ class StreamCPUTask:
             self._one = torch.ones(1, dtype=torch.int32, device=device)
         self.go.copy_(self._one, non_blocking=True)
 
-    def _begin_submit(self, t: int) -> None:
-        if self.unsynced.get(t, 0):  # an interrupted forward's task: waited for before its buffers are reused
+    def _wait(self, t: int) -> None:
+        """Stream-ordered: block the stream until the last task submitted for T = t is done."""
+        if self._done_addr is None:
             launch_host_func(self.sync_fn, self._call(t))
-        self.unsynced[t] = 1
+        else:
+            stream_wait_value32(self._done_addr, 1)
+            stream_write_value32(self._done_addr, 0)
+
+    def _key(self, t: int) -> int:
+        """`unsynced`'s key: per T with host functions (a HostCall's own id ring); one for all T with
+        memops (one done word: a stale 1 left by any T's task would release the next wait early)."""
+        return t if self._done_addr is None else 0
+
+    def _begin_submit(self, t: int) -> None:
+        if self.unsynced.get(self._key(t), 0):  # an interrupted forward's task: waited for before reuse
+            self._wait(t)
+        self.unsynced[self._key(t)] = 1
 
     def enqueue_submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                        lora: torch.Tensor | None = None) -> None:
@@ -161,8 +185,8 @@ class StreamCPUTask:
 
     def enqueue_result(self, t: int, device: torch.device) -> torch.Tensor:
         """Block the stream until the task is done, then bring its output back: [T, H] float32."""
-        launch_host_func(self.sync_fn, self._call(t))
-        self.unsynced[t] = 0
+        self._wait(t)
+        self.unsynced[self._key(t)] = 0
         return self.out[:t].to(device, non_blocking=True)
 
     def _pair(self, t: int, other: StreamCPUTask) -> native.HostCallPair:
@@ -194,7 +218,12 @@ class StreamCPUTask:
     def enqueue_result_with(self, earlier: StreamCPUTask, t: int,
                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Block the stream until this task and `earlier` (submitted before it: the previous
-        layer's deferred task) are done, with one host function; both outputs [T, H] float32."""
-        launch_host_func(self.sync2_fn, self._pair(t, earlier))
-        self.unsynced[t] = earlier.unsynced[t] = 0
+        layer's deferred task) are done, with one host function (or two memory-operation waits);
+        both outputs [T, H] float32."""
+        if self._done_addr is None and earlier._done_addr is None:
+            launch_host_func(self.sync2_fn, self._pair(t, earlier))
+        else:
+            earlier._wait(t)
+            self._wait(t)
+        self.unsynced[self._key(t)] = earlier.unsynced[earlier._key(t)] = 0
         return self.out[:t].to(device, non_blocking=True), earlier.out[:t].to(device, non_blocking=True)

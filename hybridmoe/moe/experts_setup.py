@@ -60,7 +60,8 @@ class ExpertsSetup:
         if self.placement is not None:
             from hybridmoe.moe.runtime import HybridRuntime
 
-            self.runtime = HybridRuntime(self.placement, device, pool, blocking_sync=cfg.blocking_sync)
+            self.runtime = HybridRuntime(self.placement, device, pool, blocking_sync=cfg.blocking_sync,
+                                         stream_wait=cfg.stream_wait)
             self.options = ExpertsOptions(device=device, hybrid=cfg, pool=pool, runtime=self.runtime,
                                           pack_device=self.options.pack_device, dtype=dtype)
             self._check_memory_plan(context_len)  # before any weight is read

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridmoe.config import ConfigError
 from hybridmoe.engine.hooks import CaptureRecord, MoEHooks
 from hybridmoe.moe.cuda_bridge import GatedSubmitter, PinnedIO, SubmitProgram
 from hybridmoe.moe.layerwise import LayerwisePrefill
@@ -65,17 +66,37 @@ class StreamDeferred:
         self.task.enqueue_result(self.t, device)  # stream-ordered wait; the output is not used
 
 
+STREAM_WAITS = ("auto", "memop", "hostfn")
+
+
+def check_stream_wait(mode: str, device: torch.device) -> str:
+    """The wait to use for HybridConfig.stream_wait `mode` ("memop" or "hostfn"; "auto": memop where the
+    driver has the stream memory operations), else ConfigError: "memop" needs them (CUDA 12+)."""
+    if mode not in STREAM_WAITS:
+        raise ConfigError(f"--hybrid-stream-wait: got {mode!r}, expected one of {', '.join(STREAM_WAITS)}")
+    if mode != "hostfn" and device.type == "cuda":
+        from hybridmoe.cuda_driver import stream_memops_supported
+
+        if not stream_memops_supported():
+            if mode == "memop":
+                raise ConfigError("--hybrid-stream-wait memop: this CUDA driver has no stream memory operations "
+                                  "(cuStreamWaitValue32; CUDA 12 or later): use hostfn")
+            return "hostfn"
+    return "memop" if mode == "auto" else mode
+
+
 class HybridRuntime(MoEHooks):
     """Shared, mutable, per-forward state of a model's hybrid MoE layers (see the module docstring)."""
 
     def __init__(self, placement: HybridPlacement, device: torch.device, pool: CPUThreadPool | None,
-                 blocking_sync: bool = True) -> None:
+                 blocking_sync: bool = True, stream_wait: str = "auto") -> None:
         self.placement = placement
         self.device = device
         self.moe_layers = placement.moe_layers
         self.pool = pool
         self.num_deferred = placement.num_deferred
         self.blocking_sync = blocking_sync and device.type == "cuda"
+        self.stream_wait = check_stream_wait(stream_wait, device)  # how the stream waits for a CPU task
         self.pending: HostDeferred | StreamDeferred | None = None  # the previous MoE layer's deferred work
         self.layerwise_active = False  # set by forward_scope for the duration of one layerwise forward
         self.layers: dict[int, HybridExperts] = {}  # attached by the runner after loading
@@ -111,6 +132,17 @@ class HybridRuntime(MoEHooks):
         self.num_deferred = num_deferred
         for idx, layer in self.layers.items():
             layer.set_defer(self.placement.defer_of(idx, num_deferred))
+
+    def set_stream_wait(self, mode: str) -> None:
+        """Switch how the stream waits for CPU tasks on a loaded model ("memop", "hostfn" or "auto"; benchmarks
+        compare them in one process); decode CUDA graphs captured before must be captured again."""
+        mode = check_stream_wait(mode, self.device)
+        self.collect_pending()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stream_wait = mode
+        for layer in self.layers.values():
+            layer.set_defer(layer.defer)  # drops the layer's stream tasks: rebuilt for the new mode
 
     # ---- buffers of the CUDA stream path ----
     def pinned_io(self, layer_idx: int, slot: int, cap: int, k: int, hidden: int, dtype: torch.dtype) -> PinnedIO:

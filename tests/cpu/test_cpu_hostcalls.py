@@ -33,9 +33,9 @@ def test_retired_entry_points_are_gone():
     HmLayer.lora, hm_layer_attach_lora; ABI 15 the native routing hm_topk_softmax and HmLayerDecode.moe; ABI 16
     the stacked decoder layers hm_layers_decode; ABI 19 the AVX-512 decode attention span, hm_attn_kernel; ABI 20
     HmTask.nan_rows, in the struct's former padding; ABI 21 hm_pool_reduce_inline; ABI 22 hm_amx_emulated; ABI 23
-    hm_pool_fused_reduce; ABI 24 hm_pool_fuse in its place; ABI 25 hm_pool_block_prefetch.)"""
+    hm_pool_fused_reduce; ABI 24 hm_pool_fuse in its place; ABI 25 hm_pool_block_prefetch; ABI 26 HmHostCall.done.)"""
     lb = native.lib()
-    assert lb.hm_abi_version() == native.ABI_VERSION == 25
+    assert lb.hm_abi_version() == native.ABI_VERSION == 26
     for name in ("hm_submit_hostfn", "hm_submit2_hostfn", "hm_set_item_bytes", "hm_set_guided", "hm_set_prefetch",
                  "hm_set_hostfn_spin_us"):
         assert not hasattr(lb, name), name
@@ -286,6 +286,62 @@ def test_gated_task_that_is_never_released_fails_after_the_timeout(layer, inputs
             pool.sync()
         assert 0.25 < time.monotonic() - t0 < 30 and not out.any()
         assert torch.equal(lay.forward(x, ids, w), layer.forward(x, ids, w))
+        del lay
+    finally:
+        pool.close()
+
+
+def _wait_word(word: torch.Tensor, value: int, timeout_s: float = 30) -> bool:
+    """What cuStreamWaitValue32 does on the GPU, by polling: True once word == value."""
+    deadline = time.monotonic() + timeout_s
+    while word.item() != value:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
+def test_done_word_is_set_on_every_way_out(layer, inputs):
+    """HmHostCall.done (the stream's memory-operation wait): the pool sets it to 1 once the task's
+    output is written, and also when the task fails or is skipped at the gate timeout (a stream
+    polling for it must never hang); such a call's ids are not queued for hm_sync_hostfn, so more
+    than the ring's 8 submits ahead of the stream never block the host thread."""
+    pool = CPUThreadPool(threads=1, settings=CPUEngineSettings(gate_timeout_s=0.3))
+    try:
+        lay = CPUMoELayer(layer.packed, pool=pool)
+        x, ids, w = inputs(5, seed=21)
+        out = torch.zeros_like(x)
+        done = torch.zeros(1, dtype=torch.int32)
+        call = native.HostCall(pool.handle, lay.make_task(x, ids, w, out)[0], 0, 0, -1, 0, done=done.data_ptr())
+        go = torch.zeros(1, dtype=torch.int32)
+        _submit(call, go)
+        time.sleep(0.05)
+        assert done.item() == 0 and not out.any() and call.id > 0 and call.head == call.tail == 0
+        go[0] = 1
+        assert _wait_word(done, 1)
+        assert torch.allclose(out, layer.forward(x, ids, w), atol=1e-6)  # written before the word
+        done[0] = 0  # the stream's reset (cuStreamWriteValue32)
+        bad = ids.clone()
+        bad[2, 1] = 99  # fails: the word is still set, the error reaches the next sync
+        call = native.HostCall(pool.handle, lay.make_task(x, bad, w, out)[0], 0, 0, -1, 0, done=done.data_ptr())
+        _submit(call)
+        assert _wait_word(done, 1)
+        with pytest.raises(CPUMoEError, match="out of range"):
+            pool.sync()
+        done[0] = 0
+        go[0] = 0
+        _submit(call, go)  # never released: skipped after the gate timeout, the word set all the same
+        assert _wait_word(done, 1)
+        with pytest.raises(CPUMoEError, match="gate timeout"):
+            pool.sync()
+        done[0] = 0
+        good = native.HostCall(pool.handle, lay.make_task(x, ids, w, out)[0], 0, 0, -1, 0, done=done.data_ptr())
+        t0 = time.monotonic()
+        for _ in range(12):  # no ring: twelve ungated submits return at once
+            _submit(good)
+        assert time.monotonic() - t0 < 5 and good.head == good.tail == 0
+        pool.sync()
+        assert done.item() == 1
         del lay
     finally:
         pool.close()

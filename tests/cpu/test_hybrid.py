@@ -4,6 +4,9 @@ the same layer code as on a GPU machine. Placement, deferral, the expert distrib
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -177,24 +180,36 @@ def test_memory_plan_is_printed_and_a_plan_that_does_not_fit_is_refused(model, c
 
 
 def _emulate_stream(monkeypatch) -> None:
-    """The CUDA stream path on the CPU: every hybrid layer takes it, and host functions run inline
-    when enqueued (the order a stream would run them in)."""
+    """The CUDA stream path on the CPU: every hybrid layer takes it, and host functions and memory
+    operations (a wait polls the word, a write sets it) run inline when enqueued (the order a
+    stream would run them in)."""
     import ctypes as C
 
     from hybridmoe.moe import cuda_bridge, hybrid
 
+    def wait_value(addr: int, value: int) -> None:
+        word, deadline = C.c_int32.from_address(addr), time.monotonic() + 30
+        while word.value != value:
+            assert time.monotonic() < deadline, "a memory-operation wait never saw its word set: the stream hangs"
+            time.sleep(0)
+
     monkeypatch.setattr(cuda_bridge, "launch_host_func",
                         lambda fn, data: C.CFUNCTYPE(None, C.c_void_p)(fn)(C.addressof(data)))
+    monkeypatch.setattr(cuda_bridge, "stream_wait_value32", wait_value)
+    monkeypatch.setattr(cuda_bridge, "stream_write_value32",
+                        lambda addr, value: setattr(C.c_int32.from_address(addr), "value", value))
     monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
 
 
+@pytest.mark.parametrize("wait", ["hostfn", "memop"])
 @pytest.mark.parametrize("deferred", [0, 1, 2])
-def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
+def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, wait):
     """The CUDA stream path's data flow (pinned buffers shared by alternating layers, the deferred
     task reading the immediate task's x and w, both queued together by gated submits, one host
-    function waiting for a layer's task and the previous layer's deferred one)
-    on the CPU: host functions run inline, as the stream would run them in order, and go words are
-    set by a plain copy. Same logits (fp32) and tokens as the Python-driven path."""
+    function, or memory-operation waits on done words, waiting for a layer's task and the previous
+    layer's deferred one) on the CPU: host functions and memory operations run inline, as the stream
+    would run them in order, and go words are set by a plain copy. Same logits (fp32) and tokens as
+    the Python-driven path."""
     from hybridmoe.cpu.engine import default_pool
     from hybridmoe.cpu.trace import summarize
     from hybridmoe.moe import cuda_bridge
@@ -203,6 +218,7 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
     opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3,
                 kt_max_deferred_experts_per_token=deferred)
     ref = LLM(str(model), **opts)
+    opts["hybrid_stream_wait"] = wait
     ref_logits = ref.prompt_logits(prompt)
     ref_tokens = [o["output_ids"] for o in ref.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
     ref.shutdown()
@@ -224,7 +240,13 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred):
     trace = summarize(pool.trace_stop())  # one forward: a task per MoE layer, one more per deferring layer
     n_moe = len(llm.engine.runner.model.moe_blocks())
     assert trace["tasks"] == n_moe + (n_moe - 1 if deferred else 0), trace
-    assert trace["waits"] >= n_moe and trace["releases"] >= n_moe - 1 and trace["run_us"] > 0, trace
+    if wait == "hostfn":
+        assert trace["waits"] >= n_moe and trace["releases"] >= n_moe - 1 and trace["run_us"] > 0, trace
+    else:  # no host function waited: the stream polled the tasks' done words
+        assert trace["waits"] == 0 and trace["run_us"] > 0, trace
+        tasks = [t for layer in llm.engine.runner.hybrid.layers.values() for pair in layer._stream_tasks.values()
+                 for t in pair if t is not None]
+        assert tasks and all(t.done is not None and t.done.item() == 0 for t in tasks)  # each wait cleared its word
     got = [o["output_ids"] for o in llm.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
     assert got == ref_tokens
     if deferred:  # the pair forms ran (every MoE layer but the last defers; all but the first collect)
@@ -306,14 +328,17 @@ def test_stream_task_nan_token_fails_its_request_alone(model, monkeypatch, overl
     llm.shutdown()
 
 
-def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch):
+@pytest.mark.parametrize("wait", ["hostfn", "memop"])
+def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch, wait):
     """A forward that fails after a layer deferred CPU work leaves it pending; the next forward
-    waits for it and drops it (not added to its own first layer): same tokens as a fresh engine."""
+    waits for it and drops it (not added to its own first layer): same tokens as a fresh engine.
+    With memory-operation waits the failed layer's own task also left its done word set: the next
+    submit of that task waits for it and clears it first, so no later wait passes early."""
     from hybridmoe.moe import hybrid
 
     prompt = torch.randint(0, 211, (19,), generator=torch.Generator().manual_seed(9)).tolist()
     opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3,
-                kt_max_deferred_experts_per_token=1)
+                kt_max_deferred_experts_per_token=1, hybrid_stream_wait=wait)
     _emulate_stream(monkeypatch)
     fresh = LLM(str(model), **opts)
     ref_tokens = fresh.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
@@ -339,17 +364,19 @@ def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("deferred", [0, 1])
 def test_stream_path_on_cuda(model, deferred):
-    """The CPU side driven from the CUDA stream (gated submits, wait host functions) captured in
-    decode graphs gives what the eager stream path gives: the same greedy tokens, single and
-    batched (the pinned buffers shared by the layers), and a replay queues its graph's CPU tasks
-    first. (The eager stream path against the Python-driven one: test_stream_path_logic_on_cpu; a
-    split against all experts on the GPU: test_split_on_cuda_matches_all_on_gpu.)"""
+    """The CPU side driven from the CUDA stream (gated submits; waits by host functions or by memory
+    operations on done words) captured in decode graphs gives what the eager stream path gives: the
+    same greedy tokens, single and batched (the pinned buffers shared by the layers), whichever way the
+    stream waits, and a replay queues its graph's CPU tasks first. (The eager stream path against the
+    Python-driven one: test_stream_path_logic_on_cpu; a split against all experts on the GPU:
+    test_split_on_cuda_matches_all_on_gpu.)"""
     prompt = torch.randint(0, 211, (50,), generator=torch.Generator().manual_seed(4)).tolist()
     opts = dict(device="cuda", dtype="bfloat16", progress=False, kt_method="BF16", kt_num_gpu_experts=4,
                 kt_max_deferred_experts_per_token=deferred, max_total_tokens=4096, cuda_graph_max_bs=4)
     batch = [prompt[: 10 + 7 * i] for i in range(3)]
     results = []
-    for graphs in (False, True):
+    for graphs, wait in ((False, "hostfn"), (True, "hostfn"), (False, "memop"), (True, "memop")):
+        opts["hybrid_stream_wait"] = wait
         llm = LLM(str(model), disable_cuda_graph=not graphs, **opts)
         assert (llm.engine.runner.graphs is not None) == graphs
         assert llm.engine.sampler.wait_event is not None  # the step's result is read sleeping
@@ -361,7 +388,7 @@ def test_stream_path_on_cuda(model, deferred):
             assert llm.engine.runner.graphs.before_replay  # the graphs' gated CPU tasks
         results.append((tokens, outs))
         llm.shutdown()
-    assert results[0] == results[1]
+    assert all(r == results[0] for r in results[1:])
 
 
 @pytest.mark.gpu
@@ -385,3 +412,24 @@ def test_split_on_cuda_matches_all_on_gpu(model, stats_file, strategy, n_gpu):
 
 
 # ---------------------------------------------------------------- DeepSeek: shared experts, grouped routing, MLA
+
+
+def test_stream_wait_setting_is_checked(model):
+    """--hybrid-stream-wait takes auto, memop or hostfn (one line naming it otherwise; exit 2 from the
+    command line), and the runtime's switch checks its value the same way; auto is memop off CUDA (the
+    stream path's emulation) and where the driver has stream memory operations."""
+    with pytest.raises(ConfigError, match=r"--hybrid-stream-wait: got 'spin', expected auto, memop or hostfn"):
+        LLM(str(model), device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3,
+            hybrid_stream_wait="spin")
+    llm = LLM(str(model), device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3)
+    rt = llm.engine.runner.hybrid
+    assert rt.stream_wait == "memop"  # auto
+    with pytest.raises(ConfigError, match="--hybrid-stream-wait: got 'poll'"):
+        rt.set_stream_wait("poll")
+    rt.set_stream_wait("hostfn")
+    assert rt.stream_wait == "hostfn"
+    llm.shutdown()
+    proc = subprocess.run([sys.executable, "-m", "hybridmoe.cli", "generate", "--model-path", str(model),
+                           "--hybrid-stream-wait", "spin", "--prompt", "hi"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--hybrid-stream-wait" in proc.stderr, proc.stderr[-2000:]

@@ -33,11 +33,19 @@ std::string check_settings(const HmPoolSettings& s) {
   return "";
 }
 
-int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go) {
+int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go, int32_t* done) {
   const int64_t t_sub = !go && pool->tracing.load(std::memory_order_relaxed) ? now_ns() : 0;
   const int64_t timeout_ns = int64_t(pool->settings.gate_timeout_s * 1e9);
   const int prefetch = int(pool->settings.prefetch_bytes);
-  const int64_t id = pool->tp.submit([pool, t, go, timeout_ns, prefetch] {
+  const int64_t id = pool->tp.submit([pool, t, go, done, timeout_ns, prefetch] {
+    // *done = 1 on every way out (a skipped or failed task too): a stream waiting on it must never hang.
+    // The release store makes the output visible first (the GPU reads pinned memory coherently).
+    struct MarkDone {
+      int32_t* d;
+      ~MarkDone() {
+        if (d) __atomic_store_n(d, 1, __ATOMIC_RELEASE);
+      }
+    } mark{done};
     std::string err;
     const int64_t my_id = pool->tp.completed() + 1;  // tasks run in order
     if (go) {  // for the trace, a gated task counts as submitted when the GPU released it
@@ -79,7 +87,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 25; }  // 25: hm_pool_block_prefetch, hm_pool_items_per_thread; 24: hm_pool_fuse (was hm_pool_fused_reduce); 23: hm_pool_fused_reduce; 22: hm_amx_emulated; 21: hm_pool_reduce_inline; 20: HmTask.nan_rows, hm_argmax_bf16's nonfinite mark; 19: hm_attn_kernel (the AVX-512 decode attention span); 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
+int hm_abi_version() { return 26; }  // 26: HmHostCall.done (stream memory-operation waits); 25: hm_pool_block_prefetch, hm_pool_items_per_thread; 24: hm_pool_fuse (was hm_pool_fused_reduce); 23: hm_pool_fused_reduce; 22: hm_amx_emulated; 21: hm_pool_reduce_inline; 20: HmTask.nan_rows, hm_argmax_bf16's nonfinite mark; 19: hm_attn_kernel (the AVX-512 decode attention span); 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];
@@ -146,7 +154,9 @@ void hm_layer_destroy(void* l) { delete static_cast<hm::HmLayer*>(l); }
 const char* hm_layer_kernel_name(void* l) { return static_cast<hm::HmLayer*>(l)->k->name; }
 
 // Queues the task and returns its id at once. Pointers must stay valid until it completes.
-int64_t hm_submit(void* p, const HmTask* task) { return hm::submit_task(static_cast<Pool*>(p), *task, nullptr); }
+int64_t hm_submit(void* p, const HmTask* task) {
+  return hm::submit_task(static_cast<Pool*>(p), *task, nullptr, nullptr);
+}
 
 // Waits for task `id` (id > 0) or until at most max_pending tasks remain (id <= 0). Returns 0, or 1
 // with the first error of the finished tasks (all their errors are then cleared) in err.
@@ -198,7 +208,7 @@ int hm_run_task(void* p, const HmTask* task, int64_t spin_us, char* err, int err
     put(err, errlen, run.err);
     return 1;
   }
-  const int64_t id = hm::submit_task(pool, *task, nullptr);
+  const int64_t id = hm::submit_task(pool, *task, nullptr, nullptr);
   pool->tp.wait_task(id, spin_us < 0 ? -1 : spin_us * 1000);
   return hm_sync(p, id, 0, err, errlen);
 }

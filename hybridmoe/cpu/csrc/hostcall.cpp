@@ -33,6 +33,11 @@ struct HmHostCall {      // userdata of the host functions (mirrored by native.H
   // next task (the next forward) before the stream has waited for the previous one.
   int64_t head, tail;
   int64_t ring[kHostCallRing];
+  // Pinned int32 the pool sets to 1 when a task submitted with this call is done (nullptr: none). With
+  // it the stream waits with cuStreamWaitValue32 and resets it with cuStreamWriteValue32 (no host
+  // function, no trip through the driver's callback thread); its ids are then not queued for
+  // hm_sync_hostfn, which such a call must not be given.
+  int32_t* done;
 };
 
 }  // extern "C"
@@ -105,10 +110,14 @@ void hm_sync_hostfn(void* userdata) {
 
 // Queues the call's task now (from the host thread), started once *go != 0; go == nullptr: not
 // gated (a deferred task queued right after a gated one). The id is queued for the call's next
-// hm_sync_hostfn.
+// hm_sync_hostfn (a call with a done word: the task sets it instead).
 void hm_submit_gated(HmHostCall* c, int32_t* go) {
   c->status = 0;
-  push_id(c, hm::submit_task(static_cast<Pool*>(c->pool), c->task, go));
+  const int64_t id = hm::submit_task(static_cast<Pool*>(c->pool), c->task, go, c->done);
+  if (c->done)
+    c->id = id;
+  else
+    push_id(c, id);
 }
 
 // The gated submits of one captured decode step, in capture order: queued before each replay.

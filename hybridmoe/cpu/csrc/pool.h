@@ -92,8 +92,9 @@ struct Pool {
 };
 
 // Queues the task on the pool and returns its id at once; go != nullptr: gated, it starts once
-// *go != 0 (hostcall.cpp). Pointers must stay valid until it completes.
-int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go);
+// *go != 0 (hostcall.cpp); done != nullptr: set to 1 when the task has finished, failed or been skipped
+// (a CUDA stream waits on it with a memory operation). Pointers must stay valid until it completes.
+int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go, int32_t* done);
 
 // Waits until *go != 0, then clears it; false after timeout_ns (hostcall.cpp).
 bool wait_go(volatile int32_t* go, int64_t timeout_ns);
