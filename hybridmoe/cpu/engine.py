@@ -415,11 +415,13 @@ class CPUMoELayer:
         return self.lora
 
     def make_task(self, x, topk_ids, topk_weights, out, accumulate=False, skip_mask=None, lora_idx=None,
-                  nan_rows=False):
+                  nan_rows=False, ids2=None, out2=None, done1=None):
         """Validates and converts the arguments; returns (Task struct, tensors to keep alive, out).
         lora_idx: int32 [T] adapter slot per token (-1: none), read only with LoRA attached. nan_rows: a token
         whose own values are non-finite (input row, routing weight, expert activation) gets a NaN output row
-        instead of failing the task (CPUMoEError naming it)."""
+        instead of failing the task (CPUMoEError naming it). ids2 / out2: a second group of pairs (like topk_ids,
+        weighted by topk_weights) into an output of its own (like out), run after the first group in the same
+        task; done1: an int32 [1] CPU tensor set to 1 once `out` is written (also when the task fails)."""
         p = self.packed
         if x.dim() != 2 or x.shape[1] != p.hidden:
             raise ValueError(f"x must be [T, {p.hidden}], got {tuple(x.shape)}")
@@ -445,6 +447,18 @@ class CPUMoELayer:
                 raise ValueError(f"skip_mask must be a CPU tensor [{p.num_experts}]")
             skip_mask = skip_mask.to(torch.uint8).contiguous()
         lora_idx = check_lora_idx(lora_idx, t, self.lora is not None)
+        if (ids2 is None) != (out2 is None):
+            raise ValueError("ids2 and out2 go together (a second pair group and its output)")
+        if ids2 is not None:
+            if ids2.shape != topk_ids.shape or ids2.dtype != topk_ids.dtype or ids2.device.type != "cpu" \
+                    or not ids2.is_contiguous():
+                raise ValueError(f"ids2 must be a contiguous CPU tensor like topk_ids ({tuple(topk_ids.shape)}, "
+                                 f"{topk_ids.dtype}), got {tuple(ids2.shape)} {ids2.dtype}")
+            if out2.shape != out.shape or out2.dtype != out.dtype or out2.device.type != "cpu" \
+                    or not out2.is_contiguous():
+                raise ValueError(f"out2 must be a contiguous CPU tensor like out ({tuple(out.shape)}, {out.dtype})")
+        if done1 is not None and (done1.dtype != torch.int32 or done1.numel() < 1 or done1.device.type != "cpu"):
+            raise ValueError("done1 must be an int32 CPU tensor of at least one element")
         task = native.Task(
             self._h,
             _ptr(x),
@@ -460,8 +474,11 @@ class CPUMoELayer:
             1 if accumulate else 0,
             1 if nan_rows else 0,
             _ptr(lora_idx),
+            _ptr(ids2),
+            _ptr(out2),
+            _ptr(done1),
         )
-        return task, (x, topk_ids, topk_weights, out, skip_mask, lora_idx)
+        return task, (x, topk_ids, topk_weights, out, skip_mask, lora_idx, ids2, out2, done1)
 
     def submit(
         self,

@@ -86,6 +86,11 @@ class Task(C.Structure):
     ] + [(n, C.c_int32) for n in ("K", "x_dtype", "ids_dtype", "out_dtype", "accumulate")] + [
         ("nan_rows", C.c_int32),  # 1: a token's non-finite values make its output row NaN, not a task error
         ("lora_idx", C.c_void_p),  # int32 [T] adapter slot per token, -1 none (csrc/lora.h); may be None
+        # a second pair group (csrc/moe.h): ids2 [T, K], its output out2 [T, H], and done1 (int32 set to 1 once
+        # `out` is written); all None: one group
+        ("ids2", C.c_void_p),
+        ("out2", C.c_void_p),
+        ("done1", C.c_void_p),
     ]
 
 

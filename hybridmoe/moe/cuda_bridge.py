@@ -107,10 +107,12 @@ class StreamCPUTask:
     """One layer's CPU expert task driven from a CUDA stream, on a PinnedIO's buffers; one HostCall
     per token count T points at their first T rows. `shared_input`: read x and w from that PinnedIO
     instead (a deferred task reads the immediate task's copies; only its ids are its own). `memops`:
-    the stream waits on the task's done word instead of a host function (module docstring)."""
+    the stream waits on the task's done word instead of a host function (module docstring). `merge`
+    (with memops): a one-token task and its deferred one run as one native task (HmTask.ids2), the
+    deferred pairs after the immediate ones, the immediate output marked done first (HmTask.done1)."""
 
     def __init__(self, cpu_layer, io: PinnedIO, shared_input: PinnedIO | None = None,
-                 submitter: GatedSubmitter | None = None, memops: bool = False) -> None:
+                 submitter: GatedSubmitter | None = None, memops: bool = False, merge: bool = False) -> None:
         self.submitter = submitter or GatedSubmitter()
         self.layer = cpu_layer
         self.io = io
@@ -128,6 +130,8 @@ class StreamCPUTask:
         self._done_addr = None if self.done is None else host_device_pointer(self.done) if pin else self.done.data_ptr()
         self._one: torch.Tensor | None = None  # int32 [1] = 1 on the stream's device (the go copy's source)
         self.pairs: dict[tuple[int, int], native.HostCallPair] = {}  # (T, id(other)) -> pair
+        self.merge = merge and memops
+        self.merged: dict[tuple[int, int], native.HostCall] = {}  # (T, id(deferred task)) -> the merged call
         self.sync_fn, self.sync2_fn = native.wait_host_functions()
 
     def _call(self, t: int) -> native.HostCall:
@@ -149,6 +153,18 @@ class StreamCPUTask:
         if self._one is None or self._one.device != device:
             self._one = torch.ones(1, dtype=torch.int32, device=device)
         self.go.copy_(self._one, non_blocking=True)
+
+    def _merged_call(self, t: int, later: StreamCPUTask) -> native.HostCall:
+        """One native task for this task's pairs and `later`'s (its deferred ones): this task's done word set
+        once its output is written (done1), `later`'s when all is done (the HostCall's)."""
+        key = (t, id(later))
+        call = self.merged.get(key)
+        if call is None:
+            task, _ = self.layer.make_task(self.x[:t], self.ids[:t], self.w[:t], self.out[:t], lora_idx=self.lora[:t],
+                                           nan_rows=True, ids2=later.ids[:t], out2=later.out[:t], done1=self.done)
+            call = self.merged[key] = native.HostCall(self.layer.pool.handle, task, 0, 0, 0, 0,
+                                                      done=later.done.data_ptr())
+        return call
 
     def _wait(self, t: int) -> None:
         """Stream-ordered: block the stream until the last task submitted for T = t is done."""
@@ -212,6 +228,9 @@ class StreamCPUTask:
         later.ids[:t].copy_(later_ids, non_blocking=True)
         self.w[:t].copy_(w, non_blocking=True)
         self._release(x.device)
+        if self.merge and later.merge and t == 1:  # one task; each output's done word as with two
+            self.submitter.submit(self._merged_call(t, later), self.go)
+            return
         self.submitter.submit(self._call(t), self.go)
         self.submitter.submit(later._call(t), None)
 

@@ -164,12 +164,12 @@ class HybridExperts(MoEExperts):
                 def io(slot: int):
                     return rt.pinned_io(self.layer_idx, slot, cap, ids.shape[1], self.hidden, x.dtype)
 
-                memops = rt.stream_wait == "memop"
-                first = StreamCPUTask(self.cpu.layer, io(0), submitter=rt.submitter, memops=memops)
+                memops, merge = rt.stream_wait == "memop", rt.merge_deferred
+                first = StreamCPUTask(self.cpu.layer, io(0), submitter=rt.submitter, memops=memops, merge=merge)
                 # the deferred task reads the immediate one's x and w: one copy of each
                 tasks = self._stream_tasks[cap] = (first, StreamCPUTask(
                     self.cpu.layer, io(1), shared_input=io(0), submitter=rt.submitter,
-                    memops=memops) if self.defer else None)
+                    memops=memops, merge=merge) if self.defer else None)
             now, later = self._split(ids, topk_weights)
             w = topk_weights.float()
             # the tokens' adapter slots: a fixed buffer under graphs (lora/batch.py), copied like x, once a

@@ -97,6 +97,8 @@ class HybridRuntime(MoEHooks):
         self.num_deferred = placement.num_deferred
         self.blocking_sync = blocking_sync and device.type == "cuda"
         self.stream_wait = check_stream_wait(stream_wait, device)  # how the stream waits for a CPU task
+        # with memop waits, a one-token layer's task and its deferred one run as one native task (cuda_bridge)
+        self.merge_deferred = True
         self.pending: HostDeferred | StreamDeferred | None = None  # the previous MoE layer's deferred work
         self.layerwise_active = False  # set by forward_scope for the duration of one layerwise forward
         self.layers: dict[int, HybridExperts] = {}  # attached by the runner after loading
@@ -143,6 +145,16 @@ class HybridRuntime(MoEHooks):
         self.stream_wait = mode
         for layer in self.layers.values():
             layer.set_defer(layer.defer)  # drops the layer's stream tasks: rebuilt for the new mode
+
+    def set_merge_deferred(self, on: bool) -> None:
+        """Whether a one-token layer's task and its deferred task run as one native task (with memop waits;
+        benchmarks compare both in one process); decode CUDA graphs captured before must be captured again."""
+        self.collect_pending()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.merge_deferred = bool(on)
+        for layer in self.layers.values():
+            layer.set_defer(layer.defer)  # drops the layer's stream tasks: rebuilt
 
     # ---- buffers of the CUDA stream path ----
     def pinned_io(self, layer_idx: int, slot: int, cap: int, k: int, hidden: int, dtype: torch.dtype) -> PinnedIO:

@@ -495,3 +495,61 @@ def test_amx_emulation_is_never_the_default(weights, pool):
     assert "amx" in native.available_isas() and native.best_isa() == "avx512"
     assert CPUMoELayer(pack_layer(*weights, "AMXINT8"), pool=pool).kernel_name == "avx512"
     assert CPUMoELayer(pack_layer(*weights, "AMXINT8"), isa="amx", pool=pool).kernel_name == "amx-emulated"
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16"])
+def test_second_pair_group_equals_its_own_task(method):
+    """HmTask.ids2 / out2 (a layer's deferred pairs run in its immediate task, after them): each output is bit
+    for bit what a task of that group alone gives, at T = 1 (the fused per-group sum) and T = 5 / 40 (an expert
+    with rows of both groups), with the fusions on and off, accumulating and not, bf16 outputs, a group with no
+    pair on the CPU, and the same expert in both groups of one token; done1 is set (here once the task is over).
+    The first group's items are queued first, so its output is not held up by the second group's."""
+    g = torch.Generator().manual_seed(31)
+    e, h, i, k = 9, 320, 192, 6
+    packed = pack_layer(torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1, method)
+    pool = CPUThreadPool(threads=3)
+    err = C.create_string_buffer(512)
+
+    def run(task) -> None:
+        assert native.lib().hm_run_task(pool.handle, C.byref(task), -1, err, len(err)) == 0, err.value
+
+    try:
+        lay = CPUMoELayer(packed, pool=pool)
+        cases = [(1, "on", False, torch.float32, "split"), (1, "off", False, torch.float32, "split"),
+                 (1, "on", True, torch.bfloat16, "split"), (1, "on", False, torch.float32, "empty0"),
+                 (1, "on", False, torch.float32, "empty1"), (1, "on", False, torch.float32, "both"),
+                 (5, "on", False, torch.float32, "split"), (40, "on", True, torch.float32, "split"),
+                 (40, "off", False, torch.bfloat16, "split")]
+        for t, fuse, acc, odt, kind in cases:
+            pool.fuse_mode = fuse
+            x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+            ids = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k].to(torch.int32)
+            w = torch.rand(t, k, generator=g)
+            later = torch.rand(t, k, generator=g) < 0.4  # each pair's group
+            if kind == "empty0":
+                later[:] = True
+            elif kind == "empty1":
+                later[:] = False
+            ids1 = torch.where(later, -1, ids).contiguous()
+            ids2 = torch.where(later, ids, -1).contiguous()
+            if kind == "both":  # token 0's first expert in both groups
+                ids2[0, 0] = ids1[0, 0] = ids[0, 0]
+            base = [torch.randn(t, h, generator=g).to(odt) if acc else torch.zeros(t, h, dtype=odt) for _ in range(2)]
+            want = [b.clone() for b in base]
+            for ids_g, o in zip((ids1, ids2), want):
+                task, keep = lay.make_task(x, ids_g, w, o, accumulate=acc)
+                run(task)
+            got = [b.clone() for b in base]
+            done1 = torch.zeros(1, dtype=torch.int32)
+            task, keep = lay.make_task(x, ids1, w, got[0], accumulate=acc, ids2=ids2, out2=got[1], done1=done1)
+            run(task)
+            case = (t, fuse, acc, odt, kind)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), case
+            assert done1.item() == 1 and (kind == "empty0" or got[0].ne(base[0]).any()), case
+        with pytest.raises(ValueError, match="ids2 and out2 go together"):
+            lay.make_task(x, ids1, w, got[0], ids2=ids2)
+        with pytest.raises(ValueError, match="ids2 must be"):
+            lay.make_task(x, ids1, w, got[0], ids2=ids2[:, :2].contiguous(), out2=got[1])
+        del lay
+    finally:
+        pool.close()

@@ -33,7 +33,7 @@ def test_retired_entry_points_are_gone():
     HmLayer.lora, hm_layer_attach_lora; ABI 15 the native routing hm_topk_softmax and HmLayerDecode.moe; ABI 16
     the stacked decoder layers hm_layers_decode; ABI 19 the AVX-512 decode attention span, hm_attn_kernel; ABI 20
     HmTask.nan_rows, in the struct's former padding; ABI 21 hm_pool_reduce_inline; ABI 22 hm_amx_emulated; ABI 23
-    hm_pool_fused_reduce; ABI 24 hm_pool_fuse in its place; ABI 25 hm_pool_block_prefetch; ABI 26 HmHostCall.done.)"""
+    hm_pool_fused_reduce; ABI 24 hm_pool_fuse in its place; ABI 25 hm_pool_block_prefetch; ABI 26 HmHostCall.done, HmTask.ids2 / out2 / done1.)"""
     lb = native.lib()
     assert lb.hm_abi_version() == native.ABI_VERSION == 26
     for name in ("hm_submit_hostfn", "hm_submit2_hostfn", "hm_set_item_bytes", "hm_set_guided", "hm_set_prefetch",

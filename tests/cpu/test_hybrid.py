@@ -209,7 +209,8 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, wait):
     function, or memory-operation waits on done words, waiting for a layer's task and the previous
     layer's deferred one) on the CPU: host functions and memory operations run inline, as the stream
     would run them in order, and go words are set by a plain copy. Same logits (fp32) and tokens as
-    the Python-driven path."""
+    the Python-driven path, batched and alone (with memop waits a one-token layer's task and its
+    deferred one run as one native task: the alone case)."""
     from hybridmoe.cpu.engine import default_pool
     from hybridmoe.cpu.trace import summarize
     from hybridmoe.moe import cuda_bridge
@@ -221,6 +222,7 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, wait):
     opts["hybrid_stream_wait"] = wait
     ref_logits = ref.prompt_logits(prompt)
     ref_tokens = [o["output_ids"] for o in ref.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
+    ref_alone = ref.generate(input_ids=prompt[:23], sampling_params=GREEDY)["output_ids"]
     ref.shutdown()
     _emulate_stream(monkeypatch)
     calls = {"pair_submit": 0, "pair_sync": 0}
@@ -249,6 +251,10 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, wait):
         assert tasks and all(t.done is not None and t.done.item() == 0 for t in tasks)  # each wait cleared its word
     got = [o["output_ids"] for o in llm.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
     assert got == ref_tokens
+    assert llm.generate(input_ids=prompt[:23], sampling_params=GREEDY)["output_ids"] == ref_alone
+    merged = sum(len(t.merged) for layer in llm.engine.runner.hybrid.layers.values()
+                 for pair in layer._stream_tasks.values() for t in pair if t is not None)
+    assert (merged > 0) == (wait == "memop" and deferred > 0), merged
     if deferred:  # the pair forms ran (every MoE layer but the last defers; all but the first collect)
         assert calls["pair_submit"] > 0 and calls["pair_sync"] > 0
     else:

@@ -41,11 +41,12 @@ int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go, int32_t* done) {
     // *done = 1 on every way out (a skipped or failed task too): a stream waiting on it must never hang.
     // The release store makes the output visible first (the GPU reads pinned memory coherently).
     struct MarkDone {
-      int32_t* d;
+      int32_t *d, *d1;
       ~MarkDone() {
+        if (d1) __atomic_store_n(d1, 1, __ATOMIC_RELEASE);  // HmTask.done1 (the first pair group's output)
         if (d) __atomic_store_n(d, 1, __ATOMIC_RELEASE);
       }
-    } mark{done};
+    } mark{done, t.done1};
     std::string err;
     const int64_t my_id = pool->tp.completed() + 1;  // tasks run in order
     if (go) {  // for the trace, a gated task counts as submitted when the GPU released it
@@ -87,7 +88,7 @@ void put(char* buf, int len, const std::string& s) {
 
 extern "C" {
 
-int hm_abi_version() { return 26; }  // 26: HmHostCall.done (stream memory-operation waits); 25: hm_pool_block_prefetch, hm_pool_items_per_thread; 24: hm_pool_fuse (was hm_pool_fused_reduce); 23: hm_pool_fused_reduce; 22: hm_amx_emulated; 21: hm_pool_reduce_inline; 20: HmTask.nan_rows, hm_argmax_bf16's nonfinite mark; 19: hm_attn_kernel (the AVX-512 decode attention span); 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
+int hm_abi_version() { return 26; }  // 26: HmHostCall.done (stream memory-operation waits), HmTask.ids2 / out2 / done1 (a second pair group); 25: hm_pool_block_prefetch, hm_pool_items_per_thread; 24: hm_pool_fuse (was hm_pool_fused_reduce); 23: hm_pool_fused_reduce; 22: hm_amx_emulated; 21: hm_pool_reduce_inline; 20: HmTask.nan_rows, hm_argmax_bf16's nonfinite mark; 19: hm_attn_kernel (the AVX-512 decode attention span); 18: hm_pool_prefetch; 17: hm_pool_selftest, hm_pool_dynamic (dynamic pool phases); 16: hm_layers_decode (HmDecodeStack), hm_layer_profile, hm_pool_leader_spin; 15: hm_topk_softmax (route_cpu.cpp), HmLayerDecode.moe; 14: hm_run_task (inline on the caller); 11: hm_quantize (quantize.cpp); 12: hm_gguf_layer_create (gguf_api.cpp); 13: HmTask.lora_idx, HmLayer.lora, hm_layer_attach_lora
 
 void* hm_pool_create(int n, const int* cpus, int nsub, const HmPoolSettings* settings, char* err, int errlen) {
   char why[256];

@@ -141,6 +141,7 @@ struct Workspace {
   Buf a1, a2, sx1, sx2, g1, g2, af, y, slot_tok, slot_w, tok_slot, xq, xs, xg, gsl, badrow;
   std::vector<Buf> cbuf;
   std::vector<int64_t> count, offs, pos, qbase;
+  std::vector<uint8_t> egroup;  // [E] bit g set: the expert has rows of pair group g (HmTask.ids2)
   std::unique_ptr<std::atomic<int>[]> qdone;  // [units] w13 N-blocks done per (expert, row chunk, block)
   int64_t qcap = 0;
   std::unique_ptr<Counter[]> rdone;  // [chunks] w2 N-blocks done per HCHUNK output chunk (fuse_red), a line each
@@ -183,6 +184,12 @@ struct Ctx {
   bool fuse_red = false;  // one token: the weighted sum is done inside the w2 phase (reduce_done)
   bool fuse_q2row = false;  // few rows an expert: its activation rows are converted inside the w13 phase
   bool chain = false;  // w2 items in the w13 phase, each after its expert's rows are converted (ph_gemm<2>)
+  int ngroups = 1;  // pair groups (2: HmTask.ids2 given, its own output out2)
+  int64_t TK = 0;   // T * K: the pairs of one group (tok_slot holds ngroups * TK)
+  int64_t Sg[2] = {0, 0};  // slots of each group
+  int64_t nrc = 0;  // rdone counters per group (fuse_red)
+  std::atomic<int64_t> red0{0};  // group 0's output chunks reduced (fuse_red): all of them -> done1
+  std::atomic<bool> g0_done{false};  // finish_group0 ran
   int64_t ready_at = 0;  // chain: edone[e] at this value = expert e's rows converted
   const LoraTask* lora = nullptr;  // the pairs' adapter deltas (lora.h); null: none in this task
   int64_t sub_beg[MAXSUB + 1];
@@ -289,7 +296,7 @@ void ph_quant2(int tid, void* p) {
     for (int64_t s = b; s < e; ++s) quant2_slot(c, s);
 }
 
-HM_AVX2 void reduce_done(const Ctx& c, int nb0, int nb1, int M);
+HM_AVX2 void reduce_done(Ctx& c, int nb0, int nb1, int M, int g);
 
 // One w13 item: the gate/up GEMM of its rows and N-blocks into C, the activation into af; the conversion of the
 // activation where fused (fuse_q2: the 256-column block whose last item this is; fuse_q2row: the expert's rows
@@ -340,7 +347,7 @@ HM_AVX2 void w2_item(Ctx& c, const Item& it) {
   A.block_prefetch = c.block_prefetch;
   c.k->gemm(d.method, d.w2, it.e, A, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp, d.group);
   if (c.lora) lora_down(*c.lora, it.e, r0, M, it.nb0, it.nb1, c.y + r0 * d.Hp + it.nb0 * 16, d.Hp);
-  if (c.fuse_red) reduce_done(c, it.nb0, it.nb1, M);
+  if (c.fuse_red) reduce_done(c, it.nb0, it.nb1, M, c.ws->egroup[size_t(it.e)] >> 1);  // bit 1: group 1
 }
 
 // A GEMM phase: one item per claim from the thread's sub-pool's counter. STAGE < 2: the items of that stage
@@ -373,19 +380,22 @@ HM_AVX2 void ph_gemm(int tid, void* p) {
   }
 }
 
-// Output unit u = (token u / nch, columns of chunk u % nch): out (+)= sum_j w_j * y[slot(token, j)].
-HM_AVX2 void reduce_unit(const Ctx& c, int64_t u) {
+// Output unit u = (token u / nch, columns of chunk u % nch) of pair group g: out (+)= sum_j w_j * y[slot(token, j)]
+// (group 1: out2).
+HM_AVX2 void reduce_unit(const Ctx& c, int64_t u, int g = 0) {
   const HmTask& t = *c.t;
   const int H = c.d->H, K = t.K;
   const int64_t nch = (H + HCHUNK - 1) / HCHUNK;
   alignas(32) float acc[HCHUNK];
   int64_t tok = u / nch;
   int h0 = int(u % nch) * HCHUNK, hn = std::min(HCHUNK, H - h0);
-  float* of = t.out_dtype == DT_F32 ? static_cast<float*>(t.out) + tok * H + h0 : nullptr;
-  uint16_t* ob = t.out_dtype == DT_BF16 ? static_cast<uint16_t*>(t.out) + tok * H + h0 : nullptr;
+  void* out = g ? t.out2 : t.out;
+  float* of = t.out_dtype == DT_F32 ? static_cast<float*>(out) + tok * H + h0 : nullptr;
+  uint16_t* ob = t.out_dtype == DT_BF16 ? static_cast<uint16_t*>(out) + tok * H + h0 : nullptr;
   for (int h = 0; h < hn; ++h) acc[h] = !t.accumulate ? 0.0f : of ? of[h] : bf16_to_f32(ob[h]);
+  const int32_t* tok_slot = c.tok_slot + g * c.TK;
   for (int j = 0; j < K; ++j) {
-    int32_t s = c.tok_slot[tok * K + j];
+    int32_t s = tok_slot[tok * K + j];
     if (s < 0) continue;
     const float* ys = c.y + int64_t(s) * c.d->Hp + h0;
     __m256 w = _mm256_set1_ps(c.slot_w[s]);
@@ -407,12 +417,22 @@ HM_AVX2 void reduce_unit(const Ctx& c, int64_t u) {
   }
 }
 
+// Every group's output units (group 1's after group 0's).
 HM_AVX2 void ph_reduce(int tid, void* p) {
   Ctx& c = *static_cast<Ctx*>(p);
-  const int64_t nch = (c.d->H + HCHUNK - 1) / HCHUNK;
+  const int64_t nch = (c.d->H + HCHUNK - 1) / HCHUNK, units = c.t->T * nch;
   int64_t b, e;
-  for (Pieces pc{c, c.t->T * nch, 2}; pc.next(b, e);)
-    for (int64_t u = b; u < e; ++u) reduce_unit(c, u);
+  for (Pieces pc{c, c.ngroups * units, 2}; pc.next(b, e);)
+    for (int64_t u = b; u < e; ++u) reduce_unit(c, u % units, int(u / units));
+}
+
+void nan_rows(const Ctx& c, int g);
+
+// Group 0's output is complete: its NaN rows written (a token marked so far), then done1 set.
+void finish_group0(Ctx& c) {
+  if (!c.t->done1 || c.g0_done.exchange(true)) return;
+  if (c.any_badrow.load()) nan_rows(c, 0);
+  __atomic_store_n(c.t->done1, 1, __ATOMIC_RELEASE);
 }
 
 // fuse_red (one token): a w2 item of M rows over N-blocks [nb0, nb1) is done; the thread that completes a
@@ -420,28 +440,34 @@ HM_AVX2 void ph_reduce(int tid, void* p) {
 // then runs spread over the threads as the chunks complete, inside the phase, instead of on the leader alone
 // after its barrier (11 us of a 504 us batch-1 task on the 16-core H100 host, session 23, paid by each task:
 // at deferral 2 two a layer).
-HM_AVX2 void reduce_done(const Ctx& c, int nb0, int nb1, int M) {
+// With two pair groups (each expert's rows all in one group g: fuse_red's condition) the counters and
+// sums are per group, and the thread that sums group 0's last chunk sets done1.
+HM_AVX2 void reduce_done(Ctx& c, int nb0, int nb1, int M, int g) {
   constexpr int kChunkNB = HCHUNK / 16;
   const int NB = c.d->w2.N / 16;
   const int64_t nch = (c.d->H + HCHUNK - 1) / HCHUNK;
   for (int ch = nb0 / kChunkNB; ch * kChunkNB < nb1; ++ch) {
     const int lo = std::max(nb0, ch * kChunkNB), hi = std::min(nb1, (ch + 1) * kChunkNB);
-    const int64_t want = c.S * (std::min(NB, (ch + 1) * kChunkNB) - ch * kChunkNB);
+    const int64_t want = c.Sg[g] * (std::min(NB, (ch + 1) * kChunkNB) - ch * kChunkNB);
     const int64_t n = int64_t(hi - lo) * M;
-    if (c.ws->rdone[size_t(ch)].v.fetch_add(n, std::memory_order_acq_rel) + n == want && ch < nch) reduce_unit(c, ch);
+    if (c.ws->rdone[size_t(g * c.nrc + ch)].v.fetch_add(n, std::memory_order_acq_rel) + n == want && ch < nch) {
+      reduce_unit(c, ch, g);
+      if (g == 0 && c.red0.fetch_add(1, std::memory_order_acq_rel) + 1 == nch) finish_group0(c);
+    }
   }
 }
 
-// The output rows of the tokens marked in c.badrow, NaN (HmTask.nan_rows; rare: on the leader).
-void nan_rows(const Ctx& c) {
+// The output rows (of group g's output) of the tokens marked in c.badrow, NaN (HmTask.nan_rows; rare).
+void nan_rows(const Ctx& c, int g) {
   const HmTask& t = *c.t;
   const int64_t H = c.d->H;
+  void* out = g ? t.out2 : t.out;
   for (int64_t tok = 0; tok < t.T; ++tok) {
-    if (!c.badrow[tok]) continue;
+    if (!__atomic_load_n(&c.badrow[tok], __ATOMIC_RELAXED)) continue;
     if (t.out_dtype == DT_F32)
-      std::fill_n(static_cast<float*>(t.out) + tok * H, H, std::numeric_limits<float>::quiet_NaN());
+      std::fill_n(static_cast<float*>(out) + tok * H, H, std::numeric_limits<float>::quiet_NaN());
     else
-      std::fill_n(static_cast<uint16_t*>(t.out) + tok * H, H, uint16_t(0x7FC0));  // bf16 quiet NaN
+      std::fill_n(static_cast<uint16_t*>(out) + tok * H, H, uint16_t(0x7FC0));  // bf16 quiet NaN
   }
 }
 
@@ -483,14 +509,16 @@ int few_row_cw(const Ctx& c, const PackedMat& W, int NB, int cw) {
 // (e = -1, nb0 = the unit; round robin over the sub-pools: GEMM items of their expert wait for them,
 // lora.h), then per active expert, row chunks x N-block chunks (`cw` N-blocks per item for few rows),
 // grouped by sub-pool.
-void add_items(Ctx& c, const PackedMat& W, int cw, int stage) {
+// `group` >= 0: only the experts whose first pair group is that one (rows of group 0: 0; of group 1 alone: 1).
+void add_items(Ctx& c, const PackedMat& W, int cw, int stage, int group) {
   const int NB = W.N / 16;
   cw = few_row_cw(c, W, NB, cw);
   Workspace& ws = *c.ws;
   const int nsub = int(ws.per_sub.size());
-  const int64_t nu = c.lora ? lora_units(*c.lora, stage) : 0;
+  const int64_t nu = c.lora && group <= 0 ? lora_units(*c.lora, stage) : 0;
   for (int64_t u = 0; u < nu; ++u) ws.per_sub[size_t(u % nsub)].push_back(Item{-1, int(u), 0, 0, 0});
   for (int e = 0; e < c.d->E; ++e) {
+    if (group >= 0 && (ws.egroup[size_t(e)] & 1 ? 0 : 1) != group) continue;
     int64_t M = ws.count[size_t(e)];
     const int w = M >= BIG_ROWS ? CW_BIG : cw;
     for (int64_t m0 = 0; m0 < M; m0 += MC)
@@ -502,13 +530,23 @@ void add_items(Ctx& c, const PackedMat& W, int cw, int stage) {
   }
 }
 
-// The items of the next phase: those of each stage given, a stage after the other within each sub-pool.
-void build_items(Ctx& c, std::initializer_list<std::tuple<const PackedMat*, int, int>> stages) {
+// The items of the next phase: those of each stage given, a stage after the other within each sub-pool; with
+// two pair groups, each stage's group-0 experts before its group-1 ones (chain: the two stages of group 0,
+// then the two of group 1), so that group 0's output is done first.
+void build_items(Ctx& c, std::initializer_list<std::tuple<const PackedMat*, int, int>> stages, bool chain = false) {
   Workspace& ws = *c.ws;
   int nsub = std::min(c.pool->num_sub(), MAXSUB);
   ws.per_sub.resize(size_t(nsub));
   for (auto& v : ws.per_sub) v.clear();
-  for (const auto& [W, cw, stage] : stages) add_items(c, *W, cw, stage);
+  if (c.ngroups == 1) {
+    for (const auto& [W, cw, stage] : stages) add_items(c, *W, cw, stage, -1);
+  } else if (chain) {
+    for (int g = 0; g < 2; ++g)
+      for (const auto& [W, cw, stage] : stages) add_items(c, *W, cw, stage, g);
+  } else {
+    for (const auto& [W, cw, stage] : stages)
+      for (int g = 0; g < 2; ++g) add_items(c, *W, cw, stage, g);
+  }
   ws.items.clear();
   for (int s = 0; s < nsub; ++s) {
     c.sub_beg[s] = int64_t(ws.items.size());
@@ -545,10 +583,11 @@ void prepare_edone(Ctx& c) {
     if (ws.count[size_t(e)] > 0) ws.edone[size_t(e)].v.store(0, std::memory_order_relaxed);
 }
 
-// The counters of the fused weighted sum: one per HCHUNK chunk of the w2 output columns, zero.
+// The counters of the fused weighted sum: one per HCHUNK chunk of the w2 output columns and pair group, zero.
 void prepare_rdone(Ctx& c) {
   Workspace& ws = *c.ws;
-  const int64_t n = (c.d->w2.N / 16 + HCHUNK / 16 - 1) / (HCHUNK / 16);
+  c.nrc = (c.d->w2.N / 16 + HCHUNK / 16 - 1) / (HCHUNK / 16);
+  const int64_t n = c.nrc * c.ngroups;
   if (n > ws.rcap) {
     ws.rdone.reset(new Counter[size_t(n)]);
     ws.rcap = n;
@@ -556,31 +595,38 @@ void prepare_rdone(Ctx& c) {
   for (int64_t i = 0; i < n; ++i) ws.rdone[size_t(i)].v.store(0, std::memory_order_relaxed);
 }
 
+// Pairs i of [0, ngroups * TK): group i / TK, pair i % TK of ids (group 0) or ids2 (group 1), both weighted by
+// weights[i % TK]. Each expert's slots hold its group-0 rows first.
 std::string route(Ctx& c) {
   const HmTask& t = *c.t;
   Workspace& ws = *c.ws;
   const int E = c.d->E;
-  const int64_t TK = t.T * t.K;
+  const int64_t TK = c.TK, NP = c.ngroups * TK;
   ws.count.assign(size_t(E), 0);
   ws.offs.assign(size_t(E) + 1, 0);
+  ws.egroup.assign(size_t(E), 0);
   auto id_at = [&](int64_t i) -> int64_t {
-    return t.ids_dtype == 1 ? static_cast<const int64_t*>(t.ids)[i] : static_cast<const int32_t*>(t.ids)[i];
+    const void* ids = i < TK ? t.ids : t.ids2;
+    i %= TK;
+    return t.ids_dtype == 1 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
   };
   // nan_rows: every pair of a token with a non-finite routing weight is left out (its row is NaN)
-  auto dropped = [&](int64_t i) { return c.badrow && c.badrow[i / t.K]; };
-  for (int64_t i = 0; i < TK; ++i) {
+  auto dropped = [&](int64_t i) { return c.badrow && c.badrow[(i % TK) / t.K]; };
+  for (int64_t i = 0; i < NP; ++i) {
     int64_t id = id_at(i);
     if (id < 0) continue;
     if (id >= E) return "expert id " + std::to_string(id) + " out of range [0, " + std::to_string(E) + ")";
-    if (!std::isfinite(t.weights[i])) {
-      if (!c.badrow) return "non-finite routing weight at token " + std::to_string(i / t.K);
-      c.mark_bad(i / t.K);
+    if (!std::isfinite(t.weights[i % TK])) {
+      if (!c.badrow) return "non-finite routing weight at token " + std::to_string((i % TK) / t.K);
+      c.mark_bad((i % TK) / t.K);
     }
   }
-  for (int64_t i = 0; i < TK; ++i) {
+  for (int64_t i = 0; i < NP; ++i) {
     int64_t id = id_at(i);
     if (id < 0 || (t.skip && t.skip[id]) || dropped(i)) continue;
     ws.count[size_t(id)]++;
+    ws.egroup[size_t(id)] |= uint8_t(1 << (i / TK));
+    c.Sg[i / TK]++;
   }
   for (int e = 0; e < E; ++e) ws.offs[size_t(e) + 1] = ws.offs[size_t(e)] + ws.count[size_t(e)];
   c.S = ws.offs[size_t(E)];
@@ -591,17 +637,17 @@ std::string route(Ctx& c) {
       for (int64_t s = ws.offs[size_t(e)]; s < ws.offs[size_t(e) + 1]; ++s) c.gsl[c.ngsl++] = int32_t(s);
   c.slot_tok = ws.slot_tok.get<int32_t>(size_t(c.S) + 1);
   c.slot_w = ws.slot_w.get<float>(size_t(c.S) + 1);
-  c.tok_slot = ws.tok_slot.get<int32_t>(size_t(TK) + 1);
+  c.tok_slot = ws.tok_slot.get<int32_t>(size_t(NP) + 1);
   ws.pos.assign(ws.offs.begin(), ws.offs.end() - 1);
-  for (int64_t i = 0; i < TK; ++i) {
+  for (int64_t i = 0; i < NP; ++i) {
     int64_t id = id_at(i);
     if (id < 0 || (t.skip && t.skip[id]) || dropped(i)) {
       c.tok_slot[i] = -1;
       continue;
     }
     int64_t s = ws.pos[size_t(id)]++;
-    c.slot_tok[s] = int32_t(i / t.K);
-    c.slot_w[s] = t.weights[i];
+    c.slot_tok[s] = int32_t((i % TK) / t.K);
+    c.slot_w[s] = t.weights[i % TK];
     c.tok_slot[i] = int32_t(s);
   }
   return "";
@@ -634,9 +680,12 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, const
   if ((t.x_dtype != DT_F32 && t.x_dtype != DT_BF16) || (t.out_dtype != DT_F32 && t.out_dtype != DT_BF16) ||
       (t.ids_dtype != 0 && t.ids_dtype != 1))
     return "unsupported dtype";
-  if (t.T * int64_t(t.K) >= (int64_t(1) << 31)) return "too many tokens";
+  if ((t.ids2 != nullptr) != (t.out2 != nullptr)) return "a second pair group needs both ids2 and out2";
+  if (t.T * int64_t(t.K) * (t.ids2 ? 2 : 1) >= (int64_t(1) << 31)) return "too many tokens";
   Ctx c;
   c.t = &t;
+  c.ngroups = t.ids2 ? 2 : 1;
+  c.TK = t.T * int64_t(t.K);
   c.d = &d;
   c.k = L.k;
   // The AVX-512/AMX BF16 kernels take bf16 activations. fp32 x (an fp32 model) would be rounded
@@ -699,13 +748,22 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, const
     c.chain = (fuse & kFuseChain) && (c.fuse_q2row || (c.fuse_q2 && few && !c.lora));
     c.ready_at = c.fuse_q2row ? d.w13.N / 16 + 1 : d.Ip / QBLK;
     if (c.fuse_q2row || c.chain) prepare_edone(c);
-    c.fuse_red = (fuse & kFuseReduce) && t.T == 1;
-    if (c.fuse_red) prepare_rdone(c);
+    // (two pair groups: only where each expert's rows are of one group, the counters being per group)
+    c.fuse_red = (fuse & kFuseReduce) && t.T == 1 &&
+                 std::none_of(ws.egroup.begin(), ws.egroup.end(), [](uint8_t g) { return g == 3; });
+    if (c.fuse_red) {
+      prepare_rdone(c);
+      for (int g = 0; g < c.ngroups; ++g) {  // a group without rows: its output now (zeros, or as accumulated)
+        if (c.Sg[g]) continue;
+        for (int64_t ch = 0; ch < (d.H + HCHUNK - 1) / HCHUNK; ++ch) reduce_unit(c, ch, g);
+        if (g == 0) finish_group0(c);
+      }
+    }
     // items from a counter: a dynamic phase where one sub-pool holds them all (with several, the
     // leader's fn drains its own sub-pool's items only)
     const bool dyn = pool.num_sub() == 1;
     if (c.chain) {  // both GEMM stages in one phase (ph_gemm<2>)
-      build_items(c, {{&d.w13, CW1, 0}, {&d.w2, CW2, 1}});
+      build_items(c, {{&d.w13, CW1, 0}, {&d.w2, CW2, 1}}, true);
       pool.parallel(ph_gemm<2>, &c, dyn);
       sw.lap(2);
       if (c.bad.load())
@@ -731,8 +789,12 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, const
   // a decode-sized sum (T * K <= 16 rows of H) costs a few us on one thread, less than a phase, on the
   // 2-core Zen 4; on the 16-core H100 host the T=1 sum took 11 us of a 504 us Qwen3-30B-A3B task (its rows
   // written by other cores): reduce_inline_rows lets benchmarks compare (bench_cpu_moe --reduce-inline)
-  if (!c.fuse_red) light(pool, c, ph_reduce, t.T * int64_t(t.K) <= reduce_inline_rows);
-  if (c.any_badrow.load()) nan_rows(c);
+  if (!c.fuse_red) light(pool, c, ph_reduce, c.ngroups * c.TK <= reduce_inline_rows);
+  if (c.any_badrow.load()) {
+    if (!c.g0_done.load()) nan_rows(c, 0);
+    if (c.ngroups == 2) nan_rows(c, 1);
+  }
+  finish_group0(c);  // (unless the fused sum did)
   sw.lap(5);
   g_profile[6] += 1;  // task count
   return "";

@@ -27,6 +27,14 @@ struct HmTask {
   // request alone, engine/sampler.py NAN_ROW).
   int32_t nan_rows;
   const int32_t* lora_idx;  // [T] adapter slot of each token (-1: none); may be null (lora.h)
+  // A second group of pairs with an output of its own, run in the same task after the first (a layer's
+  // deferred pairs, behind its immediate ones: one task instead of two, without the second's start and
+  // the first's tail): ids2 [T, K] (ids_dtype; -1 = not in this group; weights from `weights`), out2
+  // [T, H] (out_dtype). done1: an int32 set to 1 (release) once `out` is written, while the second group
+  // may still run (a CUDA stream waits on it); also set when the task fails. All null: one group.
+  const void* ids2;
+  void* out2;
+  int32_t* done1;
 };
 }
 
