@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from stream_emulation import emulate_stream
 
 from hybridmoe import LLM
 from hybridmoe.config import ConfigError
@@ -179,28 +179,6 @@ def test_memory_plan_is_printed_and_a_plan_that_does_not_fit_is_refused(model, c
     assert msg is not None and "--kt-num-gpu-experts 2 would fit" in msg
 
 
-def _emulate_stream(monkeypatch) -> None:
-    """The CUDA stream path on the CPU: every hybrid layer takes it, and host functions and memory
-    operations (a wait polls the word, a write sets it) run inline when enqueued (the order a
-    stream would run them in)."""
-    import ctypes as C
-
-    from hybridmoe.moe import cuda_bridge, hybrid
-
-    def wait_value(addr: int, value: int) -> None:
-        word, deadline = C.c_int32.from_address(addr), time.monotonic() + 30
-        while word.value != value:
-            assert time.monotonic() < deadline, "a memory-operation wait never saw its word set: the stream hangs"
-            time.sleep(0)
-
-    monkeypatch.setattr(cuda_bridge, "launch_host_func",
-                        lambda fn, data: C.CFUNCTYPE(None, C.c_void_p)(fn)(C.addressof(data)))
-    monkeypatch.setattr(cuda_bridge, "stream_wait_value32", wait_value)
-    monkeypatch.setattr(cuda_bridge, "stream_write_value32",
-                        lambda addr, value: setattr(C.c_int32.from_address(addr), "value", value))
-    monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
-
-
 @pytest.mark.parametrize("wait", ["hostfn", "memop"])
 @pytest.mark.parametrize("deferred", [0, 1, 2])
 def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, wait):
@@ -224,7 +202,7 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, wait):
     ref_tokens = [o["output_ids"] for o in ref.generate(input_ids=[prompt, prompt[:11]], sampling_params=GREEDY)]
     ref_alone = ref.generate(input_ids=prompt[:23], sampling_params=GREEDY)["output_ids"]
     ref.shutdown()
-    _emulate_stream(monkeypatch)
+    emulate_stream(monkeypatch)
     calls = {"pair_submit": 0, "pair_sync": 0}
     for name in ("enqueue_submit_with", "enqueue_result_with"):
         orig = getattr(cuda_bridge.StreamCPUTask, name)
@@ -273,7 +251,7 @@ def test_stream_task_failure_fails_the_step(model, monkeypatch):
     ref = LLM(str(model), **opts)
     ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
     ref.shutdown()
-    _emulate_stream(monkeypatch)
+    emulate_stream(monkeypatch)
     orig = cuda_bridge.StreamCPUTask.enqueue_submit
     state = {"n": 0, "poison_at": 5}
 
@@ -306,7 +284,7 @@ def test_stream_task_nan_token_fails_its_request_alone(model, monkeypatch, overl
     prompts = [torch.randint(0, 211, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (23, 17)]
     flag = {"enable_overlap_schedule": True} if overlap else {"disable_overlap_schedule": True}
     opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3, **flag)
-    _emulate_stream(monkeypatch)
+    emulate_stream(monkeypatch)
     llm = LLM(str(model), **opts)
     ref_tokens = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=GREEDY)]
     orig = cuda_bridge.StreamCPUTask.enqueue_submit
@@ -345,7 +323,7 @@ def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch, wait)
     prompt = torch.randint(0, 211, (19,), generator=torch.Generator().manual_seed(9)).tolist()
     opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3,
                 kt_max_deferred_experts_per_token=1, hybrid_stream_wait=wait)
-    _emulate_stream(monkeypatch)
+    emulate_stream(monkeypatch)
     fresh = LLM(str(model), **opts)
     ref_tokens = fresh.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
     fresh.shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lora_fixtures import hand_adapter, merged_hf_model
+from stream_emulation import emulate_stream
 
 from hybridmoe import LLM
 from hybridmoe.lora.cpu_bridge import CPUExpertLoRA
@@ -152,9 +153,8 @@ def test_deferred_tasks_carry_the_slots(setup, monkeypatch):
 @pytest.mark.parametrize("defer", [0, 1])
 def test_stream_path_on_cpu(setup, monkeypatch, defer):
     """The CUDA stream path's data flow (pinned index buffer shared like x, the deferred task reading
-    the immediate one's) emulated on the CPU (host functions inline): the Python path's tokens."""
-    import ctypes as C
-
+    the immediate one's) emulated on the CPU (host functions and memory operations inline): the Python
+    path's tokens."""
     from hybridmoe.moe import cuda_bridge, hybrid
 
     base, ad, prompt, want, base_ids = setup
@@ -164,9 +164,7 @@ def test_stream_path_on_cpu(setup, monkeypatch, defer):
     ref_tokens = [o["output_ids"] for o in ref.generate(input_ids=[prompt, prompt[:9], prompt], sampling_params=GREEDY,
                                                          lora_path=["ex", None, "ex"])]
     ref.shutdown()
-    monkeypatch.setattr(cuda_bridge, "launch_host_func",
-                        lambda fn, data: C.CFUNCTYPE(None, C.c_void_p)(fn)(C.addressof(data)))
-    monkeypatch.setattr(hybrid, "_use_stream", lambda x: True)
+    emulate_stream(monkeypatch)
     # per forward (marked "F" at its first MoE layer), whether each submit copies the slots: only the first
     events: list = []
     fwd = hybrid.HybridExperts._forward_stream
