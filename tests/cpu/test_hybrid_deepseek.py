@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stream_emulation import emulate_stream
 
 from hybridmoe import LLM
 
-from test_hybrid import GREEDY, _emulate_stream, _rel
+from test_hybrid import GREEDY, _rel
 from tiny_models import assert_greedy_agrees, greedy_margins, hf_model, make_tiny_model
 
 DS_EXPERTS = {"deepseek_v3": 8, "deepseek_v2": 9}
@@ -71,7 +72,7 @@ def test_deepseek_shared_experts_run_while_the_cpu_works(ds_model, ds_reference,
 
     events: list[str] = []
     if stream:
-        _emulate_stream(monkeypatch)
+        emulate_stream(monkeypatch)
         for name, tag in (("enqueue_submit", "submit"), ("enqueue_result", "wait")):
             orig = getattr(cuda_bridge.StreamCPUTask, name)
             monkeypatch.setattr(cuda_bridge.StreamCPUTask, name,
