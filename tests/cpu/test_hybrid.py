@@ -179,16 +179,16 @@ def test_memory_plan_is_printed_and_a_plan_that_does_not_fit_is_refused(model, c
     assert msg is not None and "--kt-num-gpu-experts 2 would fit" in msg
 
 
-@pytest.mark.parametrize("wait", ["hostfn", "memop"])
+@pytest.mark.parametrize("wait,merge", [("hostfn", False), ("memop", False), ("memop", True)])
 @pytest.mark.parametrize("deferred", [0, 1, 2])
-def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, wait):
+def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, wait, merge):
     """The CUDA stream path's data flow (pinned buffers shared by alternating layers, the deferred
     task reading the immediate task's x and w, both queued together by gated submits, one host
     function, or memory-operation waits on done words, waiting for a layer's task and the previous
     layer's deferred one) on the CPU: host functions and memory operations run inline, as the stream
     would run them in order, and go words are set by a plain copy. Same logits (fp32) and tokens as
-    the Python-driven path, batched and alone (with memop waits a one-token layer's task and its
-    deferred one run as one native task: the alone case)."""
+    the Python-driven path, batched and alone (with memop waits and merge_deferred a one-token layer's
+    task and its deferred one run as one native task: the alone case)."""
     from hybridmoe.cpu.engine import default_pool
     from hybridmoe.cpu.trace import summarize
     from hybridmoe.moe import cuda_bridge
@@ -213,6 +213,7 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, wait):
 
         monkeypatch.setattr(cuda_bridge.StreamCPUTask, name, counted)
     llm = LLM(str(model), **opts)
+    llm.engine.runner.hybrid.set_merge_deferred(merge)
     pool = default_pool()
     pool.sync()
     pool.trace_start()
@@ -232,7 +233,7 @@ def test_stream_path_logic_on_cpu(model, monkeypatch, deferred, wait):
     assert llm.generate(input_ids=prompt[:23], sampling_params=GREEDY)["output_ids"] == ref_alone
     merged = sum(len(t.merged) for layer in llm.engine.runner.hybrid.layers.values()
                  for pair in layer._stream_tasks.values() for t in pair if t is not None)
-    assert (merged > 0) == (wait == "memop" and deferred > 0), merged
+    assert (merged > 0) == (merge and deferred > 0), merged
     if deferred:  # the pair forms ran (every MoE layer but the last defers; all but the first collect)
         assert calls["pair_submit"] > 0 and calls["pair_sync"] > 0
     else:
