@@ -126,7 +126,10 @@ def test_trace_decomposes_the_time_between_tasks(layer, pool, inputs):
     assert 4000 <= s["release_interval_us"] <= 4000 + s["run_us"] + 20000, s
     assert 0 < s["run_us"] and s["run_total_ms"] < s["wall_ms"] and s["wake_us"] >= 0 and s["start_latency_us"] >= 0, s
     assert s["idle_total_ms"] >= 4 * 3.0 and s["blocked_us"] <= 1000 + s["run_us"] + 500, s
-    assert "5 tasks" in format_summary(s)
+    assert "5 tasks" in format_summary(s) and "5 stream waits" in format_summary(s)
+    # a stream waiting by memory operations runs no host function: the line says so instead of nan
+    quiet = dict(s, waits=0.0, releases=0.0, blocked_us=float("nan"), wake_us=float("nan"), gpu_path_us=float("nan"))
+    assert "no host-function waits" in format_summary(quiet) and "nan" not in format_summary(quiet)
     pool.trace_start(2)  # capacity: later events are dropped, and counted
     pool.sync(pool.submit(*layer.make_task(x, ids, w, out)))
     assert pool.trace_stop().shape == (2, 3)
