@@ -172,9 +172,9 @@ def main() -> None:
                    help="how the stream waits for a CPU task, each value in turn (graphs captured again for each): "
                         "a host function (hostfn, the default) or the GPU polling the task's done word (memop; "
                         "EngineArgs.hybrid_stream_wait)")
-    p.add_argument("--merge-deferred", default=["off"], type=lambda v: v.split(","), metavar="off[,on]",
+    p.add_argument("--merge-deferred", default=["on"], type=lambda v: v.split(","), metavar="on[,off]",
                    help="with --stream-wait memop and deferral: a one-token layer's task and its deferred one as one "
-                        "native task (on) or two (off, the default), each value in turn (graphs captured again)")
+                        "native task (on, the default) or two (off), each value in turn (graphs captured again)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole grid this many times, interleaved (the host's bandwidth drifts); the "
                         "summary gives each setting's median")
@@ -244,7 +244,7 @@ def main() -> None:
               f"({per_expert / 1e6:.2f} MB per expert) -> bound {bound:.1f} tok/s", flush=True)
         current = (runner.hybrid.num_deferred, runner.hybrid.stream_wait, "on" if runner.hybrid.merge_deferred else "off")
         grid = [(rep, d, w, m) for rep in range(a.repeat) for d in a.deferred for w in a.stream_wait
-                for m in (a.merge_deferred if d and w == "memop" else ["off"])]  # merging needs both
+                for m in (a.merge_deferred if d and w == "memop" else ["on"])]  # merging needs both
         for rep, deferred, wait, merge in grid:
             want = (deferred, wait, merge)
             if want != current:  # same model, other setting: tasks rebuilt, graphs captured again
@@ -298,7 +298,7 @@ def main() -> None:
                     bl += "" if bp == 1 else f" bp {bp}"
                     bl += "" if ipt == 8 else f" ipt {ipt}"
                     bl += "" if wait == "hostfn" else f" wait {wait}"
-                    bl += "" if merge == "off" else " merged"
+                    bl += "" if merge == "on" else " unmerged"
                     print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)

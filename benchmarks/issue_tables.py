@@ -55,10 +55,10 @@ def _default_settings(rows: list[dict]) -> list[dict]:
     """The rows (runs or summary entries) of the engine's default settings: a bench_hybrid_decode.py A/B's
     `--fuse` (session 27: `--fused-reduce`) rows other than `on`, `--block-prefetch` rows other than 1,
     `--items-per-thread` rows other than 8, `--stream-wait hostfn` rows (memop is the default where the driver has
-    it, session 30) and `--merge-deferred on` rows left out (off is the default until measured) (files from before the options have none)."""
+    it, session 30) and `--merge-deferred off` rows left out (files from before the options have none)."""
     return [r for r in rows if r.get("fuse", r.get("fused_reduce", "on")) == "on" and r.get("block_prefetch", 1) == 1
             and r.get("items_per_thread", 8) == 8 and r.get("stream_wait", "memop") == "memop"
-            and r.get("merge_deferred", "off") == "off"]
+            and r.get("merge_deferred", "on") == "on"]
 
 
 def issue16_deferral(d: dict, src: str) -> list[Row]:

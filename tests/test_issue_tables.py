@@ -48,10 +48,10 @@ def test_deferral_and_hybrid_points(tmp_path: Path) -> None:
     assert not rows["deferral 2 against 0 at batch 1 (median tok/s)"].met
     assert rows[f"hybrid decode batch 1, deferral {it.DEFAULT_DEFERRAL} (the default)"].met
     # A/B rows of non-default settings (--items-per-thread 2, --block-prefetch 0, --stream-wait hostfn,
-    # --merge-deferred on) are left out of every row; rows naming the defaults are kept
+    # --merge-deferred off) are left out of every row; rows naming the defaults are kept
     doc = hybrid_file(10.0, 10.5, 20.0, 60.0, 66.0, 0.69)
     keys = ("items_per_thread", "block_prefetch", "stream_wait", "merge_deferred")
-    for extra in ({"items_per_thread": 2}, {"block_prefetch": 0}, {"stream_wait": "hostfn"}, {"merge_deferred": "on"}):
+    for extra in ({"items_per_thread": 2}, {"block_prefetch": 0}, {"stream_wait": "hostfn"}, {"merge_deferred": "off"}):
         doc["runs"] += [dict(r, cpu_busy_ms_per_step=99.0, **extra) for r in doc["runs"]
                         if not any(k in r for k in keys)]
         doc["summary"] += [dict(e, median_tokens_per_s=1.0, **extra) for e in doc["summary"]

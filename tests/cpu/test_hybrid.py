@@ -360,9 +360,15 @@ def test_stream_path_on_cuda(model, deferred):
                 kt_max_deferred_experts_per_token=deferred, max_total_tokens=4096, cuda_graph_max_bs=4)
     batch = [prompt[: 10 + 7 * i] for i in range(3)]
     results = []
-    for graphs, wait in ((False, "hostfn"), (True, "hostfn"), (False, "memop"), (True, "memop")):
+    for graphs, wait, merge in ((False, "hostfn", False), (True, "hostfn", False), (False, "memop", False),
+                                (True, "memop", False), (False, "memop", True), (True, "memop", True)):
         opts["hybrid_stream_wait"] = wait
         llm = LLM(str(model), disable_cuda_graph=not graphs, **opts)
+        if llm.engine.runner.hybrid.merge_deferred != merge:  # one-token tasks merged with their deferred ones
+            llm.engine.runner.graphs = None  # (or not): the graphs captured again
+            llm.engine.runner.hybrid.set_merge_deferred(merge)
+            if graphs:
+                llm.engine.runner.capture_graphs()
         assert (llm.engine.runner.graphs is not None) == graphs
         assert llm.engine.sampler.wait_event is not None  # the step's result is read sleeping
         tokens = llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
