@@ -133,6 +133,10 @@ def gpu_info() -> dict[str, Any]:
             p = torch.cuda.get_device_properties(i)
             info["devices"].append({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
                                     "capability": f"{p.major}.{p.minor}"})
+        from hybridmoe.cuda_driver import stream_memops_supported
+
+        # how the hybrid stream waits for the CPU experts (--hybrid-stream-wait auto)
+        info["stream_memops"] = stream_memops_supported()
     return info
 
 
@@ -185,6 +189,9 @@ def format_report(r: dict[str, Any]) -> str:
     else:
         lines.append("GPU            none (CUDA not available)")
     lines.append(f"CUDA (torch)   {gpu.get('cuda_build') or 'not built with CUDA'}")
+    if "stream_memops" in gpu:
+        lines.append("CPU->GPU wait  " + ("memory operations (--hybrid-stream-wait auto: memop)" if gpu["stream_memops"]
+                                          else "host functions (this driver has no stream memory operations)"))
     lines.append("versions       " + ", ".join(f"{k} {v or 'not installed'}" for k, v in r["versions"].items()))
     lines.append("recommended    " + " ".join(f"{k} {v}" for k, v in r["recommended_flags"].items()))
     lines.append(f"why            {r['method_reason']}")

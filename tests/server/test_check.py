@@ -26,3 +26,18 @@ def test_check_fails_with_reason(monkeypatch, capsys):
     monkeypatch.setattr(check, "REQUIRED_MODULES", check.REQUIRED_MODULES + ("no_such_module_xyz",))
     assert check.check_main([]) == 1
     assert "no_such_module_xyz" in capsys.readouterr().out
+
+
+def test_check_names_the_stream_wait_where_there_is_a_gpu(monkeypatch, capsys):
+    """With a CUDA GPU the report says how the hybrid stream will wait for the CPU experts
+    (--hybrid-stream-wait auto): by memory operations where the driver has them, else host functions."""
+    import hybridmoe.check as check
+
+    for memops, want in ((True, "memory operations"), (False, "host functions")):
+        monkeypatch.setattr(check, "gpu_info", lambda m=memops: {
+            "cuda_build": "13.0", "available": True, "stream_memops": m,
+            "devices": [{"name": "NVIDIA H200", "memory_gib": 139.8, "capability": "9.0"}]})
+        check.check_main([])
+        out = capsys.readouterr().out
+        line = next(ln for ln in out.splitlines() if ln.startswith("CPU->GPU wait"))
+        assert want in line, line
