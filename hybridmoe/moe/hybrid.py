@@ -124,7 +124,11 @@ class HybridExperts(MoEExperts):
     def set_defer(self, defer: int) -> None:
         """Deferred experts per token from now on (HybridRuntime.set_num_deferred)."""
         self.defer = defer
-        self._stream_tasks.clear()  # their (now, deferred) pairs were built for the old setting
+        self.drop_stream_tasks()  # their (now, deferred) pairs were built for the old setting
+
+    def drop_stream_tasks(self) -> None:
+        """Forget the stream tasks (rebuilt at the next forward with the runtime's settings then)."""
+        self._stream_tasks.clear()
 
     def _split(self, ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """CPU-local ids [T, K] of the pairs computed now, and of those deferred (None: no deferral);

@@ -126,12 +126,19 @@ class HybridRuntime(MoEHooks):
             pending, self.pending = self.pending, None
             pending.drop(self.device)
 
-    def set_num_deferred(self, num_deferred: int) -> None:
-        """Change every layer's deferral on a loaded model (benchmarks compare settings without
-        reloading); decode CUDA graphs captured before must be captured again."""
+    def _settle(self) -> None:
+        """Before a setting of the stream tasks changes: deferred work collected, the device idle, and every
+        layer's stream tasks dropped (rebuilt with the new setting at their next forward)."""
         self.collect_pending()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        for layer in self.layers.values():
+            layer.drop_stream_tasks()
+
+    def set_num_deferred(self, num_deferred: int) -> None:
+        """Change every layer's deferral on a loaded model (benchmarks compare settings without
+        reloading); decode CUDA graphs captured before must be captured again."""
+        self._settle()
         self.num_deferred = num_deferred
         for idx, layer in self.layers.items():
             layer.set_defer(self.placement.defer_of(idx, num_deferred))
@@ -140,22 +147,14 @@ class HybridRuntime(MoEHooks):
         """Switch how the stream waits for CPU tasks on a loaded model ("memop", "hostfn" or "auto"; benchmarks
         compare them in one process); decode CUDA graphs captured before must be captured again."""
         mode = check_stream_wait(mode, self.device)
-        self.collect_pending()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._settle()
         self.stream_wait = mode
-        for layer in self.layers.values():
-            layer.set_defer(layer.defer)  # drops the layer's stream tasks: rebuilt for the new mode
 
     def set_merge_deferred(self, on: bool) -> None:
         """Whether a one-token layer's task and its deferred task run as one native task (with memop waits;
         benchmarks compare both in one process); decode CUDA graphs captured before must be captured again."""
-        self.collect_pending()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._settle()
         self.merge_deferred = bool(on)
-        for layer in self.layers.values():
-            layer.set_defer(layer.defer)  # drops the layer's stream tasks: rebuilt
 
     # ---- buffers of the CUDA stream path ----
     def pinned_io(self, layer_idx: int, slot: int, cap: int, k: int, hidden: int, dtype: torch.dtype) -> PinnedIO:
