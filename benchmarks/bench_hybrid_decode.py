@@ -168,10 +168,10 @@ def main() -> None:
     p.add_argument("--items-per-thread", default=[8], type=_int_list, metavar="8[,4,2]",
                    help="CPUThreadPool.items_per_thread for the batch-1 rows, each value in turn (a decode task's "
                         "items sized for about that many a thread; default 8)")
-    p.add_argument("--stream-wait", default=["hostfn"], type=lambda v: v.split(","), metavar="hostfn[,memop]",
+    p.add_argument("--stream-wait", default=["auto"], type=lambda v: v.split(","), metavar="auto[,hostfn,memop]",
                    help="how the stream waits for a CPU task, each value in turn (graphs captured again for each): "
-                        "a host function (hostfn, the default) or the GPU polling the task's done word (memop; "
-                        "EngineArgs.hybrid_stream_wait)")
+                        "a host function (hostfn) or the GPU polling the task's done word (memop); auto (the "
+                        "default, as the engine's EngineArgs.hybrid_stream_wait) is memop where the driver has it")
     p.add_argument("--merge-deferred", default=["on"], type=lambda v: v.split(","), metavar="on[,off]",
                    help="with --stream-wait memop and deferral: a one-token layer's task and its deferred one as one "
                         "native task (on, the default) or two (off), each value in turn (graphs captured again)")
@@ -199,8 +199,8 @@ def main() -> None:
         p.error(f"--block-prefetch {a.block_prefetch}: a comma list of 0, 1, 2")
     if not a.items_per_thread or any(not 1 <= v <= 64 for v in a.items_per_thread):
         p.error(f"--items-per-thread {a.items_per_thread}: a comma list of 1..64")
-    if not a.stream_wait or any(v not in ("hostfn", "memop") for v in a.stream_wait):
-        p.error(f"--stream-wait {','.join(a.stream_wait)}: a comma list of hostfn, memop")
+    if not a.stream_wait or any(v not in ("auto", "hostfn", "memop") for v in a.stream_wait):
+        p.error(f"--stream-wait {','.join(a.stream_wait)}: a comma list of auto, hostfn, memop")
     if not a.merge_deferred or any(v not in ("on", "off") for v in a.merge_deferred):
         p.error(f"--merge-deferred {','.join(a.merge_deferred)}: a comma list of on, off")
     if a.gguf:
@@ -212,6 +212,10 @@ def main() -> None:
 
     from hybridmoe import LLM
     from hybridmoe.cpu.engine import default_pool
+    from hybridmoe.moe.runtime import check_stream_wait
+
+    # "auto" named as what it resolves to here, so rows say which wait ran and merging (memop only) applies
+    a.stream_wait = list(dict.fromkeys(check_stream_wait(w, torch.device(a.device)) for w in a.stream_wait))
     from hybridmoe.cpu.trace import format_summary
 
     results = {"shape": vars(a), "runs": []}
