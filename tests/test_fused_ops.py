@@ -89,7 +89,7 @@ def check_topk_non_finite(device: str, dtype: torch.dtype) -> None:
 
 def test_interpreter_fp32():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import torch, test_fused_ops as t; t.check('cpu', torch.float32, 1e-5); t.check('cpu', torch.float16, 2e-3)"
+    code = "import interpreter, torch, test_fused_ops as t; t.check('cpu', torch.float32, 1e-5); t.check('cpu', torch.float16, 2e-3)"
     res = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -103,6 +103,7 @@ def test_cuda(dtype, tol):
 
 _MODEL_CHILD = """
 import sys, torch
+import interpreter  # its faster nested calls under the interpreter
 from hybridmoe import LLM
 from hybridmoe.layers import fused_ops
 ref = torch.load(sys.argv[2])

@@ -88,7 +88,7 @@ def check_non_finite(device: str) -> int:
 
 def test_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    code = ("import torch, test_routing_triton as t; n = t.check('cpu', torch.float32); "
+    code = ("import interpreter, torch, test_routing_triton as t; n = t.check('cpu', torch.float32); "
             "n += t.check('cpu', torch.bfloat16, every=3); n += t.check_non_finite('cpu'); print(n)")
     res = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
                          capture_output=True, text=True, timeout=600)

@@ -218,6 +218,9 @@ def _pad(n: int) -> int:
 # results/session27/mla_split_probe.py: B 1 x 8K kernel 25.9 us at X 64 against 33.6 us before, fp32 partials
 # at X 43 with 8 rows a step; 8 rows a step did not pay with bf16 partials, nor at B 16).
 _REDUCE_BLOCK_X = 1
+# Under the interpreter (tests on the CPU) a step of the merge costs its Python ops however few rows it loads: 4 rows
+# a step keep a multi-step merge in the tests (X up to 11) at a quarter of the steps.
+_INTERPRET_REDUCE_BLOCK_X = 4
 _PARTIAL_DTYPE: torch.dtype | None = None
 
 # Rates of choose_num_splits' time model (H200-like guesses; only their ratios matter, and only roughly).
@@ -314,7 +317,8 @@ def mla_decode(
     if num_splits > 1:
         _mla_reduce_kernel[(bsz, heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=heads, LKV=lkv, BLOCK_L=block_l, BLOCK_X=_REDUCE_BLOCK_X, num_warps=4,
+            NUM_HEADS=heads, LKV=lkv, BLOCK_L=block_l,
+            BLOCK_X=_INTERPRET_REDUCE_BLOCK_X if interpret else _REDUCE_BLOCK_X, num_warps=4,
         )
     # fmt: on
     return out
