@@ -23,10 +23,12 @@ import triton.language as tl
 
 from hybridmoe.layers.fused_ops import softmax_topk_store
 
-# (experts a program, H tile, warps): E = 128 -> 64 programs of 8 KB of router weight each (bf16, H 2048). Measured
-# as one config on the H100 host (7.35 us a layer against 5.0 + 3.4 for the two launches); the other configs are
-# for benchmarks/bench_router.py, which times them (the last program's top-k crosses warps at every step with 4)
-CONFIG = (2, 1024, 4)
+# (experts a program, H tile, warps): one expert's router row a program, in one H tile up to H 2048. bench_router.py's
+# 27 configs on the H100 host (session 31, results/session31/router_h100host.json, us a call, default then this):
+# Qwen3-30B-A3B 7.69 -> 6.64, Qwen3-235B 9.43 -> 7.27 (the best), Qwen2-57B 9.20 -> 6.98, Mixtral 7.05 -> 4.93 (the
+# best); within 0.05 us of the best on the other two; no shape's expert ids differed from the two-launch path's.
+# The configs with an H tile of 2048 led on every shape, whatever the warps.
+CONFIG = (1, 2048, 4)
 
 
 @triton.jit
