@@ -28,6 +28,27 @@ def test_flag_bounds():
         EngineArgs.from_kwargs(cuda_graph_max_prefill_tokens=1 << 20)
 
 
+def test_capture_fits_a_small_kv_cache():
+    """A KV cache of fewer tokens than --cuda-graph-max-prefill-tokens (here 9 pages of 16 under 512): the capture
+    sizes stop at the tokens a sequence can address, and the capture-time forward, whose padding sequence owns
+    every token, runs at the largest. Before, the sizes went to 512: the padding sequence's block-table row was
+    read past its end, garbage page ids on the GPU (CUBLAS_STATUS_EXECUTION_FAILED at startup, H100 host, session
+    31); the CPU's torch attention did not fault, so the sizes are what this test checks."""
+    with LLM(device="cpu", dtype="float32", progress=False, max_running_requests=1, cuda_graph_max_bs=1,
+             max_total_tokens=144, cuda_graph_max_prefill_tokens=512) as llm:
+        runner = llm.engine.runner
+        assert runner.max_pages_per_seq == 9
+        pg = runner.new_prefill_graphs(capture=False)
+        assert pg.sizes == [16, 32, 64, 96, 128, 144] and pg.max_tokens == 144
+        tp = pg.sizes[-1]
+        pg.qsl.zero_()
+        pg.qsl[-1] = tp  # as capture() sets the padding sequence
+        pg.seq_lens.zero_()
+        pg.seq_lens[-1] = tp
+        logits = pg._forward(tp, pg._meta(tp))
+        assert logits.shape[0] == pg.max_seqs and bool(torch.isfinite(logits).all())
+
+
 def _prompts(rng: random.Random) -> list[list[int]]:
     lens = [1, 5, 17, 40, 23, 2, 47, 9, 31, 12, 3, 60]  # 47 and 60 take two chunks of 40
     ps = [[rng.randrange(1, 200) for _ in range(n)] for n in lens]

@@ -161,7 +161,10 @@ class ModelRunner:
             if self.args.cuda_graph_max_prefill_tokens:
                 log.info("prefill CUDA graphs off: %s", why)
             return None
-        max_tokens = self.args.cuda_graph_max_prefill_tokens  # a step's tokens: a prompt chunk and decode rows
+        # a step's tokens (a prompt chunk and decode rows), at most a sequence's pages: a capture gives all of them
+        # to the padding sequence, whose block-table row has max_pages_per_seq entries (a KV cache smaller than the
+        # flag, e.g. --max-total-tokens 144 under the default 512, read past the row and faulted on the GPU)
+        max_tokens = min(self.args.cuda_graph_max_prefill_tokens, self.max_pages_per_seq * self.page_size)
         pool = self.graphs.pool if self.graphs is not None else None  # one memory pool with the decode graphs
         # sequences: as many as a decode graph holds, so that a prompt chunk joining that many decoding requests
         # replays too (empty slots cost the attention kernel a few programs that exit at once)
