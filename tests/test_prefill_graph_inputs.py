@@ -28,18 +28,23 @@ def test_flag_bounds():
         EngineArgs.from_kwargs(cuda_graph_max_prefill_tokens=1 << 20)
 
 
-def test_capture_fits_a_small_kv_cache():
-    """A KV cache of fewer tokens than --cuda-graph-max-prefill-tokens (here 9 pages of 16 under 512): the capture
+@pytest.mark.parametrize("limits,pages,sizes", [
+    (dict(max_total_tokens=144), 9, [16, 32, 64, 96, 128, 144]),
+    (dict(max_total_tokens=4096, context_length=200), 13, [16, 32, 64, 96, 128, 192, 208]),
+], ids=["kv_cache", "context_length"])
+def test_capture_fits_a_small_kv_cache(limits: dict, pages: int, sizes: list[int]):
+    """A sequence that addresses fewer tokens than --cuda-graph-max-prefill-tokens (512) -- a small KV cache (9
+    pages of 16), or a short --context-length (200 tokens: 13 pages) -- the capture
     sizes stop at the tokens a sequence can address, and the capture-time forward, whose padding sequence owns
     every token, runs at the largest. Before, the sizes went to 512: the padding sequence's block-table row was
     read past its end, garbage page ids on the GPU (CUBLAS_STATUS_EXECUTION_FAILED at startup, H100 host, session
     31); the CPU's torch attention did not fault, so the sizes are what this test checks."""
     with LLM(device="cpu", dtype="float32", progress=False, max_running_requests=1, cuda_graph_max_bs=1,
-             max_total_tokens=144, cuda_graph_max_prefill_tokens=512) as llm:
+             cuda_graph_max_prefill_tokens=512, **limits) as llm:
         runner = llm.engine.runner
-        assert runner.max_pages_per_seq == 9
+        assert runner.max_pages_per_seq == pages
         pg = runner.new_prefill_graphs(capture=False)
-        assert pg.sizes == [16, 32, 64, 96, 128, 144] and pg.max_tokens == 144
+        assert pg.sizes == sizes and pg.max_tokens == sizes[-1] == pages * runner.page_size
         tp = pg.sizes[-1]
         pg.qsl.zero_()
         pg.qsl[-1] = tp  # as capture() sets the padding sequence
