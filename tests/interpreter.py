@@ -65,7 +65,7 @@ def _patch_nested_calls_once() -> None:
     ti.GridExecutor.__call__ = launch
 
 
-if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("HYBRIDMOE_TEST_FAST_INTERPRETER", "1") == "1":
+if os.environ.get("TRITON_INTERPRET") == "1":
     try:
         _patch_nested_calls_once()
     except ImportError:  # no triton: the scripts skip
