@@ -175,6 +175,9 @@ def main() -> None:
     p.add_argument("--merge-deferred", default=["on"], type=lambda v: v.split(","), metavar="on[,off]",
                    help="with --stream-wait memop and deferral: a one-token layer's task and its deferred one as one "
                         "native task (on, the default) or two (off), each value in turn (graphs captured again)")
+    p.add_argument("--handoff", default=["on"], type=lambda v: v.split(","), metavar="on[,off]",
+                   help="CUDA: a layer hands over to its CPU task and back by handoff_triton.py's two kernels (on, "
+                        "the default) or by copies and small kernels (off), each value in turn (graphs captured again)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole grid this many times, interleaved (the host's bandwidth drifts); the "
                         "summary gives each setting's median")
@@ -203,6 +206,8 @@ def main() -> None:
         p.error(f"--stream-wait {','.join(a.stream_wait)}: a comma list of auto, hostfn, memop")
     if not a.merge_deferred or any(v not in ("on", "off") for v in a.merge_deferred):
         p.error(f"--merge-deferred {','.join(a.merge_deferred)}: a comma list of on, off")
+    if not a.handoff or any(v not in ("on", "off") for v in a.handoff):
+        p.error(f"--handoff {','.join(a.handoff)}: a comma list of on, off")
     if a.gguf:
         from hybridmoe.cpu.gguf_quant import TYPE_IDS
 
@@ -246,11 +251,14 @@ def main() -> None:
         target = extrapolation_target(a, n_moe)
         print(f"CPU stream read {bw / 1e9:.1f} GB/s; CPU expert bytes/token {bpt / 1e9:.3f} GB "
               f"({per_expert / 1e6:.2f} MB per expert) -> bound {bound:.1f} tok/s", flush=True)
-        current = (runner.hybrid.num_deferred, runner.hybrid.stream_wait, "on" if runner.hybrid.merge_deferred else "off")
-        grid = [(rep, d, w, m) for rep in range(a.repeat) for d in a.deferred for w in a.stream_wait
-                for m in (a.merge_deferred if d and w == "memop" else ["on"])]  # merging needs both
-        for rep, deferred, wait, merge in grid:
-            want = (deferred, wait, merge)
+        onoff = {True: "on", False: "off"}
+        current = (runner.hybrid.num_deferred, runner.hybrid.stream_wait, onoff[runner.hybrid.merge_deferred],
+                   onoff[runner.hybrid.fused_handoff] if cuda else "none")
+        grid = [(rep, d, w, m, h) for rep in range(a.repeat) for d in a.deferred for w in a.stream_wait
+                for m in (a.merge_deferred if d and w == "memop" else ["on"])  # merging needs both
+                for h in (a.handoff if cuda else ["none"])]  # (the kernels run on CUDA only)
+        for rep, deferred, wait, merge, handoff in grid:
+            want = (deferred, wait, merge, handoff)
             if want != current:  # same model, other setting: tasks rebuilt, graphs captured again
                 runner.graphs = None
                 gc.collect()
@@ -259,6 +267,7 @@ def main() -> None:
                 runner.hybrid.set_num_deferred(deferred)
                 runner.hybrid.set_stream_wait(wait)
                 runner.hybrid.set_merge_deferred(merge == "on")
+                runner.hybrid.set_fused_handoff(handoff == "on")
                 if "on" in a.graphs:
                     runner.capture_graphs()
                 current = want
@@ -276,7 +285,7 @@ def main() -> None:
                     default_pool().items_per_thread = ipt
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
                     row = {"rep": rep, "deferred": deferred, "stream_wait": wait, "merge_deferred": merge,
-                           "graphs": mode, "batch": b,
+                           "handoff": handoff, "graphs": mode, "batch": b,
                            "steps": steps, "blocking_sync": blocking, "hostfn_spin_us": spin, "fuse": fr,
                            "block_prefetch": bp, "items_per_thread": ipt, **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     default_pool().fuse_mode, default_pool().block_prefetch = "on", 1
@@ -303,6 +312,7 @@ def main() -> None:
                     bl += "" if ipt == 8 else f" ipt {ipt}"
                     bl += "" if wait == "hostfn" else f" wait {wait}"
                     bl += "" if merge == "on" else " unmerged"
+                    bl += "" if handoff != "off" else " handoff off"
                     print(f"deferred {deferred} graphs {mode:3s}{bl} batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s "
                           f"{row['ms_per_step']:7.2f} ms/step (CPU busy {row['cpu_busy_ms_per_step']:.2f}, "
                           f"other {row['other_ms_per_step']:.2f}){extra}", flush=True)
@@ -325,7 +335,7 @@ def main() -> None:
                 row["extrapolated_ratio_to_best_probe_bound"] = (row["extrapolated_tokens_per_s"] * bpt * target / n_moe
                                                                  / (best * 1e9))
         key = tuple(row[k] for k in ("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fuse",
-                                     "block_prefetch", "items_per_thread", "stream_wait", "merge_deferred"))
+                                     "block_prefetch", "items_per_thread", "stream_wait", "merge_deferred", "handoff"))
         groups.setdefault(key, []).append(row)
     print(f"best probe of the run {best:.1f} GB/s -> bound {best * 1e9 / bpt:.1f} tok/s; probes "
           f"{', '.join(f'{v:.0f}' for v in probes)}")
@@ -333,11 +343,12 @@ def main() -> None:
     for key, rows in groups.items():
         med = statistics.median(r["tokens_per_s"] for r in rows)
         entry = dict(zip(("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fuse", "block_prefetch",
-                          "items_per_thread", "stream_wait", "merge_deferred"), key), runs=len(rows),
+                          "items_per_thread", "stream_wait", "merge_deferred", "handoff"), key), runs=len(rows),
                      median_tokens_per_s=med,
                      tokens_per_s=[r["tokens_per_s"] for r in rows])
         line = (f"deferred {key[0]} graphs {key[1]:3s} batch {key[2]:3d} blocking-sync {key[3]:3s} "
-                f"hostfn-spin {key[4]} fuse {key[5]} bp {key[6]} ipt {key[7]} wait {key[8]} merge {key[9]}: median "
+                f"hostfn-spin {key[4]} fuse {key[5]} bp {key[6]} ipt {key[7]} wait {key[8]} merge {key[9]} "
+                f"handoff {key[10]}: median "
                 f"{med:.1f} tok/s of {len(rows)} "
                 f"({', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])})")
         if target and key[2] == 1:

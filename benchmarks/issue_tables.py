@@ -55,10 +55,11 @@ def _default_settings(rows: list[dict]) -> list[dict]:
     """The rows (runs or summary entries) of the engine's default settings: a bench_hybrid_decode.py A/B's
     `--fuse` (session 27: `--fused-reduce`) rows other than `on`, `--block-prefetch` rows other than 1,
     `--items-per-thread` rows other than 8, `--stream-wait hostfn` rows (memop is the default where the driver has
-    it, session 30) and `--merge-deferred off` rows left out (files from before the options have none)."""
+    it, session 30), `--merge-deferred off` and `--handoff off` rows left out (files from before the options have
+    none)."""
     return [r for r in rows if r.get("fuse", r.get("fused_reduce", "on")) == "on" and r.get("block_prefetch", 1) == 1
             and r.get("items_per_thread", 8) == 8 and r.get("stream_wait", "memop") == "memop"
-            and r.get("merge_deferred", "on") == "on"]
+            and r.get("merge_deferred", "on") == "on" and r.get("handoff", "on") != "off"]
 
 
 def issue16_deferral(d: dict, src: str) -> list[Row]:

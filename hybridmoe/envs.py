@@ -18,6 +18,7 @@ working on hybridmoe itself:
 | `HYBRIDMOE_ALIGN_LARGE` | `grid` | the fused MoE's expert grouping above 256 pairs under `auto`: `torch` (sort-based) or `grid` (three Triton kernels) (hybridmoe/moe/triton_moe_kernels.py; A/B runs) |
 | `HYBRIDMOE_MOE_DIRECT` | 1 | `0`: a one-token forward of the fused MoE groups its pairs by expert (align) as larger ones do, not one pair a block without grouping (hybridmoe/moe/triton_moe_kernels.py; A/B runs) |
 | `HYBRIDMOE_ROUTER_FUSED` | 1 | `0`: a one-token MoE router on CUDA runs as two launches (GEMV, then top-k), not the fused kernel of hybridmoe/moe/router_triton.py (A/B runs) |
+| `HYBRIDMOE_HANDOFF_FUSED` | 1 | `0`: a hybrid MoE layer on CUDA hands over to its CPU task by copies and separate small kernels, not the two kernels of hybridmoe/moe/handoff_triton.py (A/B runs) |
 | `HYBRIDMOE_AMX_INLINE` | 0 | `1`: synchronous CPU MoE tasks of AMX layers run on the calling thread too (CPUThreadPool.inline_amx; tests/cpu/test_amx_caller_thread.py) |
 
 Nothing here imports the rest of the package (or torch): hybridmoe/cpu/build.py, which setup.py
@@ -37,6 +38,7 @@ TEST_THREADS = "HYBRIDMOE_TEST_THREADS"
 HUGEPAGES = "HYBRIDMOE_HUGEPAGES"
 PIN_CALLER = "HYBRIDMOE_PIN_CALLER"
 AMX_INLINE = "HYBRIDMOE_AMX_INLINE"
+HANDOFF_FUSED = "HYBRIDMOE_HANDOFF_FUSED"
 AMX_EMULATE = "HYBRIDMOE_AMX_EMULATE"
 LORA_FUSED = "HYBRIDMOE_LORA_FUSED"
 ALIGN_LARGE = "HYBRIDMOE_ALIGN_LARGE"
@@ -130,6 +132,11 @@ def lora_fused() -> bool:
 def router_fused() -> bool:
     """$HYBRIDMOE_ROUTER_FUSED: whether one-token MoE routers on CUDA take the fused kernel (default 1)."""
     return _switch(ROUTER_FUSED, True)
+
+
+def handoff_fused() -> bool:
+    """$HYBRIDMOE_HANDOFF_FUSED: whether hybrid MoE layers on CUDA take handoff_triton.py's kernels (default 1)."""
+    return _switch(HANDOFF_FUSED, True)
 
 
 def _switch(name: str, default: bool) -> bool:

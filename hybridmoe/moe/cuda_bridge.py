@@ -129,6 +129,7 @@ class StreamCPUTask:
         self.done = torch.zeros(1, dtype=torch.int32, pin_memory=pin) if memops else None
         self._done_addr = None if self.done is None else host_device_pointer(self.done) if pin else self.done.data_ptr()
         self._one: torch.Tensor | None = None  # int32 [1] = 1 on the stream's device (the go copy's source)
+        self._ticket: torch.Tensor | None = None  # the hand-over kernel's counter (handoff_triton.new_ticket)
         self.pairs: dict[tuple[int, int], native.HostCallPair] = {}  # (T, id(other)) -> pair
         self.merge = merge and memops
         self.merged: dict[tuple[int, int], native.HostCall] = {}  # (T, id(deferred task)) -> the merged call
@@ -199,11 +200,16 @@ class StreamCPUTask:
         self._release(x.device)
         self.submitter.submit(self._call(t), self.go)
 
-    def enqueue_result(self, t: int, device: torch.device) -> torch.Tensor:
-        """Block the stream until the task is done, then bring its output back: [T, H] float32."""
+    def enqueue_wait(self, t: int) -> torch.Tensor:
+        """Block the stream until the task is done; its output, in pinned memory: [T, H] float32 (read it
+        stream-ordered, before this task's next submit)."""
         self._wait(t)
         self.unsynced[self._key(t)] = 0
-        return self.out[:t].to(device, non_blocking=True)
+        return self.out[:t]
+
+    def enqueue_result(self, t: int, device: torch.device) -> torch.Tensor:
+        """Block the stream until the task is done, then bring its output back: [T, H] float32."""
+        return self.enqueue_wait(t).to(device, non_blocking=True)
 
     def _pair(self, t: int, other: StreamCPUTask) -> native.HostCallPair:
         key = (t, id(other))
@@ -228,21 +234,56 @@ class StreamCPUTask:
         later.ids[:t].copy_(later_ids, non_blocking=True)
         self.w[:t].copy_(w, non_blocking=True)
         self._release(x.device)
-        if self.merge and later.merge and t == 1:  # one task; each output's done word as with two
+        self._submit(t, later)
+
+    def _submit(self, t: int, later: StreamCPUTask | None) -> None:
+        """Queue this task (gated on its go word) and `later`'s (deferred, ungated, right behind it), or both as
+        one native task (merge, one token)."""
+        if later is not None and self.merge and later.merge and t == 1:  # one task; each output's done word as with two
             self.submitter.submit(self._merged_call(t, later), self.go)
             return
         self.submitter.submit(self._call(t), self.go)
-        self.submitter.submit(later._call(t), None)
+        if later is not None:
+            self.submitter.submit(later._call(t), None)
 
-    def enqueue_result_with(self, earlier: StreamCPUTask, t: int,
-                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def enqueue_handoff(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, cpu_local: torch.Tensor,
+                        gpu_local: torch.Tensor | None, later: StreamCPUTask | None = None, defer: int = 0,
+                        lora: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """enqueue_submit / enqueue_submit_with in one kernel (handoff_triton.py): from the router's ids [T, K]
+        and weights, the pinned x, now-ids (and `later`'s deferred ids: each token's `defer` lowest-weight CPU
+        pairs), weights and the go word. Returns the GPU experts' (ids, weights) [T, K], None without GPU experts."""
+        from hybridmoe.moe.handoff_triton import handoff, new_ticket
+
+        t = x.shape[0]
+        assert (later is None) == (defer == 0)
+        if later is not None:
+            assert later.x.data_ptr() == self.x.data_ptr() and later.w.data_ptr() == self.w.data_ptr()
+        self._begin_submit(t)
+        if later is not None:
+            later._begin_submit(t)
+        if lora is not None:  # stream-ordered before the kernel that sets the go word
+            self.lora[:t].copy_(lora, non_blocking=True)
+        if self._ticket is None or self._ticket.device != x.device:
+            self._ticket = new_ticket(x.device)
+        gpu = handoff(x, ids, w, cpu_local, gpu_local, defer, self.x, self.ids, None if later is None else later.ids,
+                      self.w, self.go, self._ticket)
+        self._submit(t, later)
+        return gpu
+
+    def enqueue_wait_with(self, earlier: StreamCPUTask, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block the stream until this task and `earlier` (submitted before it: the previous
         layer's deferred task) are done, with one host function (or two memory-operation waits);
-        both outputs [T, H] float32."""
+        both outputs [T, H] float32, in pinned memory (as enqueue_wait)."""
         if self._done_addr is None and earlier._done_addr is None:
             launch_host_func(self.sync2_fn, self._pair(t, earlier))
         else:
             earlier._wait(t)
             self._wait(t)
         self.unsynced[self._key(t)] = earlier.unsynced[earlier._key(t)] = 0
-        return self.out[:t].to(device, non_blocking=True), earlier.out[:t].to(device, non_blocking=True)
+        return self.out[:t], earlier.out[:t]
+
+    def enqueue_result_with(self, earlier: StreamCPUTask, t: int,
+                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """enqueue_wait_with, both outputs brought to `device`: [T, H] float32 each."""
+        mine, theirs = self.enqueue_wait_with(earlier, t)
+        return mine.to(device, non_blocking=True), theirs.to(device, non_blocking=True)

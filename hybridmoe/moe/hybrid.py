@@ -133,22 +133,19 @@ class HybridExperts(MoEExperts):
     def _split(self, ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """CPU-local ids [T, K] of the pairs computed now, and of those deferred (None: no deferral);
         -1 marks a pair the task skips. Device ops only (no sync)."""
-        cid = self.cpu_local[ids]  # -1 where the expert is on the GPU
-        if not self.defer:
-            return cid, None
-        on_cpu = cid >= 0
-        # each token's `defer` lowest-weight CPU experts
-        order = torch.where(on_cpu, topk_weights.float(), float("inf")).argsort(dim=1, stable=True)
-        later = torch.zeros_like(on_cpu).scatter_(1, order[:, : self.defer], True) & on_cpu
-        return torch.where(later, -1, cid), torch.where(later, cid, -1)
+        return split_deferred(self.cpu_local[ids], topk_weights, self.defer)
 
-    def _gpu_part(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def _gpu_part(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
+                  gpu_in: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """[T, H] float32: the GPU experts' share. gpu_in: their (ids, weights) as handoff_triton.handoff made them."""
         if self.gpu is None:
             return torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
-        gid = self.gpu_local[ids]
-        valid = gid >= 0
-        # pairs of CPU experts: expert 0 with weight 0 (cheaper than a ragged batch on the GPU)
-        return self.gpu.forward(x, torch.where(valid, gid, 0), torch.where(valid, topk_weights, 0.0)).float()
+        if gpu_in is None:
+            gid = self.gpu_local[ids]
+            valid = gid >= 0
+            # pairs of CPU experts: expert 0 with weight 0 (cheaper than a ragged batch on the GPU)
+            gpu_in = torch.where(valid, gid, 0), torch.where(valid, topk_weights, 0.0)
+        return self.gpu.forward(x, *gpu_in).float()
 
     def _forward_stream(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
                         extra: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
@@ -161,6 +158,8 @@ class HybridExperts(MoEExperts):
             if rt.pending is not None:  # left by an interrupted forward: not ours
                 rt.collect_pending()
         tasks = None
+        gpu_in = None  # the GPU experts' (ids, weights) from the hand-over kernel
+        fused = rt.fused_handoff and t <= MAX_HANDOFF_TOKENS  # (a CPU-only server never imports triton)
         if self.cpu is not None:
             cap = 1 << max(0, (t - 1).bit_length())
             tasks = self._stream_tasks.get(cap)
@@ -174,8 +173,6 @@ class HybridExperts(MoEExperts):
                 tasks = self._stream_tasks[cap] = (first, StreamCPUTask(
                     self.cpu.layer, io(1), shared_input=io(0), submitter=rt.submitter,
                     memops=memops, merge=merge) if self.defer else None)
-            now, later = self._split(ids, topk_weights)
-            w = topk_weights.float()
             # the tokens' adapter slots: a fixed buffer under graphs (lora/batch.py), copied like x, once a
             # forward (the layers' tasks share the pinned copy; the last MoE layer defers nothing, so no task
             # of this forward reads it once the next forward's first copy lands)
@@ -183,14 +180,35 @@ class HybridExperts(MoEExperts):
             if self.cpu_lora is not None and not rt.lora_staged:
                 lora = self.cpu_lora.index(t)
                 rt.lora_staged = True
-            if later is None:
-                tasks[0].enqueue_submit(x, now.int(), w, lora)
-            else:  # both tasks queued by one host function
-                tasks[0].enqueue_submit_with(tasks[1], x, now.int(), later.int(), w, lora)
-        out = self._gpu_part(x, ids, topk_weights)  # runs while the CPU works
+            if fused:  # one kernel: the pinned inputs, the go word and the GPU experts' inputs
+                gpu_in = tasks[0].enqueue_handoff(x, ids, topk_weights, self.cpu_local,
+                                                  self.gpu_local if self.gpu is not None else None,
+                                                  later=tasks[1], defer=self.defer if tasks[1] is not None else 0,
+                                                  lora=lora)
+            else:
+                ids = ids.long()
+                now, later = self._split(ids, topk_weights)
+                w = topk_weights.float()
+                if later is None:
+                    tasks[0].enqueue_submit(x, now.int(), w, lora)
+                else:  # both tasks queued by one host function
+                    tasks[0].enqueue_submit_with(tasks[1], x, now.int(), later.int(), w, lora)
+        out = self._gpu_part(x, ids if gpu_in is not None else ids.long(), topk_weights, gpu_in)  # while the CPU works
         side = extra() if extra is not None else None  # the shared experts: also while the CPU works
         pending = rt.pending
         assert pending is None or isinstance(pending, StreamDeferred)
+        if fused and tasks is not None and (pending is None or pending.t == t):
+            # one kernel: the pinned outputs read over the bus, added, rounded, plus the shared experts
+            if pending is not None:  # the previous layer's deferred task ran before this layer's: one wait
+                mine, earlier = tasks[0].enqueue_wait_with(pending.task, t)
+            else:
+                mine, earlier = tasks[0].enqueue_wait(t), None
+            rt.pending = StreamDeferred(tasks[1], t) if self.defer else None
+            from hybridmoe.moe.handoff_triton import collect
+
+            if side is not None and side.dtype != x.dtype:  # (added as _plus would: after the kernel)
+                return _plus(collect(out, mine, earlier, None, x.dtype), side)
+            return collect(out, mine, earlier, side, x.dtype)
         if tasks is not None and pending is not None and pending.t == t:
             # the previous layer's deferred task ran before this layer's (in-order pool): one wait
             mine, earlier = tasks[0].enqueue_result_with(pending.task, t, x.device)
@@ -238,8 +256,8 @@ class HybridExperts(MoEExperts):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.runtime.layerwise_active:
             return self._forward_layerwise(x, topk_ids.long(), topk_weights)
-        if _use_stream(x):
-            return self._forward_stream(x, topk_ids.long(), topk_weights)
+        if _use_stream(x):  # (the hand-over kernel takes the router's ids as they are: no conversion launch)
+            return self._forward_stream(x, topk_ids, topk_weights)
         return self._forward_host(x, topk_ids.long(), topk_weights)
 
     def forward_with(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -249,7 +267,7 @@ class HybridExperts(MoEExperts):
         if self.runtime.layerwise_active:  # no CPU task to overlap with
             return self._forward_layerwise(x, topk_ids.long(), topk_weights) + extra()
         if _use_stream(x):
-            return self._forward_stream(x, topk_ids.long(), topk_weights, extra)
+            return self._forward_stream(x, topk_ids, topk_weights, extra)
         return self._forward_host(x, topk_ids.long(), topk_weights, extra)
 
     def _forward_host(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -284,10 +302,28 @@ class HybridExperts(MoEExperts):
         return _plus(out.to(x.dtype), side)
 
 
+def split_deferred(cid: torch.Tensor, topk_weights: torch.Tensor,
+                   defer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """cid [T, K]: CPU-local ids, -1 for GPU experts -> (the pairs computed now, the deferred ones or None
+    without deferral), -1 marking a pair a task skips: each token's `defer` lowest-weight CPU pairs are
+    deferred, ties by position (handoff_triton.py computes the same in its kernel)."""
+    if not defer:
+        return cid, None
+    on_cpu = cid >= 0
+    order = torch.where(on_cpu, topk_weights.float(), float("inf")).argsort(dim=1, stable=True)
+    later = torch.zeros_like(on_cpu).scatter_(1, order[:, :defer], True) & on_cpu
+    return torch.where(later, -1, cid), torch.where(later, cid, -1)
+
+
 def _plus(out: torch.Tensor, side: torch.Tensor | None) -> torch.Tensor:
     """The routed output plus the shared experts' (added in the model dtype, as the default
     MoEExperts.forward_with does: the same rounding whichever backend ran)."""
     return out if side is None else out + side
+
+
+# tokens a layer hands over by handoff_triton.py's kernels; more (prefill chunks) keep the copy engine's path,
+# which moves [T, H] faster than one program a token writing over the bus
+MAX_HANDOFF_TOKENS = 64
 
 
 def _use_stream(x: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridmoe import envs
 from hybridmoe.config import ConfigError
 from hybridmoe.engine.hooks import CaptureRecord, MoEHooks
 from hybridmoe.moe.cuda_bridge import GatedSubmitter, PinnedIO, SubmitProgram
@@ -62,6 +63,9 @@ class StreamDeferred:
     def collect(self, device: torch.device) -> torch.Tensor:  # [T, H] float32, stream-ordered
         return self.task.enqueue_result(self.t, device)
 
+    def wait(self) -> torch.Tensor:  # [T, H] float32 in pinned memory, stream-ordered (StreamCPUTask.enqueue_wait)
+        return self.task.enqueue_wait(self.t)
+
     def drop(self, device: torch.device) -> None:
         self.task.enqueue_result(self.t, device)  # stream-ordered wait; the output is not used
 
@@ -100,6 +104,9 @@ class HybridRuntime(MoEHooks):
         # with memop waits, a one-token layer's task and its deferred one run as one native task (cuda_bridge):
         # deferral-2 decode at batch 1 +5 / +9 / +15% against two tasks (H100 host, session 30)
         self.merge_deferred = True
+        # CUDA: a layer hands over to its CPU task (and back) by handoff_triton.py's two kernels, not ~12 copies
+        # and small kernels; set_fused_handoff for A/B runs (a CPU test sets it under the Triton interpreter)
+        self.fused_handoff = device.type == "cuda" and envs.handoff_fused()
         self.pending: HostDeferred | StreamDeferred | None = None  # the previous MoE layer's deferred work
         self.layerwise_active = False  # set by forward_scope for the duration of one layerwise forward
         self.layers: dict[int, HybridExperts] = {}  # attached by the runner after loading
@@ -155,6 +162,12 @@ class HybridRuntime(MoEHooks):
         benchmarks compare both in one process); decode CUDA graphs captured before must be captured again."""
         self._settle()
         self.merge_deferred = bool(on)
+
+    def set_fused_handoff(self, on: bool) -> None:
+        """Whether layers hand over to their CPU tasks by handoff_triton.py's kernels (benchmarks compare both in
+        one process); decode CUDA graphs captured before must be captured again."""
+        self._settle()
+        self.fused_handoff = bool(on)
 
     # ---- buffers of the CUDA stream path ----
     def pinned_io(self, layer_idx: int, slot: int, cap: int, k: int, hidden: int, dtype: torch.dtype) -> PinnedIO:

@@ -333,11 +333,11 @@ def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch, wait)
     orig = hybrid.HybridExperts._gpu_part
     state = {"armed": True}
 
-    def failing(self, x, ids, w):
+    def failing(self, x, ids, w, gpu_in=None):
         if state["armed"] and self.layer_idx == last:  # the earlier MoE layers have deferred work
             state["armed"] = False
             raise RuntimeError("injected failure")
-        return orig(self, x, ids, w)
+        return orig(self, x, ids, w, gpu_in)
 
     monkeypatch.setattr(hybrid.HybridExperts, "_gpu_part", failing)
     failed = llm.generate(input_ids=prompt, sampling_params=GREEDY)["meta_info"]["finish_reason"]
@@ -347,26 +347,33 @@ def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch, wait)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deferred", [0, 1])
+@pytest.mark.parametrize("deferred", [0, 1, 2])
 def test_stream_path_on_cuda(model, deferred):
     """The CPU side driven from the CUDA stream (gated submits; waits by host functions or by memory
     operations on done words) captured in decode graphs gives what the eager stream path gives: the
     same greedy tokens, single and batched (the pinned buffers shared by the layers), whichever way the
-    stream waits, and a replay queues its graph's CPU tasks first. (The eager stream path against the
-    Python-driven one: test_stream_path_logic_on_cpu; a split against all experts on the GPU:
+    stream waits, with the hand-over kernels (handoff_triton.py, the default) or the copies, and a replay
+    queues its graph's CPU tasks first. (The eager stream path against the Python-driven one:
+    test_stream_path_logic_on_cpu; a split against all experts on the GPU:
     test_split_on_cuda_matches_all_on_gpu.)"""
     prompt = torch.randint(0, 211, (50,), generator=torch.Generator().manual_seed(4)).tolist()
     opts = dict(device="cuda", dtype="bfloat16", progress=False, kt_method="BF16", kt_num_gpu_experts=4,
                 kt_max_deferred_experts_per_token=deferred, max_total_tokens=4096, cuda_graph_max_bs=4)
     batch = [prompt[: 10 + 7 * i] for i in range(3)]
     results = []
-    for graphs, wait, merge in ((False, "hostfn", False), (True, "hostfn", False), (False, "memop", False),
-                                (True, "memop", False), (False, "memop", True), (True, "memop", True)):
+    for graphs, wait, merge, fused in ((False, "hostfn", False, True), (True, "hostfn", False, True),
+                                       (False, "memop", False, True), (True, "memop", False, True),
+                                       (False, "memop", True, True), (True, "memop", True, True),
+                                       (True, "memop", True, False), (False, "memop", False, False),
+                                       (True, "hostfn", False, False)):
         opts["hybrid_stream_wait"] = wait
         llm = LLM(str(model), disable_cuda_graph=not graphs, **opts)
-        if llm.engine.runner.hybrid.merge_deferred != merge:  # one-token tasks merged with their deferred ones
-            llm.engine.runner.graphs = None  # (or not): the graphs captured again
-            llm.engine.runner.hybrid.set_merge_deferred(merge)
+        rt = llm.engine.runner.hybrid
+        assert rt.fused_handoff  # the default on CUDA
+        if rt.merge_deferred != merge or not fused:  # one-token tasks merged with their deferred ones (or not),
+            llm.engine.runner.graphs = None  # the copies instead of the hand-over kernels: the graphs captured again
+            rt.set_merge_deferred(merge)
+            rt.set_fused_handoff(fused)
             if graphs:
                 llm.engine.runner.capture_graphs()
         assert (llm.engine.runner.graphs is not None) == graphs
