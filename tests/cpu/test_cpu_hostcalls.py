@@ -348,3 +348,63 @@ def test_done_word_is_set_on_every_way_out(layer, inputs):
         del lay
     finally:
         pool.close()
+
+
+def test_first_group_done_word_is_set_once():
+    """HmTask.done1 (a one-token layer's task merged with its deferred pairs, cuda_bridge merge): the pool sets it
+    once the first group's output is written, and the stream waits for it and clears it while the second group
+    runs. It must not be set again when the task ends: a 1 left there let the stream's wait in the next decode
+    step pass before that step's output was written (session 32; the end-of-task mark had set it again). Here
+    the stream is this thread, polling the word and clearing it as soon as it sees it, until the task's own done
+    word is set; the second group (seven pairs) takes milliseconds, so the clear comes before the task ends.
+    Also when the task fails (an id out of range) or is skipped at the gate: done1 is then set by the end mark,
+    once."""
+    from hybridmoe.cpu.pack import pack_layer
+
+    g = torch.Generator().manual_seed(5)
+    e, h, i = 16, 1024, 768
+    packed = pack_layer(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.randn(e, h, i, generator=g) * 0.05,
+                        "AMXINT8")
+    pool = CPUThreadPool(threads=2, settings=CPUEngineSettings(gate_timeout_s=0.3))
+    try:
+        lay = CPUMoELayer(packed, pool=pool)
+        x = torch.randn(1, h, generator=g).to(torch.bfloat16)
+        ids = torch.randperm(e, generator=g)[:8].to(torch.int32).view(1, 8)
+        w = torch.rand(1, 8, generator=g)
+        ids1, ids2 = ids.clone(), ids.clone()
+        ids1[0, 1:] = -1  # group 0: one pair
+        ids2[0, 0] = -1  # group 1: seven pairs
+        for case in ("ok", "fails", "skipped"):
+            outs = [torch.zeros(1, h), torch.zeros(1, h)]
+            done1, done = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+            first = ids1.clone()
+            if case == "fails":
+                first[0, 0] = 99
+            task, keep = lay.make_task(x, first, w, outs[0], ids2=ids2, out2=outs[1], done1=done1)
+            call = native.HostCall(pool.handle, task, 0, 0, -1, 0, done=done.data_ptr())
+            go = torch.zeros(1, dtype=torch.int32)
+            _submit(call, go)
+            if case != "skipped":
+                go[0] = 1
+            seen, deadline = 0, time.monotonic() + 30
+            while True:
+                if done1.item() == 1:
+                    seen += 1
+                    done1[0] = 0  # the stream's clear after its wait
+                if done.item() == 1:  # the end mark sets done1 (if at all) before done: one last look
+                    if done1.item() == 1:
+                        seen += 1
+                        done1[0] = 0
+                    break
+                assert time.monotonic() < deadline, case
+            assert seen == 1, (case, seen)
+            if case == "ok":
+                assert outs[0].ne(0).any() and outs[1].ne(0).any()
+                pool.sync()
+            else:
+                with pytest.raises(CPUMoEError, match="out of range" if case == "fails" else "gate timeout"):
+                    pool.sync()
+            del keep
+        del lay
+    finally:
+        pool.close()

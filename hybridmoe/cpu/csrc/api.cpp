@@ -40,13 +40,19 @@ int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go, int32_t* done) {
   const int64_t id = pool->tp.submit([pool, t, go, done, timeout_ns, prefetch] {
     // *done = 1 on every way out (a skipped or failed task too): a stream waiting on it must never hang.
     // The release store makes the output visible first (the GPU reads pinned memory coherently).
+    // HmTask.done1 (the first pair group's output) likewise, unless the task published it already: the
+    // stream waits for done1 while the second group runs and clears it, so a second 1 here would stay set
+    // and let the stream's next wait on it pass before the next task's output is written (session 32: the
+    // flaky tests/cpu/test_hybrid.py::test_stream_forward_interrupted_with_deferred_work[memop])
+    std::atomic<bool> done1_set{false};
     struct MarkDone {
       int32_t *d, *d1;
+      const std::atomic<bool>* d1_set;
       ~MarkDone() {
-        if (d1) __atomic_store_n(d1, 1, __ATOMIC_RELEASE);  // HmTask.done1 (the first pair group's output)
+        if (d1 && !d1_set->load(std::memory_order_relaxed)) __atomic_store_n(d1, 1, __ATOMIC_RELEASE);
         if (d) __atomic_store_n(d, 1, __ATOMIC_RELEASE);
       }
-    } mark{done, t.done1};
+    } mark{done, t.done1, &done1_set};
     std::string err;
     const int64_t my_id = pool->tp.completed() + 1;  // tasks run in order
     if (go) {  // for the trace, a gated task counts as submitted when the GPU released it
@@ -61,7 +67,9 @@ int64_t submit_task(Pool* pool, const HmTask& t, int32_t* go, int32_t* done) {
     }
     pool->ev(1, my_id);
     try {
-      err = run_moe_task(pool->tp, *pool->ws, t, pool->task_opts(prefetch));
+      TaskOpts opts = pool->task_opts(prefetch);
+      opts.done1_set = &done1_set;
+      err = run_moe_task(pool->tp, *pool->ws, t, opts);
     } catch (const std::exception& e) {
       err = std::string("CPU MoE task failed: ") + e.what();
     } catch (...) {

@@ -167,6 +167,7 @@ struct Ctx {
   int prefetch = 0;  // software prefetch distance of the few-row kernels (bytes)
   int block_prefetch = 0;  // ActView::block_prefetch
   int items_per_thread = kFewItemsPerThread;  // TaskOpts::items_per_thread
+  std::atomic<bool>* done1_set = nullptr;  // TaskOpts::done1_set
   int nth = 1;  // threads sharing the current light phase (1: run inline by the leader)
   std::atomic<int64_t> light_next{0};  // the next piece of a parallel light phase (Pieces)
   bool round_act_bf16 = false;  // BF16 on the fp32-activation kernel with bf16 x: round like the others
@@ -433,6 +434,7 @@ void finish_group0(Ctx& c) {
   if (!c.t->done1 || c.g0_done.exchange(true)) return;
   if (c.any_badrow.load()) nan_rows(c, 0);
   __atomic_store_n(c.t->done1, 1, __ATOMIC_RELEASE);
+  if (c.done1_set) c.done1_set->store(true, std::memory_order_relaxed);
 }
 
 // fuse_red (one token): a w2 item of M rows over N-blocks [nb0, nb1) is done; the thread that completes a
@@ -700,6 +702,7 @@ std::string run_moe_task(ThreadPool& pool, Workspace& ws, const HmTask& t, const
   c.prefetch = opts.prefetch_bytes;
   c.block_prefetch = opts.block_prefetch;
   c.items_per_thread = std::clamp(opts.items_per_thread, 1, 64);
+  c.done1_set = opts.done1_set;
   c.xes = t.x_dtype == DT_F32 ? 4 : 2;
   if (t.nan_rows) {
     c.badrow = ws.badrow.get<uint8_t>(size_t(t.T));

@@ -2,6 +2,7 @@
 // and the weighted reduction into the output. Compiled with -mavx2 -mfma -mf16c; callers must
 // have checked the CPU (dispatch.cpp) before constructing anything from this unit.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -75,6 +76,10 @@ struct TaskOpts {
   int fuse = kFuseAll;  // light phases folded into the GEMM phases (kFuse* bits)
   int block_prefetch = 0;  // ActView::block_prefetch
   int items_per_thread = kFewItemsPerThread;  // few_row_cw's target of items a thread (1..64)
+  // set (relaxed) once the task has published HmTask.done1: the submitter's every-way-out mark then leaves
+  // the word alone, since a stream may have waited for it and cleared it already (a second 1 would let the
+  // stream's next wait on that word pass before the next task's output is written)
+  std::atomic<bool>* done1_set = nullptr;
 };
 
 // Runs the task with the pool's threads (call on the leader thread). Returns "" or an error text.
