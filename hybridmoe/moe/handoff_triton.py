@@ -1,8 +1,8 @@
 """The hand-over between a hybrid MoE layer's GPU side and its CPU task, in one kernel each way.
 
-Out (`handoff`): from the router's ids and weights and the hidden states, one launch writes the CPU task's
-pinned inputs (x, CPU-local ids of the pairs computed now and of the deferred ones, fp32 weights), the GPU
-experts' inputs (GPU-local ids and weights, pairs of CPU experts as expert 0 with weight 0), and last the
+Out (`handoff`, any T: hybrid.py uses it up to MAX_HANDOFF_TOKENS, beyond which the copy engine is faster):
+from the router's ids and weights and the hidden states, one launch writes the CPU task's pinned inputs (x,
+CPU-local ids of the pairs computed now and of the deferred ones, fp32 weights), the GPU experts' inputs (GPU-local ids and weights, pairs of CPU experts as expert 0 with weight 0), and last the
 task's `go` word, which starts the task (cuda_bridge.py). It replaces, per layer and step: the id conversion,
 two gathers, the deferral split's sort and wheres, the four device-to-host copies (x, ids, weights, go) and
 the GPU part's wheres: ~12 stream operations that sat between the router and the CPU task's start on the
@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_TOKENS = 64  # tokens a launch hands over (hybrid.py takes it up to its MAX_HANDOFF_TOKENS)
 _BLOCK_H = 1024
 
 
@@ -107,7 +106,7 @@ def handoff(
     in the router's dtype), None without GPU experts. No host sync."""
     t, k = ids.shape
     h = x.shape[1]
-    assert 0 < t <= MAX_TOKENS and x.shape[0] == t and weights.shape == (t, k) and x.stride(1) == 1, (x.shape, ids.shape)
+    assert t > 0 and x.shape[0] == t and weights.shape == (t, k) and x.stride(1) == 1, (x.shape, ids.shape)
     assert x_h.dtype == x.dtype and x_h.shape[0] >= t and x_h.shape[1] == h and x_h.is_contiguous()
     assert ids_h.dtype == torch.int32 and w_h.dtype == torch.float32 and (defer == 0 or ids2_h is not None)
     ids = ids if ids.is_contiguous() else ids.contiguous()

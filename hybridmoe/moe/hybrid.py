@@ -183,7 +183,7 @@ class HybridExperts(MoEExperts):
             if fused:  # one kernel: the pinned inputs, the go word and the GPU experts' inputs
                 gpu_in = tasks[0].enqueue_handoff(x, ids, topk_weights, self.cpu_local,
                                                   self.gpu_local if self.gpu is not None else None,
-                                                  later=tasks[1], defer=self.defer if tasks[1] is not None else 0,
+                                                  later=tasks[1], defer=self.defer,
                                                   lora=lora)
             else:
                 ids = ids.long()
