@@ -1,12 +1,13 @@
 """The hand-over between a hybrid MoE layer's GPU side and its CPU task, in one kernel each way.
 
-Out (`handoff`, any T: hybrid.py uses it up to MAX_HANDOFF_TOKENS, beyond which the copy engine is faster):
-from the router's ids and weights and the hidden states, one launch writes the CPU task's pinned inputs (x,
-CPU-local ids of the pairs computed now and of the deferred ones, fp32 weights), the GPU experts' inputs (GPU-local ids and weights, pairs of CPU experts as expert 0 with weight 0), and last the
-task's `go` word, which starts the task (cuda_bridge.py). It replaces, per layer and step: the id conversion,
-two gathers, the deferral split's sort and wheres, the four device-to-host copies (x, ids, weights, go) and
-the GPU part's wheres: ~12 stream operations that sat between the router and the CPU task's start on the
-serial path of a deferral-0 step (profile_decode.py, session 31: ~83 us a layer, ~15 of them these).
+Out (`handoff`, any T: hybrid.py uses it up to MAX_HANDOFF_TOKENS, beyond which the copy engine is faster): from
+the router's ids and weights and the hidden states, one launch writes the CPU task's pinned inputs (x, CPU-local
+ids of the pairs computed now and of the deferred ones, fp32 weights), the GPU experts' inputs (GPU-local ids and
+weights, pairs of CPU experts as expert 0 with weight 0), and last the task's `go` word, which starts the task
+(cuda_bridge.py). It replaces, per layer and step: the id conversion, two gathers, the deferral split's sort and
+wheres, the four device-to-host copies (x, ids, weights, go) and the GPU part's wheres: ~12 stream operations that
+sat between the router and the CPU task's start on the serial path of a deferral-0 step (profile_decode.py,
+session 31: ~83 us a layer, ~15 of them these).
 
 Back (`collect`): after the stream's wait for the task, one launch reads the task's pinned output (and the
 previous layer's deferred one) over the bus, adds them to the GPU experts' fp32 sum, rounds to the model
