@@ -291,6 +291,8 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] 
         watcher = asyncio.ensure_future(_watch_load(state))
         yield
         watcher.cancel()
+        if state.engine.load_error is not None:  # also when shutdown came before the watcher saw the failure
+            state.exit_code = 1
         state.engine.draining = True
         # each shutdown step runs even if one before it failed; a failure is one warning line (seen once
         # in CI: uvicorn's "Application shutdown failed" with a traceback after a SIGTERM mid-stream)

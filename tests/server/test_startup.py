@@ -32,6 +32,24 @@ def test_503_while_starting_then_load_error():
     assert app.state.hybridmoe.exit_code == 1
 
 
+def test_load_error_sets_the_exit_code_even_if_shutdown_wins_the_race(monkeypatch):
+    """CI (stop 47) saw exit code 0: the lifespan ended before the load watcher's continuation ran."""
+    import hybridmoe.server.app as app_module
+
+    async def watcher_that_never_sees_it(state):
+        return None
+
+    monkeypatch.setattr(app_module, "_watch_load", watcher_that_never_sees_it)
+
+    def failing_factory(args: EngineArgs):
+        raise RuntimeError("no weights here")
+
+    app = create_app(EngineArgs(device="cpu"), engine_factory=failing_factory)
+    with TestClient(app):
+        assert not app.state.hybridmoe.engine.wait_loaded(30)
+    assert app.state.hybridmoe.exit_code == 1
+
+
 def test_a_failed_shutdown_step_is_one_warning_and_the_later_steps_still_run(caplog):
     app = create_app(EngineArgs(device="cpu", log_level="warning"))
     state = app.state.hybridmoe
