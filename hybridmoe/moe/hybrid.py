@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from hybridmoe.moe.experts import ExpertWeights, MoEExperts, create_experts
 from hybridmoe.moe.layerwise import stream_runs, stream_source, swap_hot_experts
 from hybridmoe.moe.options import ExpertsOptions
 from hybridmoe.moe.runtime import HostDeferred, HybridRuntime, StreamDeferred
+
+if TYPE_CHECKING:
+    from hybridmoe.moe.cuda_bridge import StreamCPUTask
 
 
 def _span(ids: torch.Tensor) -> slice | torch.Tensor:
@@ -129,6 +133,10 @@ class HybridExperts(MoEExperts):
     def drop_stream_tasks(self) -> None:
         """Forget the stream tasks (rebuilt at the next forward with the runtime's settings then)."""
         self._stream_tasks.clear()
+
+    def stream_tasks(self) -> list[StreamCPUTask]:
+        """This layer's stream tasks (immediate and deferred, every token capacity)."""
+        return [task for pair in self._stream_tasks.values() for task in pair if task is not None]
 
     def _split(self, ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """CPU-local ids [T, K] of the pairs computed now, and of those deferred (None: no deferral);

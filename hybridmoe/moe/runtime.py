@@ -227,6 +227,12 @@ class HybridRuntime(MoEHooks):
             self.collect_pending()
         except CPUMoEError:
             pass
+        self._drain_pool()
+
+    def _drain_pool(self) -> None:
+        """Wait for every queued CPU task; their errors (a failed step's) are dropped."""
+        from hybridmoe.cpu.engine import CPUMoEError
+
         if self.pool is not None:
             for _ in range(64):  # each sync reports the errors of the tasks finished by then
                 try:
@@ -239,6 +245,29 @@ class HybridRuntime(MoEHooks):
         """Raise (CPUMoEError) the first error of the CPU expert tasks finished since the last check.
         Tasks run from the CUDA stream (host functions, graph replays) cannot raise where they run:
         the engine calls this after each step's sampled ids are read, so a failed step fails its
-        requests instead of returning tokens computed from stale CPU outputs."""
-        if self.pool is not None:  # does not wait for running tasks
-            self.pool.sync(max_pending=1 << 62)
+        requests instead of returning tokens computed from stale CPU outputs. Before it raises, the
+        stream tasks are settled (`_settle_stream_tasks`)."""
+        from hybridmoe.cpu.engine import CPUMoEError
+
+        if self.pool is None:
+            return
+        try:
+            self.pool.sync(max_pending=1 << 62)  # does not wait for running tasks
+        except CPUMoEError:
+            self._settle_stream_tasks()
+            raise
+
+    def _settle_stream_tasks(self) -> None:
+        """After a failed step: the device's queued work finished, then the pool's tasks (their errors, the
+        failed steps', dropped), then every stream task's go word cleared. A task skipped at the gate timeout
+        (CPUEngineSettings.gate_timeout_s: the GPU stalled) leaves its go word to a GPU that sets it later; a 1
+        left there would start that task's next run at once, before the GPU has written its inputs."""
+        tasks = [task for layer in self.layers.values() for task in layer.stream_tasks()]
+        if not tasks:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every go word the queued work sets is set (done words never hang)
+        self._drain_pool()
+        with torch.inference_mode():  # (the words were made under it)
+            for task in tasks:
+                task.go.zero_()

@@ -346,6 +346,60 @@ def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch, wait)
     llm.shutdown()
 
 
+def test_a_task_skipped_at_the_gate_timeout_leaves_no_go_word(model, monkeypatch):
+    """The GPU stalls past the gate timeout (CPUEngineSettings.gate_timeout_s) before it releases a layer's
+    task: the pool skips the task, the step fails alone, and the go word the stream sets later is cleared
+    before the error is raised (a 1 left there would start the task's next run before its inputs land).
+    The next request gets the reference tokens."""
+    import ctypes as C
+    import threading
+
+    from hybridmoe.cpu.engine import CPUThreadPool
+    from hybridmoe.cpu.settings import CPUEngineSettings
+    from hybridmoe.moe import cpu_experts, cuda_bridge
+
+    prompt = torch.randint(0, 211, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3, hybrid_stream_wait="memop")
+    emulate_stream(monkeypatch)
+    ref = LLM(str(model), **opts)
+    ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    ref.shutdown()
+    pool = CPUThreadPool(2, settings=CPUEngineSettings(gate_timeout_s=0.2))
+    monkeypatch.setattr(cpu_experts, "cpu_pool_for", lambda cfg: pool)
+    llm = LLM(str(model), **opts)
+    rt = llm.engine.runner.hybrid
+    stalled = {"task": None}
+    real_release, real_submit = cuda_bridge.StreamCPUTask._release, cuda_bridge.GatedSubmitter.submit
+
+    def release(self, device):  # the first task's go comes from `submit` below, late
+        if stalled["task"] is None:
+            stalled["task"] = self
+            return
+        real_release(self, device)
+
+    def submit(self, call, go):
+        real_submit(self, call, go)
+        task = stalled["task"]
+        if task is not None and go is task.go and not task.go.item() and not getattr(task, "_late", False):
+            task._late = True
+            late = threading.Timer(0.6, lambda: C.c_int32.from_address(task.go.data_ptr()).__setattr__("value", 1))
+            late.start()  # the stalled GPU sets the go word well past the 0.2 s timeout
+            late.join()  # stream order: the go word is set before the stream reaches the task's wait
+
+    monkeypatch.setattr(cuda_bridge.StreamCPUTask, "_release", release)
+    monkeypatch.setattr(cuda_bridge.GatedSubmitter, "submit", submit)
+    failed = llm.generate(input_ids=prompt, sampling_params=GREEDY)["meta_info"]["finish_reason"]
+    assert failed["type"] == "abort" and "gate timeout" in failed["message"], failed
+    tasks = [task for layer in rt.layers.values() for task in layer.stream_tasks()]
+    assert stalled["task"] in tasks and stalled["task"]._late
+    assert [int(task.go.item()) for task in tasks] == [0] * len(tasks)  # no stale go word
+    monkeypatch.setattr(cuda_bridge.StreamCPUTask, "_release", real_release)
+    monkeypatch.setattr(cuda_bridge.GatedSubmitter, "submit", real_submit)
+    assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
+    llm.shutdown()
+    pool.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deferred", [0, 1, 2])
 def test_stream_path_on_cuda(model, deferred):
