@@ -208,6 +208,8 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
         ids = body.input_ids if texts is None else None
         if texts is not None and body.input_ids is not None:
             raise APIError(400, "give exactly one of `text` and `input_ids`")
+        state.check_sequences([(p or {}).get("n") if isinstance(p, dict) else None
+                               for p in (_pick(body.sampling_params, i, n, "sampling_params") for i in range(n))])
         reqs = list(await asyncio.gather(*(
             state.build_req(prompt=texts[i] if texts is not None else None,
                             input_ids=ids[i] if ids is not None else None,  # type: ignore[index]

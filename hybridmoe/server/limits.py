@@ -37,6 +37,7 @@ class ServerLimits:
     max_grammar_size: int = 128 * 1024  # characters of a json_schema, regex or ebnf (400 beyond)
     grammar_compile_timeout: float = 60.0  # a grammar compiling longer: 400 (it goes on compiling, then is cached)
     max_n_samples: int = 64  # n (parallel samples of one prompt), on every route
+    max_sequences_per_request: int = 4096  # prompts of a batch times their n (/generate, /v1/completions)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -88,6 +89,8 @@ _LIMIT_FLAGS: tuple[tuple[str, object, str], ...] = (
     ("--grammar-compile-timeout", float, "seconds a request's grammar may take to compile (400 beyond; the "
      "compiled grammar is cached when it finishes)"),
     ("--max-n-samples", int, "most parallel samples (n) a request may ask for per prompt, on every route (400 beyond)"),
+    ("--max-sequences-per-request", int, "most sequences one request may start: the prompts of a batch (/generate, "
+     "/v1/completions) times their n (400 beyond)"),
 )
 
 

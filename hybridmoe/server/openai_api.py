@@ -143,6 +143,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "the prompt is empty", param="prompt")
         if body.stream and len(prompts) > 1:
             raise APIError(400, "stream=true takes one prompt", param="prompt")
+        state.check_sequences([body.n] * len(prompts))
         max_tokens = body.max_tokens if body.max_tokens is not None else state.core.context_len
         params = _sampling(body, max_tokens)
         k = body.logprobs

@@ -105,6 +105,15 @@ class ServerState:
             raise APIError(400, "this model has no tokenizer: send and receive token ids")
         return tok
 
+    def check_sequences(self, counts: list[Any]) -> None:
+        """A request's prompts, each with its n (None or a non-int: 1, left to the request's own checks): 400
+        when they start more sequences than --max-sequences-per-request, before anything is tokenized."""
+        total = sum(n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1 for n in counts)
+        limit = self.limits.max_sequences_per_request
+        if total > limit:
+            raise APIError(400, f"the request starts {total} sequences (prompts times n); this server's limit is "
+                                f"{limit} (--max-sequences-per-request raises it)")
+
     async def build_req(self, *, prompt: str | None = None, input_ids: list[int] | None = None,
                         params: dict[str, Any] | None = None, rid: str | None = None, return_logprob: bool = False,
                         top_logprobs_num: int = 0, check_max_tokens: bool = True, logprob_start_len: int = -1,
@@ -124,6 +133,7 @@ class ServerState:
         if isinstance(n, int) and n > self.limits.max_n_samples:
             raise APIError(400, f"n={n} is above this server's limit of {self.limits.max_n_samples} samples per "
                                 "prompt (--max-n-samples raises it)", param="n")
+        self.check_sequences([n])  # (a batch's total was checked before its prompts were tokenized)
         if prompt is not None:
             input_ids, prompt = await self.encode(prompt), None
         try:

@@ -63,9 +63,18 @@ async def results(request: Request, engine: AsyncEngine, streams: list[RequestSt
         watcher.cancel()
         if not waiter.done():
             waiter.cancel()
+            # a cancelled gather ends with CancelledError set as its exception: taken here, or asyncio logs
+            # "exception was never retrieved" with a traceback when the future is collected (seen for a batch
+            # whose client gave up)
+            waiter.add_done_callback(_retrieve)
         for s in streams:
             if not s.finished:
                 engine.abort(s.rid, "the client disconnected")
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def guarded(stream: RequestStream, engine: AsyncEngine, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -50,6 +50,16 @@ CASES = [
      {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "nope"),
     ("detokenize out of vocab", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("tokenize wrong type", "/tokenize", {"prompt": 3}, 400, "prompt"),
+    ("batch past --max-sequences-per-request", "/generate", {"text": ["a"] * 4097, "sampling_params": {"max_new_tokens": 1}},
+     400, "--max-sequences-per-request"),
+    ("batch times n past the limit", "/generate",
+     {"input_ids": [[1]] * 65, "sampling_params": {"max_new_tokens": 1, "n": 64}}, 400, "4160 sequences"),
+    ("per-prompt n past the limit", "/generate",
+     {"text": ["a", "b"] * 80, "sampling_params": [{"n": 64}, {"n": 1}] * 80}, 400, "5200 sequences"),
+    ("openai prompts past the limit", "/v1/completions", {"model": "demo", "prompt": ["a"] * 4097}, 400,
+     "--max-sequences-per-request"),
+    ("openai prompts times n past the limit", "/v1/completions", {"model": "demo", "prompt": [[1]] * 100, "n": 41},
+     400, "4100 sequences"),
 ]
 
 
