@@ -13,17 +13,28 @@ from typing import Any
 from hybridmoe.server.templates import ChatTemplateError, model_template, render_chat, special_tokens
 
 
+def parse_json(body: bytes) -> tuple[str, Any]:
+    """("json", value) | ("json_error", (message, position)): every way a body fails to parse named (json.loads
+    raises more than JSONDecodeError: bad UTF-8, nesting past the recursion limit, an integer of more digits
+    than Python converts)."""
+    try:
+        return "json", json.loads(body)
+    except json.JSONDecodeError as e:
+        return "json_error", (e.msg, e.pos)
+    except UnicodeDecodeError as e:
+        return "json_error", (f"not UTF-8 ({e.reason})", e.start)
+    except RecursionError:
+        return "json_error", ("nested too deeply", 0)
+    except ValueError as e:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        return "json_error", (str(e).split(";")[0], 0)
+
+
 def run_job(tok: Any, job: tuple) -> tuple[str, Any]:
     """One job -> ("ids", ids) | ("too_long", n) | ("text", text) | ("template", message) |
     ("json", value) | ("json_error", (message, position))."""
     kind = job[0]
     if kind == "json":
-        try:
-            return "json", json.loads(job[1])
-        except json.JSONDecodeError as e:
-            return "json_error", (e.msg, e.pos)
-        except UnicodeDecodeError as e:
-            return "json_error", (f"the body is not UTF-8: {e.reason}", e.start)
+        return parse_json(job[1])
     if kind == "encode":
         _, text, add_special_tokens, max_len = job
         return _ids(tok.encode(text, add_special_tokens=add_special_tokens), max_len)

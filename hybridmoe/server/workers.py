@@ -177,9 +177,10 @@ class TokenizerPool:
         """json.loads(body); a large body is parsed in a worker process, as the parser holds the
         GIL for its whole run (hundreds of ms for tens of MB) and would stall the event loop."""
         if len(body) <= INLINE_JSON_BYTES or not self.started or self._threads_only or self.tokenizer is None:
-            return json.loads(body)
-        reply = await self._in_process(("json", body), self.limits.tokenize_timeout, "parsing the JSON body", "body",
-                                       "--tokenize-timeout")
+            reply = worker_main.parse_json(body)
+        else:
+            reply = await self._in_process(("json", body), self.limits.tokenize_timeout, "parsing the JSON body", "body",
+                                           "--tokenize-timeout")
         if reply[0] == "json_error":
             message, pos = reply[1]
             raise json.JSONDecodeError(message, "", pos)

@@ -11,6 +11,10 @@ CASES = [
     # (name, path, body (bytes = raw), expected status, a word the message must contain)
     ("malformed json", "/generate", b'{"text": "a", ', 400, "JSON"),
     ("not an object", "/generate", b"[1, 2]", 400, "body"),
+    ("body not utf-8", "/generate", b'{"text": "\xff\xfe"}', 400, "UTF-8"),
+    ("json nested 100000 deep", "/generate", b"[" * 100000 + b"]" * 100000, 400, "nested too deeply"),
+    ("integer of 5000 digits", "/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": 1' + b"0" * 5000 + b"}}",
+     400, "digits"),
     ("wrong type text", "/generate", {"text": 5}, 400, "text"),
     ("wrong type params", "/generate", {"text": "a", "sampling_params": {"max_new_tokens": "many"}}, 400,
      "max_new_tokens"),
