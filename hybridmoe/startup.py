@@ -117,11 +117,31 @@ def check_flags_against_model(args: EngineArgs, hf_config) -> None:
         raise ConfigError(f"--init-expert-location {args.init_expert_location}: no such file")
     if args.kt_weight_path is not None and args.kt_method != "LLAMAFILE" and not Path(args.kt_weight_path).is_dir():
         raise ConfigError(f"--kt-weight-path {args.kt_weight_path}: no such directory")
+    check_lora_flags(args)
     if args.record_expert_distribution is not None:
         parent = Path(args.record_expert_distribution).resolve().parent
         if not parent.is_dir():
             raise ConfigError(f"--record-expert-distribution {args.record_expert_distribution}: the directory "
                               f"{parent} does not exist")
+
+
+def check_lora_flags(args: EngineArgs) -> None:
+    """--lora-paths and --kt-expert-lora-path name adapter directories with their files, before the model loads
+    (read_adapter parses them after; a missing one found then cost the user the whole load)."""
+    from hybridmoe.lora.adapter import LoRAAdapterError, check_adapter_files
+    from hybridmoe.lora.setup import parse_lora_paths
+
+    try:
+        flagged = [("--lora-paths", path) for _, path in parse_lora_paths(args.lora_paths)]
+    except LoRAAdapterError as e:  # a malformed value (its message names the flag)
+        raise ConfigError(str(e)) from None
+    if args.kt_expert_lora_path:
+        flagged.append(("--kt-expert-lora-path", args.kt_expert_lora_path))
+    for flag, path in flagged:
+        try:
+            check_adapter_files(path)
+        except LoRAAdapterError as e:
+            raise ConfigError(f"{flag}: {e}") from None
 
 
 def prepare(args: EngineArgs) -> EngineArgs:

@@ -182,6 +182,11 @@ ENGINE_FLAGS = [
     (["--tokenizer-path", "/no/such/tok"], "--tokenizer-path /no/such/tok: no such directory"),
     (["--record-expert-distribution", "/no/such/dir/stats.json"], "--record-expert-distribution"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    # adapters are checked before the model loads (a missing one was found after the whole load)
+    (["--lora-paths", "a=/no/such/adapter"], "--lora-paths: LoRA adapter '/no/such/adapter': not a directory"),
+    (["--lora-paths", str(DEMO)], f"--lora-paths: LoRA adapter '{DEMO}': no adapter_config.json"),
+    (["--lora-paths", "=x"], "--lora-paths '=x': expected name=path or a path"),
+    (["--kt-expert-lora-path", "/no/such/dir"], "--kt-expert-lora-path: LoRA adapter '/no/such/dir': not a directory"),
 ]
 SERVE_FLAGS = [
     (["--graceful-shutdown-timeout", "-5"], "--graceful-shutdown-timeout: got -5.0"),

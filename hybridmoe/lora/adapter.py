@@ -147,10 +147,9 @@ def _patterns(cfg: dict, field: str, cfg_file: Path, rank: bool) -> dict[str, fl
     return out
 
 
-def read_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
-    """Parse an adapter directory (host tensors, their dtype). Raises LoRAAdapterError."""
-    from safetensors import safe_open
-
+def check_adapter_files(path: str | Path) -> tuple[Path, Path]:
+    """(config file, weights file) of an adapter directory; LoRAAdapterError when either is missing. Cheap:
+    the startup checks run it on the flags' adapters before the model loads."""
     d = Path(path)
     cfg_file, w_file = d / CONFIG_FILE, d / WEIGHTS_FILE
     if not d.is_dir():
@@ -160,6 +159,15 @@ def read_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
     if not w_file.is_file():
         other = " (adapter_model.bin is not read: save with safetensors)" if (d / "adapter_model.bin").exists() else ""
         raise LoRAAdapterError(f"LoRA adapter {str(path)!r}: no {WEIGHTS_FILE}{other}")
+    return cfg_file, w_file
+
+
+def read_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
+    """Parse an adapter directory (host tensors, their dtype). Raises LoRAAdapterError."""
+    from safetensors import safe_open
+
+    d = Path(path)
+    cfg_file, w_file = check_adapter_files(d)
     try:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
