@@ -49,6 +49,11 @@ CHUNK_BYTES = 128 << 20  # float32 input of one chunk of experts
 DELAY_ENV = "HYBRIDMOE_CONVERT_LAYER_DELAY_S"  # tests: pause after each layer (to kill mid-way)
 
 
+def _size(n: int) -> str:
+    """Bytes for a message: '0 B', '3.3 MB', '12.40 GB' (GB alone printed a small need as 0.00)."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n} B"
+
+
 @dataclass
 class ConvertOptions:
     input_path: str
@@ -178,8 +183,8 @@ class Converter:
         need = todo * self.layer_out_bytes
         free = shutil.disk_usage(where).free
         if need > free:
-            raise ConvertError(f"{self.out}: {free / 1e9:.2f} GB free on that disk, the remaining {todo} layer(s) "
-                               f"need {need / 1e9:.2f} GB; free space or choose another --output")
+            raise ConvertError(f"{self.out}: {_size(free)} free on that disk, the remaining {todo} layer(s) "
+                               f"need {_size(need)}; free space or choose another --output")
 
     # ---- packing one layer ----
     def _read_chunk(self, layer: int, e0: int, e1: int) -> tuple[torch.Tensor, torch.Tensor]:
