@@ -209,9 +209,24 @@ def _row(r: dict) -> str:
             f"{r['e2e_ms_p50']:>9.1f} {r['e2e_ms_p99']:>9.1f} {r['failed']:>6}")
 
 
+class BenchError(Exception):
+    """The benchmark cannot run (no server, a refused request); `main` prints it as one line, exit code 2."""
+
+
+def model_info(base_url: str, headers: dict) -> dict:
+    """The server's /get_model_info; BenchError when it cannot be reached or does not answer 200."""
+    try:
+        r = httpx.get(base_url + "/get_model_info", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise BenchError(f"cannot reach the server at {base_url}: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise BenchError(f"{base_url}/get_model_info answered {r.status_code}: {r.text[:200]}")
+    return r.json()
+
+
 def run_levels(a: argparse.Namespace, base_url: str, headers: dict, label: str) -> tuple[list[dict], dict]:
     """Every concurrency level against one server (after a warm-up); the levels and /get_model_info."""
-    info = httpx.get(base_url + "/get_model_info", headers=headers, timeout=30).json()
+    info = model_info(base_url, headers)
     vocab = int(info.get("vocab_size") or 1000)
     rng = random.Random(a.seed)
     asyncio.run(run_level(base_url, headers, make_prompts(2, a.input_len, a.range_ratio, vocab, rng),
@@ -266,19 +281,30 @@ def _ab_summary(levels: list[dict], ceiling: float | None) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    try:
+        return _main(argv)
+    except BenchError as e:
+        print(f"hybridmoe bench serving: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
     if a.shape is not None:
         from hybridmoe.bench.shapes import write_shape_dir
 
         a.server_args += f" --model-path {write_shape_dir(a.shape)} --load-format dummy --skip-tokenizer-init"
     if (a.overlap_ab or a.offline_ceiling) and a.url is not None:
-        raise SystemExit("--overlap-ab and --offline-ceiling start their own servers: leave --url out")
+        parser.error("--overlap-ab and --offline-ceiling start their own servers: leave --url out")
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     modes = [("off", " --disable-overlap-schedule"), ("on", " --enable-overlap-schedule")] * max(1, a.ab_rounds) \
         if a.overlap_ab else [("-", "")]
     levels: list[dict] = []
     info: dict = {}
     base_url = a.url.rstrip("/") if a.url else ""
+    if a.url is not None:
+        model_info(base_url, headers)  # a server that is not there: one line before any table
     print(HEADER)
     for label, flag in modes:
         proc = None

@@ -81,3 +81,13 @@ def test_serving_starts_its_server(tmp_path):
 def test_bench_usage():
     r = _run("nope")
     assert r.returncode == 2 and "one-batch" in r.stderr
+
+
+def test_serving_without_a_server_is_one_line(tmp_path):
+    """No server at --url: one line naming the URL, exit code 2 (was an httpx traceback, exit 1)."""
+    r = _run("serving", "--url", "http://127.0.0.1:9", "--num-prompts", "2", timeout=60)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith("hybridmoe bench serving: error: cannot reach the server at http://127.0.0.1:9")
+    r = _run("serving", "--url", "http://127.0.0.1:9", "--overlap-ab", timeout=60)
+    assert r.returncode == 2 and "leave --url out" in r.stderr and "Traceback" not in r.stderr
