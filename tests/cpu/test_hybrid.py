@@ -401,6 +401,47 @@ def test_a_task_skipped_at_the_gate_timeout_leaves_no_go_word(model, monkeypatch
 
 
 @pytest.mark.gpu
+def test_a_task_skipped_at_the_gate_timeout_on_cuda(model, monkeypatch):
+    """test_a_task_skipped_at_the_gate_timeout_leaves_no_go_word on a real stream: the GPU sleeps ~1 s before the
+    first layer's hand-over kernel (which sets the go word), past a 0.2 s gate timeout. The step fails with the
+    gate-timeout error, every go word is 0 once it is raised (the device synchronized first), and the next request
+    gets the reference tokens."""
+    from hybridmoe.cpu.engine import CPUThreadPool
+    from hybridmoe.cpu.settings import CPUEngineSettings
+    from hybridmoe.moe import cpu_experts, cuda_bridge
+
+    prompt = torch.randint(0, 211, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    opts = dict(device="cuda", dtype="bfloat16", progress=False, kt_method="BF16", kt_num_gpu_experts=4,
+                max_total_tokens=4096, disable_cuda_graph=True, hybrid_stream_wait="memop")
+    ref = LLM(str(model), **opts)
+    ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    ref.shutdown()
+    pool = CPUThreadPool(2, settings=CPUEngineSettings(gate_timeout_s=0.2))
+    monkeypatch.setattr(cpu_experts, "cpu_pool_for", lambda cfg: pool)
+    llm = LLM(str(model), **opts)
+    rt = llm.engine.runner.hybrid
+    assert rt.fused_handoff
+    real = cuda_bridge.StreamCPUTask.enqueue_handoff
+    armed = {"left": 1}
+
+    def stalled(self, *a, **k):
+        if armed["left"]:
+            armed["left"] -= 1
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clocks before the go word is set
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(cuda_bridge.StreamCPUTask, "enqueue_handoff", stalled)
+    failed = llm.generate(input_ids=prompt, sampling_params=GREEDY)["meta_info"]["finish_reason"]
+    assert failed["type"] == "abort" and "gate timeout" in failed["message"], failed
+    assert armed["left"] == 0
+    tasks = [task for layer in rt.layers.values() for task in layer.stream_tasks()]
+    assert tasks and [int(task.go.item()) for task in tasks] == [0] * len(tasks)  # no stale go word
+    assert llm.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
+    llm.shutdown()
+    pool.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("deferred", [0, 1, 2])
 def test_stream_path_on_cuda(model, deferred):
     """The CPU side driven from the CUDA stream (gated submits; waits by host functions or by memory
