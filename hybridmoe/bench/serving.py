@@ -263,10 +263,12 @@ def _ab_summary(levels: list[dict], ceiling: float | None) -> list[dict]:
 
     rows = []
     for c in sorted({r["concurrency"] for r in levels}):
-        med = {m: statistics.median([r["itl_ms_p50"] for r in levels if r["concurrency"] == c and r["overlap"] == m])
-               for m in ("off", "on") if any(r["concurrency"] == c and r["overlap"] == m for r in levels)}
+        # "-": one server with its own settings (--offline-ceiling without --overlap-ab), called "server"
+        med = {("server" if m == "-" else m): statistics.median(
+            [r["itl_ms_p50"] for r in levels if r["concurrency"] == c and r["overlap"] == m])
+            for m in ("off", "on", "-") if any(r["concurrency"] == c and r["overlap"] == m for r in levels)}
         row = {"concurrency": c, **{f"itl_ms_p50_{m}": v for m, v in med.items()}}
-        line = f"conc {c}: ITL p50 off {med.get('off', math.nan):.2f} ms, on {med.get('on', math.nan):.2f} ms"
+        line = f"conc {c}: ITL p50 " + ", ".join(f"{m} {v:.2f} ms" for m, v in med.items())
         if len(med) == 2:
             row["on_over_off"] = med["on"] / med["off"]
             line += f", on/off {row['on_over_off']:.3f}"

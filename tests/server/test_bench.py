@@ -91,3 +91,17 @@ def test_serving_without_a_server_is_one_line(tmp_path):
     assert lines[0].startswith("hybridmoe bench serving: error: cannot reach the server at http://127.0.0.1:9")
     r = _run("serving", "--url", "http://127.0.0.1:9", "--overlap-ab", timeout=60)
     assert r.returncode == 2 and "leave --url out" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serving_offline_ceiling_alone(tmp_path):
+    """--offline-ceiling without --overlap-ab: the one server's ITL against the decode step (its summary printed
+    'ITL p50 off nan ms, on nan ms' before: it looked only for the A/B's labels)."""
+    pytest.importorskip("httpx")
+    out = tmp_path / "serving.json"
+    r = _run("serving", "--server-args", f"--device cpu --model-path {DEMO}", "--server-log",
+             str(tmp_path / "server.log"), "--concurrency", "1", "--num-prompts", "2", "--input-len", "8",
+             "--output-len", "4", "--offline-ceiling", "--out", str(out), timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["overlap_summary"]
+    assert row["concurrency"] == 1 and row["itl_ms_p50_server"] > 0 and row["server_over_ceiling"] > 0
+    assert "nan" not in r.stdout and "ITL p50 server" in r.stdout
