@@ -346,6 +346,21 @@ def test_stream_forward_interrupted_with_deferred_work(model, monkeypatch, wait)
     llm.shutdown()
 
 
+def _with_short_gate_timeout(model, monkeypatch, opts: dict, prompt: list[int]):
+    """(reference greedy tokens from an engine with the default pool, an engine on a dedicated pool whose gated tasks
+    time out after 0.2 s, that pool): the gate-timeout tests' setup."""
+    from hybridmoe.cpu.engine import CPUThreadPool
+    from hybridmoe.cpu.settings import CPUEngineSettings
+    from hybridmoe.moe import cpu_experts
+
+    ref = LLM(str(model), **opts)
+    ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    ref.shutdown()
+    pool = CPUThreadPool(2, settings=CPUEngineSettings(gate_timeout_s=0.2))
+    monkeypatch.setattr(cpu_experts, "cpu_pool_for", lambda cfg: pool)
+    return ref_tokens, LLM(str(model), **opts), pool
+
+
 def test_a_task_skipped_at_the_gate_timeout_leaves_no_go_word(model, monkeypatch):
     """The GPU stalls past the gate timeout (CPUEngineSettings.gate_timeout_s) before it releases a layer's
     task: the pool skips the task, the step fails alone, and the go word the stream sets later is cleared
@@ -354,19 +369,12 @@ def test_a_task_skipped_at_the_gate_timeout_leaves_no_go_word(model, monkeypatch
     import ctypes as C
     import threading
 
-    from hybridmoe.cpu.engine import CPUThreadPool
-    from hybridmoe.cpu.settings import CPUEngineSettings
-    from hybridmoe.moe import cpu_experts, cuda_bridge
+    from hybridmoe.moe import cuda_bridge
 
     prompt = torch.randint(0, 211, (11,), generator=torch.Generator().manual_seed(5)).tolist()
     opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3, hybrid_stream_wait="memop")
     emulate_stream(monkeypatch)
-    ref = LLM(str(model), **opts)
-    ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
-    ref.shutdown()
-    pool = CPUThreadPool(2, settings=CPUEngineSettings(gate_timeout_s=0.2))
-    monkeypatch.setattr(cpu_experts, "cpu_pool_for", lambda cfg: pool)
-    llm = LLM(str(model), **opts)
+    ref_tokens, llm, pool = _with_short_gate_timeout(model, monkeypatch, opts, prompt)
     rt = llm.engine.runner.hybrid
     stalled = {"task": None}
     real_release, real_submit = cuda_bridge.StreamCPUTask._release, cuda_bridge.GatedSubmitter.submit
@@ -406,19 +414,12 @@ def test_a_task_skipped_at_the_gate_timeout_on_cuda(model, monkeypatch):
     first layer's hand-over kernel (which sets the go word), past a 0.2 s gate timeout. The step fails with the
     gate-timeout error, every go word is 0 once it is raised (the device synchronized first), and the next request
     gets the reference tokens."""
-    from hybridmoe.cpu.engine import CPUThreadPool
-    from hybridmoe.cpu.settings import CPUEngineSettings
-    from hybridmoe.moe import cpu_experts, cuda_bridge
+    from hybridmoe.moe import cuda_bridge
 
     prompt = torch.randint(0, 211, (11,), generator=torch.Generator().manual_seed(5)).tolist()
     opts = dict(device="cuda", dtype="bfloat16", progress=False, kt_method="BF16", kt_num_gpu_experts=4,
                 max_total_tokens=4096, disable_cuda_graph=True, hybrid_stream_wait="memop")
-    ref = LLM(str(model), **opts)
-    ref_tokens = ref.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
-    ref.shutdown()
-    pool = CPUThreadPool(2, settings=CPUEngineSettings(gate_timeout_s=0.2))
-    monkeypatch.setattr(cpu_experts, "cpu_pool_for", lambda cfg: pool)
-    llm = LLM(str(model), **opts)
+    ref_tokens, llm, pool = _with_short_gate_timeout(model, monkeypatch, opts, prompt)
     rt = llm.engine.runner.hybrid
     assert rt.fused_handoff
     real = cuda_bridge.StreamCPUTask.enqueue_handoff
