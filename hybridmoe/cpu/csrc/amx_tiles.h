@@ -20,6 +20,7 @@
 #define hm_tile_stored(t, p, stride) _tile_stored(t, p, stride)
 #define hm_tile_dpbusd(c, a, b) _tile_dpbusd(c, a, b)  // u8 A x s8 B -> int32
 #define hm_tile_dpbsud(c, a, b) _tile_dpbsud(c, a, b)  // s8 A x u8 B -> int32
+#define hm_tile_dpbssd(c, a, b) _tile_dpbssd(c, a, b)  // s8 A x s8 B -> int32
 #define hm_tile_dpbf16ps(c, a, b) _tile_dpbf16ps(c, a, b)  // bf16 pairs -> fp32
 
 #else
@@ -103,7 +104,9 @@ inline int32_t quad(const Tile& a, int m, int k) {
 }
 
 // kind 0: u8 A x s8 B (TDPBUSD); 1: s8 A x u8 B (TDPBSUD; VPDPBUSD with the operands' roles swapped:
-// its u8 operand is B's row, its s8 operand the broadcast A quad, the same products).
+// its u8 operand is B's row, its s8 operand the broadcast A quad, the same products); 2: s8 A x s8 B
+// (TDPBSSD; VNNI has no s8 x s8 dot: B's row with its sign bit flipped is b + 128 as u8, so VPDPBUSD gives
+// sum a (b + 128), and 128 times the quad's sum of a is taken off after, exact in int32).
 template <int KIND>
 inline void dp_int8(int ci, int ai, int bi) {
   Tile &c = tile(ci), &a = tile(ai), &b = tile(bi);
@@ -112,8 +115,17 @@ inline void dp_int8(int ci, int ai, int bi) {
   for (int m = 0; m < c.rows; ++m) {
     __m512i acc = _mm512_maskz_loadu_epi32(mk, c.d[m]);
     for (int k = 0; k < b.rows; ++k) {
-      const __m512i x = _mm512_set1_epi32(quad(a, m, k)), w = _mm512_loadu_si512(b.d[k]);
-      acc = KIND == 0 ? _mm512_dpbusd_epi32(acc, x, w) : _mm512_dpbusd_epi32(acc, w, x);
+      const int32_t q = quad(a, m, k);
+      const __m512i x = _mm512_set1_epi32(q), w = _mm512_loadu_si512(b.d[k]);
+      if (KIND == 0) {
+        acc = _mm512_dpbusd_epi32(acc, x, w);
+      } else if (KIND == 1) {
+        acc = _mm512_dpbusd_epi32(acc, w, x);
+      } else {
+        const int qsum = int8_t(q) + int8_t(q >> 8) + int8_t(q >> 16) + int8_t(q >> 24);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), x);
+        acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * qsum));
+      }
     }
     _mm512_mask_storeu_epi32(c.d[m], mk, acc);
   }
@@ -140,6 +152,7 @@ inline void dp_bf16(int ci, int ai, int bi) {
 #define hm_tile_stored(t, p, stride) ::hm::amx_emu::stored(t, p, stride)
 #define hm_tile_dpbusd(c, a, b) ::hm::amx_emu::dp_int8<0>(c, a, b)
 #define hm_tile_dpbsud(c, a, b) ::hm::amx_emu::dp_int8<1>(c, a, b)
+#define hm_tile_dpbssd(c, a, b) ::hm::amx_emu::dp_int8<2>(c, a, b)
 #define hm_tile_dpbf16ps(c, a, b) ::hm::amx_emu::dp_bf16(c, a, b)
 
 #endif

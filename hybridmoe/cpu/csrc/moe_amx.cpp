@@ -120,7 +120,7 @@ void amx_pair(const uint8_t* b0, const uint8_t* b1, int Kd, const ActView& A, in
 
 // The tile dots of K depths [kt0, kt1) (64 bytes of A, 1 KiB of each B block per depth) of a 32-row x
 // 32-output tile into C0..C3 (nq 4; C0, C1 for the first 16 rows only when nq is 2), zeroed first and
-// stored to cb after. DOT: 0 bf16 pairs (TDPBF16PS), 1 s8 A x u8 B (TDPBSUD).
+// stored to cb after. DOT: 0 bf16 pairs (TDPBF16PS), 1 s8 A x u8 B (TDPBSUD), 2 s8 A x s8 B (TDPBSSD).
 template <int DOT>
 void group_dots(const uint8_t* a0, const uint8_t* a1, int64_t lda, const uint8_t* b0, const uint8_t* b1, int kt0,
                 int kt1, int nq, void* cb) {
@@ -138,18 +138,24 @@ void group_dots(const uint8_t* a0, const uint8_t* a1, int64_t lda, const uint8_t
     if (DOT == 0) {
       hm_tile_dpbf16ps(0, 4, 6);
       hm_tile_dpbf16ps(1, 4, 7);
-    } else {
+    } else if (DOT == 1) {
       hm_tile_dpbsud(0, 4, 6);
       hm_tile_dpbsud(1, 4, 7);
+    } else {
+      hm_tile_dpbssd(0, 4, 6);
+      hm_tile_dpbssd(1, 4, 7);
     }
     if (nq == 4) {
       hm_tile_loadd(5, a1 + kt * 64, lda);
       if (DOT == 0) {
         hm_tile_dpbf16ps(2, 5, 6);
         hm_tile_dpbf16ps(3, 5, 7);
-      } else {
+      } else if (DOT == 1) {
         hm_tile_dpbsud(2, 5, 6);
         hm_tile_dpbsud(3, 5, 7);
+      } else {
+        hm_tile_dpbssd(2, 5, 6);
+        hm_tile_dpbssd(3, 5, 7);
       }
     }
   }
@@ -217,10 +223,13 @@ void gemm_fp8(const PackedMat& W, int e, const ActView& A, int M, int nb0, int n
   }
 }
 
-// One 32-row x 32-output tile of INT4: b0/b1 two unpacked blocks (u8 nibbles, B-tile layout), d0/d1
-// (z0/z1: asymmetric) their group scales (and mins) [Kd/G][16]. Per K group g and row r (activation
-// scale sx, group sum gs of its s8 q): sym (w = d (q - 8)): sx d (S - 8 gs); asym (w = d q + m):
-// sx (d S + m gs), S the group's int32 tile dot; sx applied once at the end.
+// One 32-row x 32-output tile of INT4: b0/b1 two unpacked blocks (B-tile layout), d0/d1 (z0/z1:
+// asymmetric) their group scales (and mins) [Kd/G][16]. Per K group g and row r (activation scale sx,
+// group sum gs of its s8 q), S the group's int32 tile dot; sx applied once at the end:
+// - sym (w = d (u - 8)): the blocks hold u - 8 as s8 (TDPBSSD): sx d S. (Unpacked as u8 u with TDPBSUD,
+//   each row's group needed S - 8 gs: a broadcast load and a subtract more on every 16 sums, in a
+//   per-group pass over the 32 x 32 sums that took about as long as the group's tile dots.)
+// - asym (w = d u + m): the blocks hold u as u8 (TDPBSUD): sx (d S + m gs).
 template <bool ASYM>
 void amx_i4_pair(const uint8_t* b0, const uint8_t* b1, int Kd, int G, const ActView& A, int m, int M,
                  const float* d0, const float* d1, const float* z0, const float* z1, float* C, int64_t ldc) {
@@ -234,7 +243,7 @@ void amx_i4_pair(const uint8_t* b0, const uint8_t* b1, int Kd, int G, const ActV
   const int nq = rows > 16 ? 4 : 2;
   const int rows16 = rows > 16 ? 16 : rows;
   for (int g = 0; g < Kd / G; ++g) {
-    group_dots<1>(a0, a1, A.ld, b0, b1, g * kpg, (g + 1) * kpg, nq, cb);
+    group_dots<ASYM ? 1 : 2>(a0, a1, A.ld, b0, b1, g * kpg, (g + 1) * kpg, nq, cb);
     const __m512 vd[2] = {_mm512_loadu_ps(d0 + g * 16), _mm512_loadu_ps(d1 + g * 16)};
     __m512 vz[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     if (ASYM) vz[0] = _mm512_loadu_ps(z0 + g * 16), vz[1] = _mm512_loadu_ps(z1 + g * 16);
@@ -242,15 +251,10 @@ void amx_i4_pair(const uint8_t* b0, const uint8_t* b1, int Kd, int G, const ActV
       const int j = q & 1, r0 = (q >> 1) * 16, nr = q < 2 ? rows16 : rows - 16;
       const int32_t* gs = A.gsum + int64_t(m + r0) * A.gstride + g;
       for (int r = 0; r < nr; ++r) {
-        __m512i s = _mm512_load_si512(cb[q] + r * 16);
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(cb[q] + r * 16));
         float* a = acc[q] + r * 16;
-        if (ASYM) {
-          __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), vd[j], _mm512_load_ps(a));
-          _mm512_store_ps(a, _mm512_fmadd_ps(vz[j], _mm512_set1_ps(float(gs[r * A.gstride])), f));
-        } else {
-          s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * gs[r * A.gstride]));
-          _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), vd[j], _mm512_load_ps(a)));
-        }
+        const __m512 f = _mm512_fmadd_ps(s, vd[j], _mm512_load_ps(a));
+        _mm512_store_ps(a, ASYM ? _mm512_fmadd_ps(vz[j], _mm512_set1_ps(float(gs[r * A.gstride])), f) : f);
       }
     }
   }
@@ -263,13 +267,16 @@ void amx_i4_pair(const uint8_t* b0, const uint8_t* b1, int Kd, int G, const ActV
 }
 
 // `units` packed int4 units (64 bytes: steps 2u and 2u + 1 in the low and high nibbles) -> 2 * units
-// int8-layout steps of one nibble a byte (u8 0..15).
+// int8-layout steps of one nibble a byte: u8 u (0..15), or with SIGNED s8 u - 8 (-8..7).
+template <bool SIGNED>
 void unpack_i4(const uint8_t* src, uint8_t* dst, int64_t units) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i mask = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   for (int64_t u = 0; u < units; ++u) {
     const __m512i v = _mm512_loadu_si512(src + u * 64);
-    _mm512_store_si512(dst + u * 128, _mm512_and_si512(v, mask));
-    _mm512_store_si512(dst + u * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+    __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    if (SIGNED) lo = _mm512_sub_epi8(lo, eight), hi = _mm512_sub_epi8(hi, eight);
+    _mm512_store_si512(dst + u * 128, lo);
+    _mm512_store_si512(dst + u * 128 + 64, hi);
   }
 }
 
@@ -278,7 +285,11 @@ void gemm_i4(const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb
   const int64_t Kd = W.Kd, NBT = W.N / 16, ng = Kd / G;
   uint8_t* wide = t_wide.get(size_t(32 * Kd));  // a pair: 2 blocks x Kd/4 steps x 64 bytes
   for (int nb = nb0; nb < nb1; nb += 2) {
-    unpack_i4(base + nb * 8 * Kd, wide, Kd / 4);  // the two packed blocks (8 Kd bytes each) are adjacent
+    // the two packed blocks (8 Kd bytes each) are adjacent
+    if (W.zero)
+      unpack_i4<false>(base + nb * 8 * Kd, wide, Kd / 4);
+    else
+      unpack_i4<true>(base + nb * 8 * Kd, wide, Kd / 4);
     const int64_t so = (int64_t(e) * NBT + nb) * ng * 16;
     const float* d = W.scale + so;
     const float* z = W.zero ? W.zero + so : nullptr;
