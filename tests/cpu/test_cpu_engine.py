@@ -515,6 +515,7 @@ def test_second_pair_group_equals_its_own_task(method):
 
     try:
         lay = CPUMoELayer(packed, pool=pool)
+        tiles_round_differently = lay.kernel_name.startswith("amx") and method != "AMXINT8"
         cases = [(1, "on", False, torch.float32, "split"), (1, "off", False, torch.float32, "split"),
                  (1, "on", True, torch.bfloat16, "split"), (1, "on", False, torch.float32, "empty0"),
                  (1, "on", False, torch.float32, "empty1"), (1, "on", False, torch.float32, "both"),
@@ -544,7 +545,17 @@ def test_second_pair_group_equals_its_own_task(method):
             task, keep = lay.make_task(x, ids1, w, got[0], accumulate=acc, ids2=ids2, out2=got[1], done1=done1)
             run(task)
             case = (t, fuse, acc, odt, kind)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), case
+            if tiles_round_differently and t == 40:
+                # On the AMX path an expert's rows go to the tile kernel from AMX_MIN_ROWS (16) rows on, to
+                # the AVX-512 one below: run together, both groups' rows of an expert (~27 here) take the tile
+                # kernel, run alone a group's ~11 the AVX-512 one, whose fp32 sums are added in another order.
+                # INT8's integer dots are exact on both; INT4's group scales and BF16 round per path, and the
+                # down projection's input is rounded to bf16 (or quantized) after that: ~1e-3 apart here on
+                # outputs of magnitude ~1-15 (a lost or doubled pair would be ~1 apart).
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=lambda m, c=case: f"{c}: {m}")
+            else:
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), case
             assert done1.item() == 1 and (kind == "empty0" or got[0].ne(base[0]).any()), case
         with pytest.raises(ValueError, match="ids2 and out2 go together"):
             lay.make_task(x, ids1, w, got[0], ids2=ids2)
