@@ -22,13 +22,18 @@ class CPUEngineSettings:
     prefetch_bytes: int = field(default_factory=lambda: default_prefetch_bytes())
     """Software prefetch distance of the decode-sized (few-row) kernels and the dense GEMVs, bytes
     ahead of the weight stream, in [0, 1 MiB]; 0: the hardware prefetchers alone. Default by CPU
-    vendor and ISA (default_prefetch_bytes): 2048 (32 lines) on Intel, where it read 10-30% faster than none
-    on the H200 host (benchmarks/results/README_cpu_moe.md, session 4); 0 on AMD with AVX-512, where none
-    read about 5% faster than 2048 on a Zen 4 machine (AMXINT8 / AMXINT4 / BF16 layers at T = 1, 4, 16,
-    interleaved, session 13); 2048 on AMD without it (the AVX2 kernels), where 2048 read 5-13% faster than
-    none on a 2-core Zen 3 machine (AMXINT8 / AMXINT4 at T = 1, 4, three interleaved rounds, session 25;
-    GGUF Q4_K / Q8_0 the same within 3%). The AMX tile kernels (many rows) prefetch each weight block this
-    far ahead too. Results do not depend on it."""
+    vendor and ISA (default_prefetch_bytes):
+    - Intel with AVX-512: 4096 (64 lines). 2048 read 10-30% faster than none on the H200 host (session 4). 4096 against
+      2048, interleaved on the H100 host (session 34, benchmarks/results/session34): AMXINT8 / AMXINT4 at
+      T = 1, 4, 16 faster in 17 of 18 pairs (by -2 to +16%), GGUF Q4_K / Q8_0 faster in 12 of 12 (+1 to +16%
+      by medians); CPU-only decode +4.8% on the H200 host (session 20); GGUF within 3% either way in
+      session 23.
+    - AMD with AVX-512: 0. None read about 5% faster than 2048 on a Zen 4 machine (AMXINT8 / AMXINT4 / BF16
+      layers at T = 1, 4, 16, interleaved, session 13).
+    - Other CPUs, those without AVX-512 (the AVX2 kernels) among them: 2048. It read 5-13% faster than none on
+      a 2-core Zen 3 machine (AMXINT8 / AMXINT4 at T = 1, 4, three interleaved rounds, session 25; GGUF Q4_K /
+      Q8_0 the same within 3%).
+    The AMX tile kernels (many rows) prefetch each weight block this far ahead too. Results do not depend on it."""
 
     spin_us: int = 1000
     """How long idle pool threads (and Python's waits) spin before they sleep, microseconds, in
@@ -85,7 +90,10 @@ def cpu_flags() -> set[str]:
 
 
 def default_prefetch_bytes() -> int:
-    """CPUEngineSettings.prefetch_bytes' default here: 0 on AMD CPUs with AVX-512 (VNNI), 2048 elsewhere, AMD
-    CPUs without AVX-512 (whose kernels are the AVX2 ones) included (see that field)."""
-    amd_avx512 = cpu_vendor() == "AuthenticAMD" and {"avx512f", "avx512_vnni"} <= cpu_flags()
-    return 0 if amd_avx512 else 2048
+    """CPUEngineSettings.prefetch_bytes' default here: 4096 on Intel CPUs with AVX-512, 0 on AMD CPUs with
+    AVX-512 (VNNI), 2048 elsewhere: CPUs without AVX-512 (whose kernels are the AVX2 ones) of either vendor
+    included (see that field)."""
+    vendor, flags = cpu_vendor(), cpu_flags()
+    if vendor == "GenuineIntel" and "avx512f" in flags:
+        return 4096
+    return 0 if vendor == "AuthenticAMD" and {"avx512f", "avx512_vnni"} <= flags else 2048

@@ -422,13 +422,14 @@ def test_settings_are_validated_and_reach_the_pool():
 
 
 def test_prefetch_default_follows_the_cpu_vendor(monkeypatch):
-    """0 on AMD with AVX-512, 2048 elsewhere (CPUEngineSettings.prefetch_bytes' measurements); explicit
+    """4096 on Intel and 0 on AMD with AVX-512, 2048 elsewhere (CPUEngineSettings.prefetch_bytes' measurements); explicit
     values win."""
     from hybridmoe.cpu import settings
 
     avx512 = {"avx2", "avx512f", "avx512bw", "avx512_vnni"}
     for vendor, flags, want in (("AuthenticAMD", avx512, 0), ("AuthenticAMD", {"avx2", "fma"}, 2048),
-                                ("GenuineIntel", avx512, 2048), ("", set(), 2048)):
+                                ("GenuineIntel", avx512, 4096), ("GenuineIntel", {"avx2", "fma"}, 2048),
+                                ("", set(), 2048)):
         monkeypatch.setattr(settings, "cpu_vendor", lambda v=vendor: v)
         monkeypatch.setattr(settings, "cpu_flags", lambda f=flags: f)
         assert settings.default_prefetch_bytes() == want
