@@ -9,7 +9,14 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from hybridmoe.engine.grammar import GrammarBackend, GrammarError, RequestGrammar, compiler_message, grammar_of
+from hybridmoe.engine.grammar import (
+    GrammarBackend,
+    GrammarError,
+    RequestGrammar,
+    compiler_message,
+    drop_inner_anchors,
+    grammar_of,
+)
 from hybridmoe.engine.grammar_mask import BatchBitmask, apply_bitmask_reference
 from hybridmoe.engine.request import SamplingParams
 
@@ -95,6 +102,38 @@ def test_compile_errors_carry_the_compiler_message(kind, text, words):
 def test_compiler_message_strips_prefixes():
     e = RuntimeError("[16:24:42] /project/cpp/x.cc:94: Check failed: (a) is false: bad thing\n")
     assert compiler_message(e) == "bad thing"
+
+
+@pytest.mark.parametrize("regex,want", [
+    ("^ab$", "^ab$"), ("a$b$c^d", "abcd"), ("^yes$|^no$", "^yes|no$"), ("(^a)", "(a)"), ("^^a$$", "^a$"),
+    (r"a\$b\^", r"a\$b\^"), (r"a\\$", r"a\\$"), ("[$^]x", "[$^]x"), ("[^$]$", "[^$]$"), ("[a^$]b", "[a^$]b"),
+    (r"[\]$]$b", r"[\]$]b"), ("", ""), ("$", "$"), ("^", "^"), ("abc", "abc"),
+])
+def test_drop_inner_anchors(regex, want):
+    assert drop_inner_anchors(regex) == want
+
+
+def _accepts(compiled, text: str) -> bool:
+    m = xgr.GrammarMatcher(compiled)
+    return m.accept_string(text) and m.is_completed()
+
+
+def test_inner_anchors_compile_silently_to_what_xgrammar_made_of_them(capfd):
+    """xgrammar ignores a ^ / $ that is not first / last, and printed a warning line to stderr for each (a
+    JSON schema's pattern whole): the backend drops them first, so the same strings match and nothing is
+    printed."""
+    be = _backend()
+    capfd.readouterr()
+    regex = be.compile("regex", "^a$|^b$|a$b")
+    schema = be.compile("json_schema", '{"type": "object", "properties": {"k": {"type": "string", '
+                                       '"pattern": "x$y^z"}}, "required": ["k"]}')
+    out, err = capfd.readouterr()
+    assert "Warning" not in err and "Warning" not in out, err
+    assert [_accepts(regex, t) for t in ("a", "b", "ab", "ba", "")] == [True, True, True, False, False]
+    assert _accepts(schema, '{"k": "xyz"}') and not _accepts(schema, '{"k": "x$y^z"}')
+    assert _accepts(be.compile("regex", "a$b"), "ab")
+    assert str(xgr.Grammar.from_regex("a$b")) == str(xgr.Grammar.from_regex("ab"))  # xgrammar's own reading
+    be.close()
 
 
 def test_matcher_terminates_after_the_stop_token():

@@ -50,6 +50,55 @@ _LOG_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 _CHECK_PREFIX = re.compile(r"^Check failed: .*? is false: ")
 
 
+def drop_inner_anchors(regex: str) -> str:
+    """regex without the `^` / `$` anchors xgrammar ignores: outside a character class and not escaped, a
+    `^` anywhere but first or a `$` anywhere but last. Its output must match the whole regex, so these are
+    redundant or unmatchable, and xgrammar drops them either way; dropped here, it compiles the same grammar
+    without printing a line to stderr for each one (outside the server's log; a long regex could print
+    thousands, and a JSON schema's pattern is printed whole, newlines and all)."""
+    if "^" not in regex and "$" not in regex:
+        return regex
+    out: list[str] = []
+    i, n, in_class = 0, len(regex), False
+    while i < n:
+        c = regex[i]
+        if c == "\\" and i + 1 < n:  # an escaped character, in a class or not
+            out.append(regex[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if regex.startswith("^", i + 1):  # a negated class: its ^ is not an anchor
+                out.append("[^")
+                i += 2
+                continue
+        elif (c == "^" and i > 0) or (c == "$" and i < n - 1):
+            i += 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _drop_pattern_anchors(node: Any) -> bool:
+    """drop_inner_anchors on every string-valued "pattern" of a parsed JSON schema, in place; whether any
+    changed."""
+    changed = False
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "pattern" and isinstance(value, str):
+                node[key] = drop_inner_anchors(value)
+                changed |= node[key] != value
+            else:
+                changed |= _drop_pattern_anchors(value)
+    elif isinstance(node, list):
+        for value in node:
+            changed |= _drop_pattern_anchors(value)
+    return changed
+
+
 class GrammarError(ValueError):
     """A grammar that cannot be compiled (or a token it does not accept); the message says why."""
 
@@ -112,13 +161,15 @@ class GrammarBackend:
         try:
             if kind == "json_schema":
                 try:
-                    json.loads(text)
+                    schema = json.loads(text)
                 except ValueError as e:
                     raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+                if _drop_pattern_anchors(schema):
+                    text = json.dumps(schema)
                 return compiler.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE,
                                                     strict_mode=True)
             if kind == "regex":
-                return compiler.compile_regex(text)
+                return compiler.compile_regex(drop_inner_anchors(text))
             if kind == "ebnf":
                 return compiler.compile_grammar(text, root_rule_name="root")
         except GrammarError:
