@@ -37,7 +37,9 @@ def run_job(tok: Any, job: tuple) -> tuple[str, Any]:
         return parse_json(job[1])
     if kind == "encode":
         _, text, add_special_tokens, max_len = job
-        return _ids(tok.encode(text, add_special_tokens=add_special_tokens), max_len)
+        # verbose=False: not transformers' "Token indices sequence length is longer than ..." line (once per
+        # process, outside the server's log format) for a prompt past the model's length: the 400 names it
+        return _ids(tok.encode(text, add_special_tokens=add_special_tokens, verbose=False), max_len)
     if kind == "decode":
         _, ids, skip_special_tokens = job
         return "text", tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -49,7 +51,7 @@ def run_job(tok: Any, job: tuple) -> tuple[str, Any]:
                                variables={**special_tokens(tok), **kwargs})
         except ChatTemplateError as e:
             return "template", str(e)
-        return _ids(tok.encode(text, add_special_tokens=False), max_len)
+        return _ids(tok.encode(text, add_special_tokens=False, verbose=False), max_len)
     raise ValueError(f"unknown job {kind!r}")
 
 
