@@ -168,6 +168,9 @@ def main() -> None:
     p.add_argument("--items-per-thread", default=[8], type=_int_list, metavar="8[,4,2]",
                    help="CPUThreadPool.items_per_thread for the batch-1 rows, each value in turn (a decode task's "
                         "items sized for about that many a thread; default 8)")
+    p.add_argument("--prefetch", default=None, type=_int_list, metavar="4096[,2048]",
+                   help="CPUThreadPool.prefetch_bytes for the batch-1 rows, each value in turn (the decode kernels' "
+                        "software prefetch distance; default: CPUEngineSettings' for this CPU)")
     p.add_argument("--stream-wait", default=["auto"], type=lambda v: v.split(","), metavar="auto[,hostfn,memop]",
                    help="how the stream waits for a CPU task, each value in turn (graphs captured again for each): "
                         "a host function (hostfn) or the GPU polling the task's done word (memop); auto (the "
@@ -202,6 +205,8 @@ def main() -> None:
         p.error(f"--block-prefetch {a.block_prefetch}: a comma list of 0, 1, 2")
     if not a.items_per_thread or any(not 1 <= v <= 64 for v in a.items_per_thread):
         p.error(f"--items-per-thread {a.items_per_thread}: a comma list of 1..64")
+    if a.prefetch is not None and (not a.prefetch or any(not 0 <= v <= 1 << 20 for v in a.prefetch)):
+        p.error(f"--prefetch {a.prefetch}: a comma list of byte distances in [0, 1 MiB]")
     if not a.stream_wait or any(v not in ("auto", "hostfn", "memop") for v in a.stream_wait):
         p.error(f"--stream-wait {','.join(a.stream_wait)}: a comma list of auto, hostfn, memop")
     if not a.merge_deferred or any(v not in ("on", "off") for v in a.merge_deferred):
@@ -278,18 +283,21 @@ def main() -> None:
                 runner.graphs = graphs if mode == "on" else None
                 spin = default_pool().native_settings().hostfn_spin_us  # what the pool got from the config
                 blocking = "on" if llm.engine.sampler.wait_event is not None else "off"  # as the config set it
-                for b, fr, bp, ipt in [(bs, f, q, n) for bs in a.batch for f in (a.fuse if bs == 1 else ["on"])
-                                       for q in (a.block_prefetch if bs == 1 else [1])
-                                       for n in (a.items_per_thread if bs == 1 else [8])]:
+                pf0 = default_pool().prefetch_bytes  # the settings' default for this CPU
+                for b, fr, bp, ipt, pf in [(bs, f, q, n, d) for bs in a.batch for f in (a.fuse if bs == 1 else ["on"])
+                                           for q in (a.block_prefetch if bs == 1 else [1])
+                                           for n in (a.items_per_thread if bs == 1 else [8])
+                                           for d in (a.prefetch or [pf0] if bs == 1 else [pf0])]:
                     default_pool().fuse_mode, default_pool().block_prefetch = fr, bp
-                    default_pool().items_per_thread = ipt
+                    default_pool().items_per_thread, default_pool().prefetch_bytes = ipt, pf
                     steps = a.off_steps if mode == "off" else a.steps if b == 1 else a.batched_steps
                     row = {"rep": rep, "deferred": deferred, "stream_wait": wait, "merge_deferred": merge,
                            "handoff": handoff, "graphs": mode, "batch": b,
                            "steps": steps, "blocking_sync": blocking, "hostfn_spin_us": spin, "fuse": fr,
-                           "block_prefetch": bp, "items_per_thread": ipt, **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
+                           "block_prefetch": bp, "items_per_thread": ipt, "prefetch_bytes": pf,
+                           **run_batch(llm, b, a.prompt_len, steps, a.vocab)}
                     default_pool().fuse_mode, default_pool().block_prefetch = "on", 1
-                    default_pool().items_per_thread = 8
+                    default_pool().items_per_thread, default_pool().prefetch_bytes = 8, pf0
                     if b == 1:
                         before = probes[-1]
                         probes.append(default_pool().stream_read_gbps())
@@ -310,6 +318,7 @@ def main() -> None:
                     bl += "" if fr == "on" else f" fuse {fr}"
                     bl += "" if bp == 1 else f" bp {bp}"
                     bl += "" if ipt == 8 else f" ipt {ipt}"
+                    bl += "" if pf == pf0 else f" pf {pf}"
                     bl += "" if wait == "hostfn" else f" wait {wait}"
                     bl += "" if merge == "on" else " unmerged"
                     bl += "" if handoff != "off" else " handoff off"
@@ -335,7 +344,8 @@ def main() -> None:
                 row["extrapolated_ratio_to_best_probe_bound"] = (row["extrapolated_tokens_per_s"] * bpt * target / n_moe
                                                                  / (best * 1e9))
         key = tuple(row[k] for k in ("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fuse",
-                                     "block_prefetch", "items_per_thread", "stream_wait", "merge_deferred", "handoff"))
+                                     "block_prefetch", "items_per_thread", "stream_wait", "merge_deferred", "handoff",
+                                     "prefetch_bytes"))
         groups.setdefault(key, []).append(row)
     print(f"best probe of the run {best:.1f} GB/s -> bound {best * 1e9 / bpt:.1f} tok/s; probes "
           f"{', '.join(f'{v:.0f}' for v in probes)}")
@@ -343,12 +353,13 @@ def main() -> None:
     for key, rows in groups.items():
         med = statistics.median(r["tokens_per_s"] for r in rows)
         entry = dict(zip(("deferred", "graphs", "batch", "blocking_sync", "hostfn_spin_us", "fuse", "block_prefetch",
-                          "items_per_thread", "stream_wait", "merge_deferred", "handoff"), key), runs=len(rows),
+                          "items_per_thread", "stream_wait", "merge_deferred", "handoff", "prefetch_bytes"), key),
+                     runs=len(rows),
                      median_tokens_per_s=med,
                      tokens_per_s=[r["tokens_per_s"] for r in rows])
         line = (f"deferred {key[0]} graphs {key[1]:3s} batch {key[2]:3d} blocking-sync {key[3]:3s} "
                 f"hostfn-spin {key[4]} fuse {key[5]} bp {key[6]} ipt {key[7]} wait {key[8]} merge {key[9]} "
-                f"handoff {key[10]}: median "
+                f"handoff {key[10]} pf {key[11]}: median "
                 f"{med:.1f} tok/s of {len(rows)} "
                 f"({', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])})")
         if target and key[2] == 1:

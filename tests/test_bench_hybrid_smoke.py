@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridmoe.cpu.settings import CPUEngineSettings
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -78,19 +80,20 @@ def test_bench_hybrid_decode_from_gguf_experts(tmp_path):
            "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "128", "--gpu-experts", str(gpu),
            "--deferred", "0", "--batch", "1", "--graphs", "off", "--off-steps", "3", "--prompt-len", "8",
            "--gguf", "Q8_0", "--gguf-dir", str(where), "--out", str(out)]
-    for run in range(2):  # the second run also A/Bs the next-block prefetch and the item size
-        ab = ["--block-prefetch", "1,0", "--items-per-thread", "8,2"] if run else []
+    for run in range(2):  # the second run also A/Bs the next-block prefetch, the item size and the prefetch distance
+        ab = ["--block-prefetch", "1,0", "--items-per-thread", "8,2", "--prefetch", "4096,0"] if run else []
         proc = subprocess.run(cmd + ab, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert ("gguf experts:" in proc.stdout) == (run == 0)
         assert (" bp 0 " in proc.stdout) == (run == 1) and (" ipt 2 " in proc.stdout) == (run == 1)
+        assert (" pf 0 " in proc.stdout) == (run == 1 and CPUEngineSettings().prefetch_bytes != 0)
     files = list(where.glob("*.gguf"))
     assert len(files) == 1 and not list(where.glob("*.part"))
     per_expert = 3 * h * i // 32 * 34  # Q8_0: 34 bytes per 32 values, three matrices of H x I
     res = json.loads(out.read_text())
-    assert [(r["block_prefetch"], r["items_per_thread"]) for r in res["runs"]] == [(1, 8), (1, 2), (0, 8), (0, 2)]
-    assert sorted((e["block_prefetch"], e["items_per_thread"]) for e in res["summary"]) == [(0, 2), (0, 8), (1, 2),
-                                                                                            (1, 8)]
+    grid = [(q, n, d) for q in (1, 0) for n in (8, 2) for d in (4096, 0)]
+    assert [(r["block_prefetch"], r["items_per_thread"], r["prefetch_bytes"]) for r in res["runs"]] == grid
+    assert sorted((e["block_prefetch"], e["items_per_thread"], e["prefetch_bytes"]) for e in res["summary"]) == sorted(grid)
     row = res["runs"][0]
     assert row["tokens_per_s"] > 0 and row["cpu_tasks_per_step"] > 0
     assert row["cpu_expert_bytes_per_token"] == pytest.approx(layers * k * (e - gpu) / e * per_expert)
