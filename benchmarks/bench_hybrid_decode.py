@@ -283,7 +283,7 @@ def main() -> None:
                 runner.graphs = graphs if mode == "on" else None
                 spin = default_pool().native_settings().hostfn_spin_us  # what the pool got from the config
                 blocking = "on" if llm.engine.sampler.wait_event is not None else "off"  # as the config set it
-                pf0 = default_pool().prefetch_bytes  # the settings' default for this CPU
+                pf0 = results["prefetch_bytes_default"] = default_pool().prefetch_bytes  # the settings' default here
                 for b, fr, bp, ipt, pf in [(bs, f, q, n, d) for bs in a.batch for f in (a.fuse if bs == 1 else ["on"])
                                            for q in (a.block_prefetch if bs == 1 else [1])
                                            for n in (a.items_per_thread if bs == 1 else [8])

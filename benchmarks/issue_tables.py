@@ -51,19 +51,21 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _default_settings(rows: list[dict]) -> list[dict]:
+def _default_settings(rows: list[dict], prefetch_default: int | None = None) -> list[dict]:
     """The rows (runs or summary entries) of the engine's default settings: a bench_hybrid_decode.py A/B's
     `--fuse` (session 27: `--fused-reduce`) rows other than `on`, `--block-prefetch` rows other than 1,
     `--items-per-thread` rows other than 8, `--stream-wait hostfn` rows (memop is the default where the driver has
-    it, session 30), `--merge-deferred off` and `--handoff off` rows left out (files from before the options have
-    none)."""
+    it, session 30), `--merge-deferred off` and `--handoff off` rows, and `--prefetch` rows other than the host's
+    default distance (the file's prefetch_bytes_default) left out (files from before the options have none)."""
+    pf = prefetch_default
     return [r for r in rows if r.get("fuse", r.get("fused_reduce", "on")) == "on" and r.get("block_prefetch", 1) == 1
             and r.get("items_per_thread", 8) == 8 and r.get("stream_wait", "memop") == "memop"
-            and r.get("merge_deferred", "on") == "on" and r.get("handoff", "on") != "off"]
+            and r.get("merge_deferred", "on") == "on" and r.get("handoff", "on") != "off"
+            and (pf is None or r.get("prefetch_bytes", pf) == pf)]
 
 
 def issue16_deferral(d: dict, src: str) -> list[Row]:
-    runs = [r for r in _default_settings(d["runs"]) if r["batch"] == 1]
+    runs = [r for r in _default_settings(d["runs"], d.get("prefetch_bytes_default")) if r["batch"] == 1]
     busy = {k: _median([r["cpu_busy_ms_per_step"] for r in runs if r["deferred"] == k]) for k in (0, 2)}
     tps = {k: _median([r["tokens_per_s"] for r in runs if r["deferred"] == k]) for k in (0, 2)}
     idle = _median([r["cpu_trace"]["idle_before_us"] for r in runs if r["deferred"] == 2 and r.get("cpu_trace")])
@@ -81,7 +83,7 @@ def issue16_deferral(d: dict, src: str) -> list[Row]:
 
 def issue16_hybrid(d: dict, src: str) -> list[Row]:
     rows = []
-    summary = _default_settings(d.get("summary", []))
+    summary = _default_settings(d.get("summary", []), d.get("prefetch_bytes_default"))
     summ = {(s["deferred"], s["batch"]): s for s in summary}
     best_probe = max(d.get("stream_probes_gbps") or [float("nan")])
     for k in sorted({s["deferred"] for s in summary if s["batch"] == 1}):
@@ -193,7 +195,7 @@ def issue18_hybrid(d: dict, src: str) -> list[Row]:
     return [Row(18, "speed", f"hybrid GGUF decode batch {s['batch']}, deferral {s['deferred']}",
                 s["median_tokens_per_s"], "tok/s",
                 f"ratio to the best-probe bound {s.get('median_ratio_to_best_probe_bound', float('nan')):.3f}",
-                "reported", None, src) for s in _default_settings(d.get("summary", []))]
+                "reported", None, src) for s in _default_settings(d.get("summary", []), d.get("prefetch_bytes_default"))]
 
 
 def issue15_mla(d: dict, src: str) -> list[Row]:

@@ -91,6 +91,7 @@ def test_bench_hybrid_decode_from_gguf_experts(tmp_path):
     assert len(files) == 1 and not list(where.glob("*.part"))
     per_expert = 3 * h * i // 32 * 34  # Q8_0: 34 bytes per 32 values, three matrices of H x I
     res = json.loads(out.read_text())
+    assert res["prefetch_bytes_default"] == CPUEngineSettings().prefetch_bytes  # what issue_tables.py keeps
     grid = [(q, n, d) for q in (1, 0) for n in (8, 2) for d in (4096, 0)]
     assert [(r["block_prefetch"], r["items_per_thread"], r["prefetch_bytes"]) for r in res["runs"]] == grid
     assert sorted((e["block_prefetch"], e["items_per_thread"], e["prefetch_bytes"]) for e in res["summary"]) == sorted(grid)

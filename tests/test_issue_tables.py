@@ -48,15 +48,18 @@ def test_deferral_and_hybrid_points(tmp_path: Path) -> None:
     assert not rows["deferral 2 against 0 at batch 1 (median tok/s)"].met
     assert rows[f"hybrid decode batch 1, deferral {it.DEFAULT_DEFERRAL} (the default)"].met
     # A/B rows of non-default settings (--items-per-thread 2, --block-prefetch 0, --stream-wait hostfn,
-    # --merge-deferred off) are left out of every row; rows naming the defaults are kept
-    doc = hybrid_file(10.0, 10.5, 20.0, 60.0, 66.0, 0.69)
-    keys = ("items_per_thread", "block_prefetch", "stream_wait", "merge_deferred")
-    for extra in ({"items_per_thread": 2}, {"block_prefetch": 0}, {"stream_wait": "hostfn"}, {"merge_deferred": "off"}):
+    # --merge-deferred off, --prefetch other than the file's default distance) are left out of every row; rows
+    # naming the defaults are kept
+    doc = dict(hybrid_file(10.0, 10.5, 20.0, 60.0, 66.0, 0.69), prefetch_bytes_default=4096)
+    keys = ("items_per_thread", "block_prefetch", "stream_wait", "merge_deferred", "prefetch_bytes")
+    for extra in ({"items_per_thread": 2}, {"block_prefetch": 0}, {"stream_wait": "hostfn"}, {"merge_deferred": "off"},
+                  {"prefetch_bytes": 2048}):
         doc["runs"] += [dict(r, cpu_busy_ms_per_step=99.0, **extra) for r in doc["runs"]
                         if not any(k in r for k in keys)]
         doc["summary"] += [dict(e, median_tokens_per_s=1.0, **extra) for e in doc["summary"]
                            if not any(k in e for k in keys)]
-    doc["runs"] = [dict(r, stream_wait="memop") if not any(k in r for k in keys) else r for r in doc["runs"]]
+    doc["runs"] = [dict(r, stream_wait="memop", prefetch_bytes=4096) if not any(k in r for k in keys) else r
+                   for r in doc["runs"]]
     rows = rows_of(tmp_path, {"hybrid": doc})
     assert rows["CPU busy a step, deferral 2 / 0 (batch 1, medians)"].value == pytest.approx(1.05)
     assert rows["hybrid decode batch 1, deferral 2"].value == 66.0
