@@ -88,6 +88,17 @@ def test_regex_outputs_fully_match(client, http):
     assert out["meta_info"]["finish_reason"]["type"] == "stop" and re.fullmatch(PATTERN, out["text"]), out
 
 
+def test_inner_anchors_are_served_without_a_stderr_line(server, http):
+    """`^yes$|^no$` (anchors xgrammar reads as no-ops, printing a C++ warning line for each): the answer is one of
+    the words and the server's output has no line of xgrammar's."""
+    before = server.log().count("Warning:")
+    for seed in range(3):
+        r = http.post("/generate", json={"text": "Q:", "sampling_params": {
+            "regex": "^yes$|^no$", "max_new_tokens": 8, "temperature": 1.0, "sampling_seed": seed}})
+        assert r.status_code == 200 and r.json()["text"] in ("yes", "no"), r.text
+    assert server.log().count("Warning:") == before, server.log()[-2000:]
+
+
 def test_ebnf_on_generate(http):
     ebnf = 'root ::= "call(" arg ("," arg)? ")"\narg ::= [a-z] [0-9]?'
     for seed in range(5):
