@@ -218,7 +218,15 @@ class GrammarBackend:
             self._cached_bytes -= old.memory_size_bytes + len(old_key[1])
 
     def submit(self, kind: str, text: str) -> concurrent.futures.Future:
-        """compile() on the backend's threads; the future holds the CompiledGrammar or the GrammarError."""
+        """compile() on the backend's threads; the future holds the CompiledGrammar or the GrammarError. A cached
+        grammar comes back done, never queued behind other compiles; cancelling a queued one drops it."""
+        with self._lock:
+            hit = self._cache.get((kind, text))
+            if hit is not None:
+                self._cache.move_to_end((kind, text))
+                done: concurrent.futures.Future = concurrent.futures.Future()
+                done.set_result(hit)
+                return done
         return self._executor.submit(self.compile, kind, text)
 
     def cached(self, kind: str, text: str) -> bool:

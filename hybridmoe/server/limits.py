@@ -35,7 +35,8 @@ class ServerLimits:
     allow_client_chat_template: bool = False  # accept chat_template_kwargs.chat_template from clients
     max_top_logprobs_num: int = 20  # top_logprobs_num / logprobs / top_logprobs, on every route
     max_grammar_size: int = 128 * 1024  # characters of a json_schema, regex or ebnf (400 beyond)
-    grammar_compile_timeout: float = 60.0  # a grammar compiling longer: 400 (it goes on compiling, then is cached)
+    grammar_compile_timeout: float = 60.0  # a grammar compiling longer: 400 (it goes on compiling, then is cached);
+    # one still queued behind other compiles then: 503, and it is dropped
     max_n_samples: int = 64  # n (parallel samples of one prompt), on every route
     max_sequences_per_request: int = 4096  # prompts of a batch times their n (/generate, /v1/completions)
 
@@ -87,7 +88,7 @@ _LIMIT_FLAGS: tuple[tuple[str, object, str], ...] = (
     ("--max-grammar-size", int, "most characters of a structured-output constraint (json_schema, regex, ebnf, "
      "response_format's schema; 400 beyond)"),
     ("--grammar-compile-timeout", float, "seconds a request's grammar may take to compile (400 beyond; the "
-     "compiled grammar is cached when it finishes)"),
+     "compiled grammar is cached when it finishes; 503 when it waited that long behind other compiles)"),
     ("--max-n-samples", int, "most parallel samples (n) a request may ask for per prompt, on every route (400 beyond)"),
     ("--max-sequences-per-request", int, "most sequences one request may start: the prompts of a batch (/generate, "
      "/v1/completions) times their n (400 beyond)"),

@@ -55,15 +55,27 @@ async def attach_grammar(state: Any, req: Req) -> None:
     timeout = state.limits.grammar_compile_timeout
     try:
         backend = state.core.grammars.backend
-        # shielded: a compile that outlives the timeout goes on and is cached for the next request
-        inner = asyncio.wrap_future(backend.submit(kind, text))
-        inner.add_done_callback(_retrieve)
+        job = backend.submit(kind, text)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=kind) from None
+    # shielded: a compile that outlives the timeout goes on and is cached for the next request
+    inner = asyncio.wrap_future(job)
+    inner.add_done_callback(_retrieve)
+    try:
         compiled = await asyncio.wait_for(asyncio.shield(inner), timeout)
     except GrammarError as e:
         raise APIError(400, str(e), param=kind) from None
     except asyncio.TimeoutError:
+        # Still queued behind other compiles: it never runs (a backlog nobody waits for would hold every later
+        # grammar back), and the grammar is not at fault: 503, retry.
+        if job.cancel():
+            raise APIError(503, f"the grammar compile threads were busy for {timeout:g} s "
+                                "(--grammar-compile-timeout); retry later", param=kind) from None
         raise APIError(400, f"{kind} did not compile within {timeout:g} s (--grammar-compile-timeout); a smaller "
                             "grammar compiles faster", param=kind) from None
+    except asyncio.CancelledError:  # the client left: a queued compile is dropped, a running one is cached
+        job.cancel()
+        raise
     req.grammar = RequestGrammar(compiled)
 
 

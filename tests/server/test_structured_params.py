@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import threading
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
 
@@ -44,10 +46,12 @@ def test_two_constraints_are_refused_by_name():
 
 
 class _Stuck:
-    """A backend whose compile never ends."""
+    """A backend whose compile starts and never ends."""
 
     def submit(self, kind: str, text: str) -> concurrent.futures.Future:
-        return concurrent.futures.Future()
+        job = concurrent.futures.Future()
+        assert job.set_running_or_notify_cancel()
+        return job
 
 
 def _state(backend, **limits) -> SimpleNamespace:
@@ -88,3 +92,56 @@ def test_no_tokenizer_is_a_400():
         asyncio.run(attach_grammar(state, _req(regex="a")))
     with pytest.raises(GrammarError):
         state.core.grammars.attach(_req(regex="a"))
+
+
+class _Blocking(GrammarBackend):
+    """One compile thread; compiling a regex that starts with "slow" waits for `release`, so later compiles
+    queue behind it."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: None, threads=1)
+        self.release = threading.Event()
+        self.ran: list[str] = []
+
+    def _compile_now(self, kind: str, text: str):
+        self.ran.append(text)
+        if text.startswith("slow"):
+            assert self.release.wait(30)
+        return SimpleNamespace(memory_size_bytes=1, text=text)
+
+
+def test_a_compile_queued_past_the_timeout_is_a_503_and_never_runs():
+    be = _Blocking()
+    be._cache[("regex", "cached")] = SimpleNamespace(memory_size_bytes=1, text="cached")
+    state = _state(be, grammar_compile_timeout=0.2)
+
+    async def main() -> None:
+        slow = asyncio.create_task(attach_grammar(state, _req(regex="slow")))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as queued:  # behind "slow" on the one thread
+            await attach_grammar(state, _req(regex="queued"))
+        assert queued.value.status == 503 and "busy" in queued.value.message and queued.value.param == "regex"
+        # a cached grammar is not queued behind the compile
+        with patch("hybridmoe.server.structured.RequestGrammar", lambda c: c):
+            cached = _req(regex="cached")
+            await attach_grammar(state, cached)
+            assert cached.grammar.text == "cached"
+            with pytest.raises(APIError) as slow_err:  # it started: the grammar's own time ran out
+                await slow
+            assert slow_err.value.status == 400 and "did not compile within 0.2 s" in slow_err.value.message
+            # a client that leaves drops its queued compile too
+            left = asyncio.create_task(attach_grammar(state, _req(regex="left")))
+            await asyncio.sleep(0.05)
+            left.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await left
+            be.release.set()
+            await asyncio.sleep(0.1)
+            after = _req(regex="after")
+            await attach_grammar(state, after)  # the thread is free again
+            assert after.grammar.text == "after"
+
+    asyncio.run(main())
+    assert be.ran == ["slow", "after"]  # "queued" and "left" never compiled
+    assert be.cached("regex", "slow")  # the timed-out compile finished and was kept
+    be.close()
