@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hybridmoe.cpu.gguf_engine import GGUFExperts
 from hybridmoe.cpu.gguf_quant import TYPE_IDS, TYPES
+from hybridmoe.gguf.metadata import COUNT, POSITIVE, GGUFConfigError, meta_value
 from hybridmoe.gguf.reader import GGUFError, GGUFModel
 
 PROJ = ("gate", "up", "down")
@@ -53,11 +54,15 @@ def _model_name(model_path: str | None) -> str:
 
 def check_layer_count(model: GGUFModel, num_layers: int, model_path: str | None = None) -> None:
     """The file's block count (metadata, else the highest blk index) must be the model's layer count."""
-    n = model.meta(f"{model.arch}.block_count")
+    try:  # a damaged count (a string, a float, 2**62) named here, not failing in int()
+        n = meta_value(model.metadata, f"{model.arch}.block_count", POSITIVE, model.path)
+        mtp = meta_value(model.metadata, f"{model.arch}.nextn_predict_layers", COUNT, model.path) or 0
+    except GGUFConfigError as e:
+        raise GGUFError(str(e)) from None
     if n is None:
-        idx = [int(k.split(".")[1]) for k in model.tensors if k.startswith("blk.")]
+        idx = [int(k.split(".")[1]) for k in model.tensors if k.startswith("blk.") and k.split(".")[1].isdigit()]
         n = max(idx) + 1 if idx else 0
-    n = int(n) - int(model.meta(f"{model.arch}.nextn_predict_layers") or 0)  # MTP blocks: not decoder layers
+    n -= mtp  # MTP blocks: not decoder layers
     if n != num_layers:
         raise GGUFError(f"{model.path}: {n} layers ({model.arch}.block_count), but --model "
                         f"{_model_name(model_path)} has {num_layers}")

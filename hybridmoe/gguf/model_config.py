@@ -3,7 +3,8 @@
 Our own mapping, not transformers' (integrations.ggml.GGUF_CONFIG_MAPPING): in transformers 5.24 it
 maps neither moe_intermediate_size (qwen3moe, qwen2moe) nor the shared expert's size, and it reads a
 llama-architecture file with experts (Mixtral) as a dense Llama. Sizes the metadata may lack are taken
-from the tensor shapes, which every file has.
+from the tensor shapes, which every file has. The metadata values it reads are checked first, by type
+and range (gguf/metadata.py), and the sizes against the tensors, as llama.cpp's loader checks them.
 
 llama.cpp architecture -> ours: qwen3moe -> Qwen3MoeForCausalLM, qwen2moe -> Qwen2MoeForCausalLM,
 llama with {arch}.expert_count > 0 -> MixtralForCausalLM, deepseek2 -> DeepseekV3ForCausalLM or
@@ -14,12 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridmoe.gguf.metadata import GGUFConfigError, check_metadata
+
 ARCHS = {"qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
          "llama": ("MixtralForCausalLM", "mixtral"), "deepseek2": ("DeepseekV3ForCausalLM", "deepseek_v3")}
-
-
-class GGUFConfigError(ValueError):
-    """Metadata that describes no model this engine serves."""
 
 
 def _moe_layers(shapes: dict[str, tuple[int, ...]], n_layers: int) -> list[int]:
@@ -33,6 +32,43 @@ def _first(shapes: dict[str, tuple[int, ...]], names: list[str], dim: int) -> in
     return None
 
 
+def _mismatch(source: str, key: str, value: int, what: str) -> GGUFConfigError:
+    return GGUFConfigError(f"{source}: metadata {key} is {value}, but {what}: the file is damaged or was edited")
+
+
+def _check_against_tensors(meta: dict[str, Any], arch: str, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    """The sizes the config takes from the metadata agree with the tensors llama.cpp would create from
+    them (it refuses a file where they do not): a damaged count is named here, not met later as a
+    shape error, a division by zero or a loop over 2**62 layers."""
+    n_layers = meta[f"{arch}.block_count"]
+    last = max((int(n.split(".")[1]) for n in shapes if n.startswith("blk.") and n.split(".")[1].isdigit()),
+               default=-1)
+    mtp = meta.get(f"{arch}.nextn_predict_layers") or 0  # multi-token-prediction blocks a file may leave out
+    if n_layers > last + 1 + mtp:
+        raise _mismatch(source, f"{arch}.block_count", n_layers,
+                        f"the tensors stop at blk.{last}" if last >= 0 else "the file has no blk.N tensors")
+    hidden = meta[f"{arch}.embedding_length"]
+    embd = _first(shapes, ["token_embd.weight"], -1)
+    if embd is not None and hidden != embd:
+        raise _mismatch(source, f"{arch}.embedding_length", hidden, f"token_embd.weight has rows of {embd}")
+    for heads_key, tensor in (("attention.head_count", "blk.0.attn_q.weight"),
+                              ("attention.head_count_kv", "blk.0.attn_k.weight")):
+        heads, rows = meta.get(f"{arch}.{heads_key}"), _first(shapes, [tensor], 0)
+        if heads is not None and rows is not None and rows % heads:
+            raise _mismatch(source, f"{arch}.{heads_key}", heads, f"{tensor}'s {rows} rows are no whole number of "
+                            "heads")
+
+
+def _check_experts(meta: dict[str, Any], arch: str, experts: int, tensor: str, source: str) -> None:
+    """expert_count, if given, is the experts' tensors' count, and expert_used_count at most that."""
+    count = meta.get(f"{arch}.expert_count")
+    if count is not None and count != experts:
+        raise _mismatch(source, f"{arch}.expert_count", count, f"{tensor} holds {experts} experts")
+    used = meta.get(f"{arch}.expert_used_count")
+    if used is not None and used > experts:
+        raise _mismatch(source, f"{arch}.expert_used_count", used, f"{tensor} holds only {experts} experts")
+
+
 def hf_config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> dict[str, Any]:
     """config.json content for the model of this metadata; `shapes` in torch order ([E, N, K] for
     the 3-D expert tensors, [N, K] for linears). `source` names the file in errors."""
@@ -41,8 +77,11 @@ def hf_config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: 
         raise GGUFConfigError(f"{source}: general.architecture {arch!r} is not served from a GGUF (supported: "
                               f"{', '.join(sorted(ARCHS))} with experts)")
 
+    check_metadata(meta, arch, source)  # types and ranges: int() below and the layer loop rely on them
+
     def key(name: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{name}", default)
+        value = meta.get(f"{arch}.{name}")
+        return default if value is None else value
 
     n_layers = key("block_count")
     hidden = key("embedding_length")
@@ -50,7 +89,7 @@ def hf_config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: 
     if n_layers is None or hidden is None or heads is None:
         raise GGUFConfigError(f"{source}: metadata lacks {arch}.block_count, .embedding_length or "
                               ".attention.head_count")
-    n_layers, hidden, heads = int(n_layers), int(hidden), int(heads)
+    _check_against_tensors(meta, arch, shapes, source)
     moe = _moe_layers(shapes, n_layers)
     if not moe:
         if any(f"blk.0.ffn_gate.{e}.weight" in shapes for e in range(2)):
@@ -58,6 +97,7 @@ def hf_config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: 
                                   "llama.cpp layout); convert it again with a current llama.cpp (merged *_exps tensors)")
         raise GGUFConfigError(f"{source}: no blk.N.ffn_gate_exps.weight tensor: not a mixture-of-experts model")
     experts, moe_inter, _ = shapes[f"blk.{moe[0]}.ffn_gate_exps.weight"]
+    _check_experts(meta, arch, experts, f"blk.{moe[0]}.ffn_gate_exps.weight", source)
     head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
     q_rows = _first(shapes, ["blk.0.attn_q.weight"], 0)
     if q_rows is not None:

@@ -40,7 +40,10 @@ def split_parts(path: str | Path) -> list[Path]:
     m = SPLIT.match(p.name)
     if m is None:
         return [p]
-    n = int(m["n"])
+    n, i = int(m["n"]), int(m["i"])
+    if not 1 <= i <= n:  # "-00001-of-00000" would make an empty set; "-00003-of-00002" is in no set
+        raise GGUFPathError(f"{p}: part {i} of {n} is not a part of a split set (parts run from 00001 to the count); "
+                            "rename it or pass another part")
     parts = [p.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
     missing = [str(q) for q in parts if not q.is_file()]
     if missing:

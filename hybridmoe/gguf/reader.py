@@ -25,7 +25,7 @@ import torch
 from hybridmoe.config import ConfigError
 from hybridmoe.cpu import gguf_quant
 from hybridmoe.gguf import paths
-from hybridmoe.gguf.open_part import open_part
+from hybridmoe.gguf.open_part import open_parts
 
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
@@ -105,11 +105,11 @@ class GGUFModel:
         self.path = str(parts[0])
         self.tensors: dict[str, GGUFTensor] = {}
         self.metadata: dict[str, object] = {}
-        for p in parts:
-            try:
-                r = open_part(p)
-            except paths.GGUFPathError as e:
-                raise GGUFError(str(e)) from None
+        try:
+            readers = open_parts(parts)
+        except paths.GGUFPathError as e:
+            raise GGUFError(str(e)) from None
+        for p, r in zip(parts, readers, strict=True):
             for k, f in r.fields.items():
                 if k not in self.metadata:
                     try:

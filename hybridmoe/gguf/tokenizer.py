@@ -16,6 +16,14 @@ class GGUFTokenizerError(ValueError):
     """A GGUF whose tokenizer metadata cannot be turned into a tokenizer."""
 
 
+def _refused(gguf_file: str | Path, what: str, e: BaseException) -> GGUFTokenizerError:
+    """The error for `e` from transformers or tokenizers, on one line (theirs may span several); a
+    KeyError is a metadata key the conversion looked for (its text alone would be the bare name)."""
+    text = f"no tokenizer.ggml.{e.args[0]} in the metadata" if isinstance(e, KeyError) and e.args else str(e)
+    return GGUFTokenizerError(f"{gguf_file}: {what} ({' '.join(text.split())}); pass --tokenizer-path with a "
+                              "Hugging Face tokenizer")
+
+
 def _internal_conversion():
     """transformers' (convert_gguf_tokenizer, get_gguf_tokenizer), or None in a release without them."""
     try:
@@ -38,12 +46,14 @@ def save_tokenizer(gguf_file: str | Path, out_dir: str | Path) -> None:
         arch, tok_dict, tok_config = get_gguf_tokenizer(str(gguf_file))
         if "tokens" not in tok_dict:
             raise ValueError("no tokenizer.ggml.tokens")
+        if tok_dict.get("tokenizer_type") == "gpt2" and "merges" not in tok_dict:
+            raise ValueError("a byte-level BPE (gpt2) vocabulary without tokenizer.ggml.merges")
         backend, extra = convert_gguf_tokenizer(arch, tok_dict)
+        kwargs = {k: v for k, v in {**tok_config, **extra}.items() if v is not None}
+        # inside the try: the metadata's values reach the tokenizer's own checks here (add_bos_token)
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
     except Exception as e:  # noqa: BLE001  (transformers raises several types; name the file)
-        raise GGUFTokenizerError(f"{gguf_file}: its tokenizer metadata cannot be converted ({e}); pass "
-                                 "--tokenizer-path with a Hugging Face tokenizer") from None
-    kwargs = {k: v for k, v in {**tok_config, **extra}.items() if v is not None}
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+        raise _refused(gguf_file, "its tokenizer metadata cannot be converted", e) from None
     tok.save_pretrained(str(out_dir))
 
 
@@ -72,16 +82,14 @@ def _save_without_the_conversion(gguf_file: Path, out_dir: str | Path) -> None:
     try:
         byte_level = bpe_tokenizer.is_byte_level_bpe(gguf_file)
     except Exception as e:  # noqa: BLE001  (not a readable GGUF)
-        raise GGUFTokenizerError(f"{gguf_file}: its tokenizer metadata cannot be read ({e}); pass --tokenizer-path "
-                                 "with a Hugging Face tokenizer") from None
+        raise _refused(gguf_file, "its tokenizer metadata cannot be read", e) from None
     if not byte_level:
         _save_through_auto_tokenizer(gguf_file, out_dir)
         return
     try:
         tok = bpe_tokenizer.build(gguf_file)
     except Exception as e:  # noqa: BLE001  (malformed vocabulary or merges: name the file)
-        raise GGUFTokenizerError(f"{gguf_file}: its tokenizer metadata cannot be converted ({e}); pass "
-                                 "--tokenizer-path with a Hugging Face tokenizer") from None
+        raise _refused(gguf_file, "its tokenizer metadata cannot be converted", e) from None
     tok.save_pretrained(str(out_dir))
 
 
@@ -91,8 +99,7 @@ def _save_through_auto_tokenizer(gguf_file: Path, out_dir: str | Path) -> None:
 
         tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     except Exception as e:  # noqa: BLE001  (ImportError of an old transformers, parse errors, ...)
-        raise GGUFTokenizerError(f"{gguf_file}: this transformers cannot convert its tokenizer ({e}); pass "
-                                 "--tokenizer-path with a Hugging Face tokenizer") from None
+        raise _refused(gguf_file, "this transformers cannot convert its tokenizer", e) from None
     _split_like_the_vocabulary(tok, gguf_file)
     # Saved as a plain fast tokenizer: a model class (Qwen2Tokenizer) would impose its own split on reload.
     from transformers import PreTrainedTokenizerFast

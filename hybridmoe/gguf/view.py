@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from hybridmoe.gguf.model_config import GGUFConfigError, hf_config
-from hybridmoe.gguf.open_part import open_part
+from hybridmoe.gguf.open_part import open_parts
 from hybridmoe.gguf.paths import GGUFPathError, is_gguf_model, split_parts
 from hybridmoe.gguf.tokenizer import GGUFTokenizerError, save_tokenizer
 
@@ -40,8 +40,7 @@ def read_header(parts: list[Path]) -> tuple[dict, dict[str, tuple[int, ...]]]:
     """(metadata of the first part, every part's tensor shapes in torch order)."""
     meta: dict = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for i, p in enumerate(parts):
-        r = open_part(p)  # GGUFPathError: unreadable, or a tensor's data out of place
+    for i, r in enumerate(open_parts(parts)):  # GGUFPathError: unreadable, a tensor's data out of place, a mixed set
         if i == 0:
             for k, f in r.fields.items():
                 try:

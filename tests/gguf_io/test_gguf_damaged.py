@@ -41,7 +41,7 @@ def _offset(src: Path, tensor: str) -> int:
 
 
 # (tensor, field, value or a function of the file giving it, the words the error must contain, the
-# tensor named in it: the gap case names the tensor after the gap; the package's own refusal names none)
+# tensor named in it: the gap case names the tensor after the gap)
 CASES = {
     "offset_of_another_tensor": ("blk.1.attn_v.weight", "offset", lambda f: _offset(f, "blk.1.attn_k.weight"),
                                  "share data bytes", "blk.1.attn_v.weight"),
@@ -52,7 +52,7 @@ CASES = {
                                         "blk.2.ffn_up_exps.weight"),
     "offset_misaligned": ("blk.0.ffn_down_exps.weight", "offset", lambda f: _offset(f, "blk.0.ffn_down_exps.weight") + 8,
                           "is not a multiple of the alignment", "blk.0.ffn_down_exps.weight"),
-    "offset_past_the_end": ("blk.2.ffn_up_exps.weight", "offset", 2**40, "not a readable GGUF file", None),
+    "offset_past_the_end": ("blk.2.ffn_up_exps.weight", "offset", 2**40, "past the end", "blk.2.ffn_up_exps.weight"),
     "type_smaller": ("blk.1.attn_k.weight", "type", 3, "more than the alignment padding", None),  # F16 -> Q4_1
     "type_larger": ("blk.0.attn_q.weight", "type", 0, "share data bytes", "blk.0.attn_q.weight"),  # F16 -> F32
     "type_unchanged": ("blk.2.attn_q_norm.weight", "type", 0, None, None),  # F32 already: the control
