@@ -12,10 +12,21 @@ import json
 import math
 from pathlib import Path
 
+from hybridmoe.layers.rotary import rope_params_of
 from hybridmoe.weights.loader import CheckpointError, load_hf_config
 from hybridmoe.weights.shards import TensorInfo, scan_checkpoint
 
 INT_LIMIT = 2**31 - 1
+# Counts that something loops over or allocates by before any tensor is compared: far above every published
+# model, far below what takes minutes or all memory. Layers: transformers' own config classes and the arch
+# specs loop over them (Qwen2-MoE's config took 20 s for 10^7 layers, Qwen3-MoE's spec hung on 2^31-1 and
+# DeepSeek-V3's ended in a MemoryError); the deepest published MoE has 94 (Qwen3-235B). Positions: the RoPE
+# tables hold every position (2^31-1 was a 68 GB allocation at load); the longest published context is 10M
+# (Llama-4-Scout).
+MAX_LAYERS = 4096
+MAX_POSITIONS = 1 << 24
+_MAX_CONFIG_BYTES = 16 << 20  # config.json files are kilobytes; a huge one (or a sparse 1 TB one) was read whole
+_MAX_JSON_BYTES = 256 << 20  # the other JSON files (tokenizer.json: tens of MB at most)
 LOADABLE_DTYPES = ("F32", "F16", "BF16")  # what weights/loader.py copies into the model
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -25,13 +36,19 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _read_json(path: Path) -> object:
+def _read_json(path: Path, limit: int = _MAX_JSON_BYTES) -> object:
     try:
-        return json.loads(path.read_text())
+        size = path.stat().st_size
+        text = path.read_text() if size <= limit else None  # read whole: a huge (or sparse) file took its size
+        if text is not None:
+            return json.loads(text)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read: {e}") from e
-    except ValueError as e:
+    except ValueError as e:  # UnicodeDecodeError included
         raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    except RecursionError as e:  # json's parser recurses per nesting level: [[[...]]] 100000 deep
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from e
+    raise CheckpointError(f"{path}: {size} bytes, more than a {path.name} file can be ({limit >> 20} MiB)")
 
 
 def load_checked_config(model_path: str, trust_remote_code: bool = False, flag: str = "--model-path"):
@@ -41,13 +58,17 @@ def load_checked_config(model_path: str, trust_remote_code: bool = False, flag: 
 
     root = Path(model_path)
     if not root.is_dir():
+        if root.exists():  # e.g. its config.json or a shard given instead of the directory
+            raise CheckpointError(f"{flag} {root}: not a directory (expected a Hugging Face model directory with "
+                                  "config.json and *.safetensors files, or a .gguf file)")
         raise CheckpointError(f"{flag} {root}: no such directory")
     path = root / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{root}: no config.json (expected a Hugging Face model directory)")
-    raw = _read_json(path)
+    raw = _read_json(path, _MAX_CONFIG_BYTES)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
+    _check_raw_config(raw, path)
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -59,10 +80,32 @@ def load_checked_config(model_path: str, trust_remote_code: bool = False, flag: 
         spec = arch_spec(config, str(path))
     except (CheckpointError, ValueError) as e:
         raise CheckpointError(one_line(str(e))) from e
+    except TypeError as e:  # a value of a type the checks above did not foresee, met by an arch spec
+        raise CheckpointError(f"{path}: a value of the wrong type: {one_line(str(e))}") from e
     finally:
         hf_logging.set_verbosity(level)
     check_config(config, spec, raw, path)
     return config, spec
+
+
+# the most a count may be (check_config's `count`); the others are at most INT_LIMIT
+_COUNT_LIMITS = {"num_hidden_layers": MAX_LAYERS, "max_position_embeddings": MAX_POSITIONS}
+
+
+def _check_raw_config(raw: dict, path: Path) -> None:
+    """What transformers would loop over, or fail on deep inside (a message naming no field), before
+    check_config sees the values: counts above their limit, and fields of the wrong JSON type."""
+    for key, high in _COUNT_LIMITS.items():
+        v = raw.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > high:
+            raise CheckpointError(f"{path}: {key} is {v}, expected an integer in [1, {high}]")
+    for key in ("model_type", "dtype", "torch_dtype"):  # a list was "unhashable type" / "list index out of range"
+        v = raw.get(key)
+        if v is not None and not isinstance(v, str):
+            raise CheckpointError(f"{path}: {key} is {v!r}, expected a string")
+    q = raw.get("quantization_config")
+    if q is not None and not isinstance(q, dict):  # was "'list' object has no attribute 'to_dict'"
+        raise CheckpointError(f"{path}: quantization_config is {q!r:.80}, expected a JSON object")
 
 
 # config values the architecture specs compute with (models/*.py) before check_config sees them; an alias
@@ -76,7 +119,10 @@ def _check_spec_inputs(config, raw: dict, path: Path) -> None:
     """Integers where the architecture specs need them, and mlp_only_layers a list of them."""
     for key in _SPEC_INTS:
         v = raw[key] if key in raw else getattr(config, key, None)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+        # an expert count given as null reaches the spec unchecked through an alias (was "TypeError: '>' not
+        # supported"); the other keys may be null (unset)
+        required = key in _EXPERT_KEYS and key in raw
+        if (v is not None or required) and (not isinstance(v, int) or isinstance(v, bool)):
             raise CheckpointError(f"{path}: {key} is {v!r}, expected an integer")
     only = raw.get("mlp_only_layers", getattr(config, "mlp_only_layers", None))
     if only is not None and (not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
@@ -91,14 +137,16 @@ def check_config(config, spec, raw: dict, path: Path) -> None:
 
     def count(key: str, low: int = 1, value: object = None) -> int:
         v = getattr(config, key, None) if value is None else value
-        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= INT_LIMIT:
-            raise bad(key, f"an integer >= {low}")
+        high = _COUNT_LIMITS.get(key, INT_LIMIT)
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+            raise bad(key, f"an integer >= {low}" if high == INT_LIMIT else f"an integer in [{low}, {high}]")
         return v
 
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
         count(key)
     heads = config.num_attention_heads
-    kv = count("num_key_value_heads", value=getattr(config, "num_key_value_heads", None) or heads)
+    kv = getattr(config, "num_key_value_heads", None)
+    kv = count("num_key_value_heads", value=heads if kv is None else kv)  # 0 is not "unset": it was taken as heads
     if heads % kv:
         raise bad("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
     if is_mla_config(config):  # head sizes are qk_nope/qk_rope/v_head_dim (transformers' head_dim is derived)
@@ -115,12 +163,19 @@ def check_config(config, spec, raw: dict, path: Path) -> None:
     eps = getattr(config, "rms_norm_eps", None)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and 0 < eps < 1):
         raise bad("rms_norm_eps", "a small positive number")
+    try:  # a NaN or non-positive RoPE setting made NaN cos/sin tables (NaN logits), or failed in the model build
+        rope_params_of(config, str(path))
+    except ValueError as e:
+        raise CheckpointError(one_line(str(e))) from e
     check_fp8_quantization(config, path)
     if getattr(config, "first_k_dense_replace", None) is not None:  # DeepSeek family: dense layers, then MoE
         check_deepseek_moe(config, bad, count)
+    given = next((k for k in _EXPERT_KEYS if k in raw), None)
+    if given is not None:  # 0 or fewer made every layer dense: the error was a dense MLP tensor "missing"
+        count(given, value=raw[given])
     if not spec.moe_layers:
         return
-    experts_key = next((k for k in _EXPERT_KEYS if k in raw), _EXPERT_KEYS[0])
+    experts_key = given or _EXPERT_KEYS[0]
     n_exp = count(experts_key, value=spec.num_experts)
     top_k = count("num_experts_per_tok", value=spec.top_k)
     if top_k > n_exp:
@@ -310,6 +365,7 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
     gguf = gguf_source(model_path)  # a `--model FILE.gguf` view directory: the tensors are the GGUF's
     if gguf is None:
         tensors = scan_checkpoint(model_path)  # headers and file sizes: a truncated shard is named here
+        check_counts(model_path, config, spec, tensors)
     else:
         from hybridmoe.gguf.weights import open_weights
 
@@ -375,6 +431,31 @@ def _present(tensors: dict[str, TensorInfo], name: str, shape: tuple[int, ...], 
     return t
 
 
+def check_counts(model_path: str | Path, config, spec, tensors: dict[str, TensorInfo]) -> None:
+    """The config's layer and routed-expert counts against the checkpoint, in time proportional to its
+    tensors, before anything builds a model of that many layers or lists that many expert tensors: a count
+    that passed the integer checks (2^31-1 experts) took hours there before the first missing tensor was
+    named, and named no config field."""
+    path = Path(model_path) / "config.json"
+    layers = config.num_hidden_layers
+    prefix = f"model.layers.{layers - 1}."
+    if not any(name.startswith(prefix) for name in tensors):
+        raise CheckpointError(f"{path}: num_hidden_layers is {layers}, but the checkpoint has no tensors of layer "
+                              f"{layers - 1}")
+    if not spec.moe_layers:
+        return
+    raw = _read_json(path, _MAX_CONFIG_BYTES)  # the key the error names: the one config.json spells
+    key = next((k for k in _EXPERT_KEYS if k in (raw if isinstance(raw, dict) else {})), _EXPERT_KEYS[0])
+    n = spec.num_experts
+    last = spec.expert_tensor_names(spec.moe_layers[-1], n - 1)[0]
+    if last not in tensors:
+        raise CheckpointError(f"{path}: {key} is {n}, but the checkpoint has no tensor {last!r}")
+    need = 3 * n * len(spec.moe_layers)
+    if need > len(tensors):
+        raise CheckpointError(f"{path}: {key} is {n}: {need} routed-expert tensors in {len(spec.moe_layers)} MoE "
+                              f"layers, but the checkpoint has {len(tensors)} tensors in all")
+
+
 def expert_shapes(config, spec) -> dict[str, tuple[int, int]]:
     """Name -> shape of every routed-expert tensor: gate and up [I, H], down [H, I]."""
     h, i = config.hidden_size, spec.moe_intermediate
@@ -392,6 +473,7 @@ def check_expert_tensors(model_path: str, config, spec) -> dict[str, TensorInfo]
     from hybridmoe.weights.fp8 import scale_name
 
     tensors = scan_checkpoint(model_path)
+    check_counts(model_path, config, spec, tensors)
     block = fp8_block_of(config)
     for name, shape in expert_shapes(config, spec).items():
         t = _present(tensors, name, shape, model_path)

@@ -61,9 +61,24 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def _number(source: str, name: str, value: object, low: float, inclusive: bool = False,
+            default: float | None = None) -> float | None:
+    """`value` as a float: a finite number above `low` (or equal to it when `inclusive`), None giving
+    `default`; else a ValueError naming the field. A NaN, infinite or out-of-range setting made NaN cos/sin
+    tables (NaN logits), or a math domain error or ZeroDivisionError deep in the build, naming no field."""
+    if value is None:
+        return default
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not (value >= low if inclusive else value > low)):
+        bound = f"{'>=' if inclusive else '>'} {low:g}"
+        raise ValueError(f"{source}: {name} is {value!r}, expected a finite number {bound}")
+    return float(value)
+
+
 def rope_params_of(config: object, source: str = "config.json") -> RopeParams:
     """The RoPE settings of a transformers config of either generation; an unsupported type or
-    option is an error naming `source`."""
+    option, or a value out of range, is an error naming `source` and the field."""
+    field = "rope_parameters" if getattr(config, "rope_parameters", None) else "rope_scaling"
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if not isinstance(params, dict):
         params = {}
@@ -77,12 +92,20 @@ def rope_params_of(config: object, source: str = "config.json") -> RopeParams:
     if partial not in (None, 1, 1.0):
         raise ValueError(f"{source}: partial_rotary_factor {partial!r} is not supported (only 1.0)")
     theta = params.get("rope_theta")
-    theta = float(theta if theta is not None else getattr(config, "rope_theta", None) or 10000.0)
+    where = f"{field}.rope_theta"
+    if theta is None:
+        theta, where = getattr(config, "rope_theta", None) or 10000.0, "rope_theta"
+    # the base of the frequencies: 1 makes every frequency 1 (and YaRN divides by its log), below 1 inverts them
+    theta = _number(source, where, theta, 1.0)
     if rope_type == "default":
         return RopeParams(theta=theta)
     max_pos = getattr(config, "max_position_embeddings", None)
     orig = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
                                                                     None) or max_pos
+    if orig is not None and (isinstance(orig, bool) or not isinstance(orig, (int, float)) or not math.isfinite(orig)
+                             or orig != int(orig) or not 1 <= orig < 2**31):
+        raise ValueError(f"{source}: {field}.original_max_position_embeddings is {orig!r}, expected a positive "
+                         "integer")
     factor = params.get("factor")
     if factor is None:
         if not (orig and max_pos):
@@ -91,10 +114,18 @@ def rope_params_of(config: object, source: str = "config.json") -> RopeParams:
     if not (isinstance(factor, (int, float)) and factor > 0) or not orig:
         raise ValueError(f"{source}: yarn RoPE needs a positive factor and original_max_position_embeddings "
                          f"(got factor {factor!r}, original_max_position_embeddings {orig!r})")
-    return RopeParams(rope_type="yarn", theta=theta, factor=float(factor), original_max_position=int(orig),
-                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                      mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
-                      attention_factor_given=params.get("attention_factor"),
+    n = f"{field}."
+    return RopeParams(rope_type="yarn", theta=theta, factor=_number(source, n + "factor", factor, 0.0),
+                      original_max_position=int(orig),
+                      # 0 or unset: the default band (as before)
+                      beta_fast=_number(source, n + "beta_fast", params.get("beta_fast") or None, 0.0, default=32.0),
+                      beta_slow=_number(source, n + "beta_slow", params.get("beta_slow") or None, 0.0, default=1.0),
+                      # 0 or unset: no temperature term; a negative one can make the attention factor's divisor 0
+                      mscale=_number(source, n + "mscale", params.get("mscale"), 0.0, inclusive=True),
+                      mscale_all_dim=_number(source, n + "mscale_all_dim", params.get("mscale_all_dim"), 0.0,
+                                             inclusive=True),
+                      attention_factor_given=_number(source, n + "attention_factor", params.get("attention_factor"),
+                                                     0.0),
                       truncate=bool(params.get("truncate", True)))
 
 

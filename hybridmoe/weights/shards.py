@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +48,12 @@ def read_header(path: Path, fd: int | None = None) -> tuple[dict, int]:
     """(header, offset of the data section) of a safetensors file."""
     try:
         own = fd is None
-        fd = os.open(path, os.O_RDONLY) if own else fd
+        # O_NONBLOCK: opening a FIFO named *.safetensors for reading waited for a writer forever (no effect on
+        # the reads of a regular file)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK) if own else fd
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError("not a regular file")
             head = os.pread(fd, 8, 0)
             if len(head) < 8:
                 raise ValueError("shorter than a safetensors header")
@@ -67,6 +72,8 @@ def read_header(path: Path, fd: int | None = None) -> tuple[dict, int]:
                 os.close(fd)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from e
+    except RecursionError as e:  # json's parser recurses per nesting level: [[[...]]] 50000 deep
+        raise CheckpointError(f"{path}: not a readable safetensors file: the header is nested too deeply") from e
 
 
 def _tensor(path: Path, name: str, info: object, data_start: int, size: int) -> TensorInfo:
@@ -95,6 +102,11 @@ def _tensor(path: Path, name: str, info: object, data_start: int, size: int) -> 
 def scan_file(path: Path) -> dict[str, TensorInfo]:
     """Every tensor of one safetensors file, checked (see `_tensor`)."""
     header, data_start = read_header(path)
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        # safetensors itself refuses the file at load: found here, before the startup says the checks passed
+        raise CheckpointError(f"{path}: not a readable safetensors file: __metadata__ is {meta!r:.80}, expected an "
+                              "object of strings")
     try:
         size = path.stat().st_size
     except OSError as e:
@@ -116,12 +128,16 @@ def scan_checkpoint(model_path: str | Path) -> dict[str, TensorInfo]:
             out.update(scan_file(f))
         return out
     try:
+        if index.stat().st_size > _MAX_HEADER:  # read whole: a huge (or sparse) file took that much memory
+            raise ValueError(f"{index.stat().st_size} bytes, implausible for an index")
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError("weight_map is not an object of file names")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: not a safetensors index (expected a weight_map of tensor -> file): "
                               f"{e}") from e
+    except RecursionError as e:  # json's parser recurses per nesting level
+        raise CheckpointError(f"{index}: not a safetensors index: nested too deeply") from e
     scanned: dict[str, dict[str, TensorInfo]] = {}
     out = {}
     for name, fname in weight_map.items():
