@@ -28,7 +28,7 @@ from hybridmoe.gguf.paths import GGUFPathError, is_gguf_model, split_parts
 from hybridmoe.gguf.tokenizer import GGUFTokenizerError, save_tokenizer
 
 SOURCE_FILE = "gguf_source.json"
-VIEW_VERSION = 1  # bump when the files written here change
+VIEW_VERSION = 2  # bump when the files written here, or the checks made before writing them, change
 ERRORS = (GGUFPathError, GGUFConfigError, GGUFTokenizerError)
 
 
