@@ -28,18 +28,17 @@ def _generate(ns: argparse.Namespace) -> int:
     from hybridmoe.engine.llm import LLM
     from hybridmoe.hub import resolve_hub_paths
     from hybridmoe.sglang_compat import refused
-    from hybridmoe.startup import prepare
+    from hybridmoe.startup import check_text_input, prepare
 
     _check_generate_flags(ns)
     bad = refused(ns)
     if bad:
         raise ConfigError("; ".join(bad))
     args = prepare(resolve_hub_paths(engine_args_from(ns)))  # config, tokenizer, shards and flags: before loading anything
-    llm = LLM(**{k: v for k, v in vars(args).items() if k != "extra"})
+    check_text_input(args, "hybridmoe generate", chat=ns.chat)  # --prompt is text: a tokenizer (and --chat's template)
+    llm = LLM.from_prepared(args)  # (not LLM(...): that would run the checks again)
     prompt = ns.prompt
     if ns.chat:
-        if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
-            raise ConfigError("--chat needs a tokenizer with a chat template")
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                    add_generation_prompt=True)
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hybridmoe.layers.rotary import rope_params_of
 from hybridmoe.weights.loader import CheckpointError, load_hf_config
-from hybridmoe.weights.shards import TensorInfo, scan_checkpoint
+from hybridmoe.weights.shards import DTYPES, TensorInfo, scan_checkpoint
 
 INT_LIMIT = 2**31 - 1
 # Counts that something loops over or allocates by before any tensor is compared: far above every published
@@ -354,6 +354,65 @@ def check_remote_tokenizer(root: Path, trust_remote_code: bool) -> None:
                               f"`pip install {' '.join(missing)}`{hint}")
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' names (utils/hub.py CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_DIR)
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+_TEMPLATE_WAY_OUT = "fix it, or pass --chat-template FILE_OR_NAME to use another"
+
+
+def chat_templates_of(tokenizer_path: str | Path) -> list[tuple[str, str]]:
+    """(where, Jinja source) of each chat template a tokenizer loaded from `tokenizer_path` carries, found as
+    transformers finds them: chat_template.jinja and additional_chat_templates/*.jinja when there are any (they
+    replace tokenizer_config.json's value), else tokenizer_config.json's chat_template (a string, or a list of
+    {name, template}). `where` names the file (and the template); for a `--model FILE.gguf` view directory, the
+    GGUF and its metadata key. CheckpointError for a template that cannot be read or is of the wrong type."""
+    from hybridmoe.chat_templates import read_template_file
+    from hybridmoe.gguf.view import gguf_source
+
+    root = Path(tokenizer_path)
+    gguf = gguf_source(root)
+
+    def name(where: str) -> str:  # the view's files are ours, written from the GGUF: name where it came from
+        return f"{gguf}: tokenizer.chat_template" if gguf is not None else where
+
+    found: list[tuple[str, str]] = []
+    files = [root / CHAT_TEMPLATE_FILE] if (root / CHAT_TEMPLATE_FILE).is_file() else []
+    if (root / CHAT_TEMPLATE_DIR).is_dir():
+        files += sorted((root / CHAT_TEMPLATE_DIR).glob("*.jinja"))  # each read whole by transformers, FIFOs too
+    for f in files:
+        try:
+            found.append((name(str(f)), read_template_file(f, name(str(f)))))
+        except ValueError as e:
+            raise CheckpointError(f"{e}; {_TEMPLATE_WAY_OUT}") from None
+    if files:
+        return found
+    f = root / "tokenizer_config.json"
+    cfg = _read_json(f) if f.is_file() else {}
+    value = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    where = name(f"{f}: chat_template")
+    if value is None or isinstance(value, str):
+        return [(where, value)] if value else []
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        return [(name(f"{f}: chat_template {t['name']!r}"), t["template"]) for t in value]
+    # transformers failed on these while loading the tokenizer (a TypeError naming no file)
+    raise CheckpointError(f"{where} is {value!r:.80}, expected a string or a list of {{name, template}}; "
+                          f"{_TEMPLATE_WAY_OUT}")
+
+
+def check_chat_templates(tokenizer_path: str | Path) -> None:
+    """Every chat template of the tokenizer (chat_templates_of) compiles, in the environment the chat routes
+    render with: a broken one is one line naming the file, the Jinja error and its line, at startup (it failed
+    each /v1/chat/completions request, blaming the messages, or `generate --chat` after the model loaded). No
+    template is not an error: /v1/completions and token ids still serve."""
+    from hybridmoe.chat_templates import check_template
+
+    for where, source in chat_templates_of(tokenizer_path):
+        try:
+            check_template(source, where)
+        except ValueError as e:
+            raise CheckpointError(f"{e}; {_TEMPLATE_WAY_OUT}") from None
+
+
 def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[str, TensorInfo]:
     """Every tensor the model loads is in the checkpoint, complete (file size vs header), of the
     shape the config gives and of a loadable dtype; the routed experts too when `experts`."""
@@ -361,7 +420,14 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
 
     from hybridmoe.gguf.view import gguf_source
     from hybridmoe.models.base import MoECausalLM
+    from hybridmoe.weights.fp8_loading import fp8_block_of as loader_fp8_block
 
+    # the loader's own reading of quantization_config: what it refuses (gptq, fp8 without a block) is refused here,
+    # before the load and in its words (this check's line was only "dtype F8_E4M3; bf16, fp16 or fp32 expected")
+    try:
+        block = loader_fp8_block(config)
+    except ValueError as e:
+        raise CheckpointError(f"{model_path}/{e}") from e
     gguf = gguf_source(model_path)  # a `--model FILE.gguf` view directory: the tensors are the GGUF's
     if gguf is None:
         tensors = scan_checkpoint(model_path)  # headers and file sizes: a truncated shard is named here
@@ -384,7 +450,6 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
         want.pop("lm_head.weight", None)
     if experts:
         want.update(expert_shapes(config, spec))
-    block = fp8_block_of(config)
     for name, shape in want.items():
         if gguf is not None:
             index.check(name, shape)
@@ -393,6 +458,9 @@ def check_weights(model_path: str, config, spec, experts: bool = True) -> dict[s
         if block is not None and t.dtype.startswith("F8") and len(shape) == 2:  # block-scaled fp8 (DeepSeek-V3)
             _fp8_scale(tensors, name, t, block)
         elif t.dtype not in LOADABLE_DTYPES:
+            if block is None and t.dtype.startswith("F8"):  # the loader's words: what the checkpoint lacks
+                raise CheckpointError(f"{t.file.name}: tensor {name!r} has dtype {DTYPES[t.dtype]}, but config.json has "
+                                      "no quantization_config with quant_method 'fp8' and a weight_block_size")
             raise CheckpointError(f"{t.file.name}: tensor {name!r} has dtype {t.dtype}; bf16, fp16 or fp32 expected"
                                   + ("" if block is None else " (or fp8 with its block scale)"))
     return tensors

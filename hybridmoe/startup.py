@@ -1,6 +1,7 @@
 """Startup of `hybridmoe serve` and `hybridmoe generate`: everything that can be checked before the
-model loads (config.json, tokenizer files, shard headers, the flags against the model and the
-machine, `--kt-weight-path` against the checkpoint), and the one-line report of a failure.
+model loads (config.json, tokenizer files and chat templates, shard headers, the flags against the
+model and the machine, `--kt-weight-path` against the checkpoint), and the one-line report of a failure.
+The in-process API (`hybridmoe.LLM`) runs the same `prepare`.
 
 `serve` runs `prepare` before it binds its port, so a bad model or flag never says "ready".
 Oversubscribed CPU and expert options are lowered to what the machine and model have, each with
@@ -17,7 +18,16 @@ import traceback
 from pathlib import Path
 
 from hybridmoe.config import ConfigError, EngineArgs, check_kt_method, check_kv_cache_dtype
-from hybridmoe.model_check import check_tokenizer, check_tokens, check_weights, load_checked_config, one_line
+from hybridmoe.engine.model_files import TOKENIZER_FILES, has_tokenizer_files
+from hybridmoe.model_check import (
+    chat_templates_of,
+    check_chat_templates,
+    check_tokenizer,
+    check_tokens,
+    check_weights,
+    load_checked_config,
+    one_line,
+)
 from hybridmoe.weights.loader import CheckpointError
 
 log = logging.getLogger("hybridmoe.startup")
@@ -153,6 +163,10 @@ def prepare(args: EngineArgs) -> EngineArgs:
     tok_path = args.tokenizer_path or args.model_path
     if not args.skip_tokenizer_init:
         size = check_tokenizer(tok_path, args.trust_remote_code)
+        # the model's chat templates, where the tokenizer carries them (--chat-template replaces them all: it was
+        # compiled by EngineArgs.validate, and a broken template of the model's must not stop its way out)
+        if args.chat_template is None and has_tokenizer_files(tok_path):
+            check_chat_templates(tok_path)
     check_tokens(config, args.model_path, tok_path, size)
     if args.load_format != "dummy":
         check_weights(args.model_path, config, spec)
@@ -166,6 +180,25 @@ def prepare(args: EngineArgs) -> EngineArgs:
 
         CPUWeightDir(args.kt_weight_path).check_model(config, args.model_path, args.kt_method, spec)
     return lower_oversubscribed(args, config)
+
+
+def check_text_input(args: EngineArgs, prog: str, chat: bool = False) -> None:
+    """What a command that tokenizes text (`generate` and its --prompt) needs of the model, checked before it
+    loads (the error came after the whole load): a tokenizer, and with `chat` (--chat) a chat template."""
+    tok_path = args.tokenizer_path or args.model_path
+    if args.skip_tokenizer_init:
+        raise ConfigError(f"--skip-tokenizer-init: `{prog}` tokenizes its --prompt text, which needs the tokenizer; "
+                          "leave the flag out")
+    if not has_tokenizer_files(tok_path):  # (a GGUF's view directory always has them: gguf/view.py)
+        where = f"--tokenizer-path {tok_path}" if args.tokenizer_path else tok_path
+        raise ConfigError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_FILES)}), and `{prog}` tokenizes its "
+                          "--prompt text: pass --tokenizer-path with the model's tokenizer directory")
+    if chat and args.chat_template is None and not chat_templates_of(tok_path):
+        from hybridmoe.gguf.view import gguf_source
+
+        raise ConfigError(f"--chat: {gguf_source(tok_path) or tok_path} has no chat template (chat_template in "
+                          "tokenizer_config.json, or chat_template.jinja): pass --chat-template FILE_OR_NAME (e.g. "
+                          "chatml), or leave --chat out")
 
 
 # ---- the startup summary (after the model loaded) -----------------------------------------------

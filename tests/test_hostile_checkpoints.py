@@ -22,8 +22,9 @@ from hybridmoe.config import EngineArgs
 from hybridmoe.startup import prepare
 from hybridmoe.weights.errors import CheckpointError
 
+from tiny_models import linked_with_json
+
 REPO = Path(__file__).resolve().parents[1]
-DROP = object()  # a config.json key to remove
 NAN, INF = float("nan"), float("inf")
 BIG = 2**31 - 1  # passes the integer checks; enumerating or allocating by it does not finish
 # every case must fail fast: a hang (the bug some of them were) is a test failure, not a stuck run
@@ -116,18 +117,7 @@ CONFIG_CASES: list[tuple[str, str, dict, str]] = [
 
 def _model_with_config(src: Path, dst: Path, changes: dict) -> Path:
     """A model directory at dst: src's files (linked) with config.json changed by `changes`."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.name != "config.json":
-            (dst / f.name).symlink_to(f)
-    cfg = json.loads((src / "config.json").read_text())
-    for key, value in changes.items():
-        if value is DROP:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    (dst / "config.json").write_text(json.dumps(cfg))  # NaN and Infinity as Python's json writes them
-    return dst
+    return linked_with_json(src, dst, "config.json", changes)
 
 
 def _refused(model: Path) -> str:
@@ -253,6 +243,11 @@ def _damage(kind: str, model: Path) -> str:
         f.write_bytes(b"{")
         os.truncate(f, 1 << 40)
         return "model.safetensors.index.json: not a safetensors index (expected a weight_map of tensor -> file): 1099"
+    if kind in ("index_names_a_parent_file", "index_names_an_absolute_file"):  # tensors from elsewhere on the host
+        outside = "../m2/model.safetensors" if kind == "index_names_a_parent_file" else str(f)
+        (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {Q: outside}}))
+        return f"model.safetensors.index.json: not a safetensors index (expected a weight_map of tensor -> file): " \
+               f"weight_map names {outside!r}, a file outside the model directory"
     if kind == "shard_is_a_fifo":  # was a hang: opening a FIFO for reading waits for a writer
         f.unlink()
         os.mkfifo(f)
@@ -262,7 +257,8 @@ def _damage(kind: str, model: Path) -> str:
 
 SHARD_CASES = ["header_length_huge", "header_not_json", "header_deeply_nested", "dtype_unknown", "dtype_wrong",
                "offsets_past_the_end", "shape_huge", "metadata_not_an_object", "index_names_a_missing_shard",
-               "index_deeply_nested", "index_huge", "shard_is_a_fifo"]
+               "index_deeply_nested", "index_huge", "index_names_a_parent_file", "index_names_an_absolute_file",
+               "shard_is_a_fifo"]
 
 
 @pytest.mark.parametrize("kind", SHARD_CASES)
@@ -275,6 +271,7 @@ def test_damaged_safetensors_is_one_line_naming_the_file(tiny_model_dir, tmp_pat
 def test_convert_refuses_an_absurd_expert_count_fast(tiny_model_dir, tmp_path, capsys):
     """`hybridmoe convert` lists every expert tensor of the config: 2^31-1 experts was a hang there too."""
     model = _model_with_config(tiny_model_dir("mixtral"), tmp_path / "m", {"num_local_experts": BIG})
+    capsys.readouterr()  # the tiny model's first "Writing model shards" bar, when this test wrote it
     rc = cli_main(["convert", "--input-path", str(model), "--output", str(tmp_path / "out"), "--quant-method", "int8",
                    "--no-progress"])
     lines = capsys.readouterr().err.splitlines()

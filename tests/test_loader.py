@@ -73,8 +73,10 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
 
 def test_missing_directory_and_bad_option(tmp_path):
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match="nothing: no such directory"):  # the startup checks' line (as serve's)
         LLM(str(tmp_path / "nothing"), device="cpu", progress=False)
+    with pytest.raises(CheckpointError, match="no config.json"):
+        LLM(str(tmp_path), device="cpu", progress=False)
     with pytest.raises(ConfigError, match="unknown option"):
         LLM(str(tmp_path), device="cpu", progress=False, kt_num_gpu_expert=3)
     with pytest.raises(ConfigError, match="--kt-method"):

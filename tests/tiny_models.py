@@ -112,3 +112,25 @@ def lm_head_inputs(llm, prompt: list[int], sampling_params: dict) -> tuple[list[
     finally:
         lm.forward = native_fwd
     return out, seen
+
+
+DROP = object()  # in linked_with_json's changes: remove the key
+
+
+def linked_with_json(src: Path, dst: Path, name: str, changes: dict) -> Path:
+    """A model directory at dst: src's files linked, except the JSON file `name`, written with `changes` applied (a
+    value DROP removes the key; NaN and Infinity are written as Python's json writes them)."""
+    import json
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != name:
+            (dst / f.name).symlink_to(f)
+    data = json.loads((src / name).read_text())
+    for key, value in changes.items():
+        if value is DROP:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    (dst / name).write_text(json.dumps(data))
+    return dst

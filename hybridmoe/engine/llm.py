@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+from hybridmoe import startup
 from hybridmoe.config import EngineArgs
 from hybridmoe.engine.engine import Engine
 from hybridmoe.engine.request import Req, SamplingParams
@@ -16,14 +17,28 @@ class LLM:
     """Loads a model and generates synchronously.
 
     Options are the `serve` flags in snake_case (`kt_method`, `chunked_prefill_size`, ...); an
-    unknown option is an error naming it.
+    unknown option is an error naming it. The model and the options pass the startup checks of `serve`
+    and `generate` first (startup.prepare): a bad config.json, tokenizer, chat template, shard or option
+    is a ConfigError or CheckpointError with one line naming it, before anything loads.
     """
 
     def __init__(self, model_path: str | None = None, device: str = "auto", dtype: str = "auto",
                  progress: bool = True, **options: object) -> None:
         if model_path is not None:
             options["model_path"] = model_path
-        self.args = EngineArgs.from_kwargs(device=device, dtype=dtype, **options)
+        # without the checks a hostile config.json reached the engine: 2^31-1 layers was a hang
+        self._start(startup.prepare(EngineArgs.from_kwargs(device=device, dtype=dtype, **options)), progress)
+
+    @classmethod
+    def from_prepared(cls, args: EngineArgs, progress: bool = True) -> LLM:
+        """An LLM of args that startup.prepare returned (the command line checks before it builds one, to report a
+        failure as one line; the checks are not run twice)."""
+        llm = cls.__new__(cls)
+        llm._start(args, progress)
+        return llm
+
+    def _start(self, args: EngineArgs, progress: bool) -> None:
+        self.args = args
         self.engine = Engine(self.args, progress=progress)
         self.tokenizer = self.engine.tokenizer
 

@@ -8,13 +8,19 @@ from pathlib import Path
 from hybridmoe.config import EngineArgs
 
 log = logging.getLogger(__name__)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one: the tokenizer loads
+
+
+def has_tokenizer_files(path: str | Path) -> bool:
+    """Whether the engine loads a tokenizer from directory `path` (without one: token ids in and out only)."""
+    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
 
 
 def _load_tokenizer(args: EngineArgs):
     if args.skip_tokenizer_init:
         return None
     path = args.tokenizer_path or args.model_path
-    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not has_tokenizer_files(path):
         log.warning("%s has no tokenizer files: only token-id input and output will work", path)
         return None
     from transformers import AutoTokenizer

@@ -13,7 +13,8 @@ import functools
 import json
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -34,9 +35,26 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers' own environment knows this tag (it marks the assistant's
+    part for assistant-token masks) and templates on the Hub use it; here it renders its body in a scope of its
+    own, as transformers' does. Without it such a template was an "unknown tag" error on every chat request."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 @functools.lru_cache(maxsize=16)
-def _compile(source: str) -> Any:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+def compile_template(source: str) -> Any:
+    """The compiled template (cached by source); jinja2's TemplateSyntaxError (with its line) when it is not valid
+    Jinja, RecursionError when nested past the parser's depth. The startup checks compile the model's template
+    through here: what passes them is what the chat routes render."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
@@ -69,7 +87,7 @@ def render_chat(source: str, messages: list[dict[str, Any]], *, add_generation_p
     replace `messages` or `add_generation_prompt`.
     """
     try:
-        template = _compile(source)
+        template = compile_template(source)
         text = template.render(**{**variables, "messages": messages, "add_generation_prompt": add_generation_prompt})
     except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError,
             OverflowError) as e:

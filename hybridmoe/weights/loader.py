@@ -6,7 +6,6 @@ Errors name the file and tensor at fault; a progress bar counts layers.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import zlib
@@ -33,6 +32,7 @@ from hybridmoe.weights.fp8_loading import (
 )
 from hybridmoe.weights.progress import LoadProgress, tensor_bytes
 from hybridmoe.weights.readahead import LayerReadahead, TensorSpan, read_into, tensor_spans
+from hybridmoe.weights.shards import INDEX, read_index
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,10 @@ class SafetensorsIndex:
 
     def __init__(self, model_path: str) -> None:
         root = Path(model_path)
-        index = root / "model.safetensors.index.json"
+        index = root / INDEX
         self.file_of: dict[str, Path] = {}
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a safetensors index (no weight_map): {e}") from e
-            for name, fname in weight_map.items():
+            for name, fname in read_index(index).items():
                 self.file_of[name] = root / fname
             for f in set(self.file_of.values()):
                 if not f.is_file():

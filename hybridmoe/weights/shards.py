@@ -115,6 +115,29 @@ def scan_file(path: Path) -> dict[str, TensorInfo]:
             if name != "__metadata__"}
 
 
+def read_index(index: Path) -> dict[str, str]:
+    """The weight_map (tensor name -> shard file name) of a model.safetensors.index.json, checked: the startup
+    scan and the weight loader both read it through here, so a malformed index is the same one line in both
+    (the loader's own reading met a list as weight_map with an AttributeError)."""
+    try:
+        if index.stat().st_size > _MAX_HEADER:  # read whole: a huge (or sparse) file took that much memory
+            raise ValueError(f"{index.stat().st_size} bytes, implausible for an index")
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError("weight_map is not an object of file names")
+        # the shards are the directory's own files: "../other-model/x.safetensors" or "/data/x.safetensors" would
+        # load tensors from elsewhere on the host (an index from the Hub is not trusted with that)
+        outside = next((v for v in weight_map.values() if Path(v).is_absolute() or ".." in Path(v).parts), None)
+        if outside is not None:
+            raise ValueError(f"weight_map names {outside!r}, a file outside the model directory")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index (expected a weight_map of tensor -> file): "
+                              f"{e}") from e
+    except RecursionError as e:  # json's parser recurses per nesting level
+        raise CheckpointError(f"{index}: not a safetensors index: nested too deeply") from e
+    return weight_map
+
+
 def scan_checkpoint(model_path: str | Path) -> dict[str, TensorInfo]:
     """Tensor name -> TensorInfo for a checkpoint directory (sharded with an index, or *.safetensors)."""
     root = Path(model_path)
@@ -127,17 +150,7 @@ def scan_checkpoint(model_path: str | Path) -> dict[str, TensorInfo]:
         for f in files:
             out.update(scan_file(f))
         return out
-    try:
-        if index.stat().st_size > _MAX_HEADER:  # read whole: a huge (or sparse) file took that much memory
-            raise ValueError(f"{index.stat().st_size} bytes, implausible for an index")
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError("weight_map is not an object of file names")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: not a safetensors index (expected a weight_map of tensor -> file): "
-                              f"{e}") from e
-    except RecursionError as e:  # json's parser recurses per nesting level
-        raise CheckpointError(f"{index}: not a safetensors index: nested too deeply") from e
+    weight_map = read_index(index)
     scanned: dict[str, dict[str, TensorInfo]] = {}
     out = {}
     for name, fname in weight_map.items():

@@ -59,8 +59,9 @@ def f16_exact(ckpt: Path) -> None:
               metadata={"format": "pt"})
 
 
-def add_tokenizer(w: GGUFWriter, tok_dir: Path = DEMO) -> None:
-    """The demo model's byte-level BPE as llama.cpp's converter writes a gpt2-type vocabulary."""
+def add_tokenizer(w: GGUFWriter, tok_dir: Path = DEMO, chat_template: str | None = None) -> None:
+    """The demo model's byte-level BPE as llama.cpp's converter writes a gpt2-type vocabulary (chat_template: in
+    place of the demo model's)."""
     tj = json.loads((tok_dir / "tokenizer.json").read_text())
     tc = json.loads((tok_dir / "tokenizer_config.json").read_text())
     vocab = tj["model"]["vocab"]
@@ -76,11 +77,12 @@ def add_tokenizer(w: GGUFWriter, tok_dir: Path = DEMO) -> None:
     w.add_eos_token_id(vocab[tc["eos_token"]])
     w.add_pad_token_id(vocab[tc["pad_token"]])
     w.add_bool("tokenizer.ggml.add_bos_token", False)
-    w.add_chat_template(tc["chat_template"])
+    w.add_chat_template(tc["chat_template"] if chat_template is None else chat_template)
 
 
 def write_model_gguf(ckpt: Path, path: Path, layer_types: tuple[str, ...], arch: str = "qwen3moe",
-                     experts_only: bool = False, tokenizer: bool = True) -> dict[str, torch.Tensor]:
+                     experts_only: bool = False, tokenizer: bool = True,
+                     chat_template: str | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint `ckpt` as a GGUF at `path` (layer L's experts in layer_types[L]; experts_only:
     only the expert tensors and the block count, as --kt-weight-path needs). Returns the dequantized
     expert weights by checkpoint name."""
@@ -110,7 +112,7 @@ def write_model_gguf(ckpt: Path, path: Path, layer_types: tuple[str, ...], arch:
             else:
                 w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
         if tokenizer:
-            add_tokenizer(w)
+            add_tokenizer(w, chat_template=chat_template)
         top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                "lm_head.weight": "output.weight"}
         for name, v in t.items():
