@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 class LLM:
     """Loads a model and generates synchronously.
 
-    Options are the `serve` flags in snake_case (`kt_method`, `chunked_prefill_size`, ...); an
-    unknown option is an error naming it. The model and the options pass the startup checks of `serve`
+    `model_path` is a directory, a .gguf file or a Hugging Face Hub id (downloaded as `serve` does). Options are
+    the `serve` flags in snake_case (`kt_method`, `chunked_prefill_size`, ...); an unknown option is an error
+    naming it. The model and the options pass the startup checks of `serve`
     and `generate` first (startup.prepare): a bad config.json, tokenizer, chat template, shard or option
     is a ConfigError or CheckpointError with one line naming it, before anything loads.
     """
@@ -26,8 +27,12 @@ class LLM:
                  progress: bool = True, **options: object) -> None:
         if model_path is not None:
             options["model_path"] = model_path
-        # without the checks a hostile config.json reached the engine: 2^31-1 layers was a hang
-        self._start(startup.prepare(EngineArgs.from_kwargs(device=device, dtype=dtype, **options)), progress)
+        from hybridmoe.hub import resolve_hub_paths
+
+        # a Hub id (`org/name`, with revision / download_dir) as on the command line; without the checks a hostile
+        # config.json reached the engine: 2^31-1 layers was a hang
+        args = resolve_hub_paths(EngineArgs.from_kwargs(device=device, dtype=dtype, **options))
+        self._start(startup.prepare(args), progress)
 
     @classmethod
     def from_prepared(cls, args: EngineArgs, progress: bool = True) -> LLM:

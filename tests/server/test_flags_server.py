@@ -183,3 +183,17 @@ def test_hub_id_offline_not_cached_is_one_line(tmp_path, argv: list[str]) -> Non
     assert lines[0].startswith(f"hybridmoe serve: error: --model-path {argv[1]}: not a local directory and not in "
                                f"the Hugging Face cache {hub}")
     assert "offline?" in lines[0] and f"huggingface-cli download {argv[1]}" in lines[0]
+
+
+def test_hub_id_through_the_python_api_offline(tmp_path) -> None:
+    """hybridmoe.LLM takes a Hub id as the command line does (it was "no such directory")."""
+    if not (DEMO / "config.json").is_file():
+        pytest.skip("the demo model hybridmoe/demo_model is not built")
+    hub = _cached_hub(tmp_path)
+    code = ("from hybridmoe import LLM\n"
+            f"llm = LLM('hmtest-org/demo', revision='v1', download_dir={str(hub)!r}, device='cpu', progress=False)\n"
+            "print('ids', len(llm.generate('The', {'max_new_tokens': 2})['output_ids']), llm.args.model_path)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(ENV, HF_HUB_OFFLINE="1"), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"ids 2 {hub}" in r.stdout, r.stdout
