@@ -34,7 +34,7 @@ def write_checkpoint(root: Path, layers: int, experts: int, hidden: int, inter: 
     cfg = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=hidden,
                intermediate_size=4 * inter, moe_intermediate_size=inter, num_hidden_layers=layers,
                num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=experts,
-               num_experts_per_tok=8, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+               num_experts_per_tok=min(8, experts), norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
                vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6, hidden_act="silu",
                torch_dtype="bfloat16", tie_word_embeddings=False)
     (root / "config.json").write_text(json.dumps(cfg, indent=1))

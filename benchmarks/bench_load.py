@@ -34,7 +34,7 @@ def write_checkpoint(root: Path, a: argparse.Namespace) -> tuple[float, float]:
     cfg = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=h,
                intermediate_size=4 * i, moe_intermediate_size=i, num_hidden_layers=a.layers,
                num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, num_experts=e,
-               num_experts_per_tok=8, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+               num_experts_per_tok=min(8, e), norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
                vocab_size=a.vocab, max_position_embeddings=4096, rms_norm_eps=1e-6, hidden_act="silu",
                torch_dtype="bfloat16", tie_word_embeddings=False, rope_theta=1e6)
     (root / "config.json").write_text(json.dumps(cfg, indent=1))

@@ -58,7 +58,7 @@ def resolve_hub_paths(args: EngineArgs) -> EngineArgs:
     changes = {}
     for field, flag in (("model_path", "--model-path"), ("tokenizer_path", "--tokenizer-path")):
         value = getattr(args, field)
-        if value is not None and is_hub_id(value):
+        if isinstance(value, str) and is_hub_id(value):  # (the Python API may pass a Path: a local one)
             changes[field] = download(value, args.revision, args.download_dir, flag)
     if not changes:
         return args
