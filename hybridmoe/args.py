@@ -161,6 +161,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="adapter slots: distinct adapters in one batch at most")
     lo.add_argument("--max-lora-rank", type=int, default=None,
                     help="rank of the slot buffers; unset: the largest rank of --lora-paths (64 without)")
+    lo.add_argument("--max-loaded-loras", type=int, default=None,
+                    help="adapters held in host memory at most (/load_lora_adapter beyond is refused); unset: no "
+                         "bound but the host memory")
     lo.add_argument("--lora-target-modules", nargs="+", default=None,
                     help="module names that take LoRA (q_proj ... down_proj, or all); unset: those the --lora-paths "
                          "adapters target")

@@ -39,7 +39,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 INT_MAX = 2**31 - 1  # counts and sizes beyond this are typos, and overflow int32 kernel arguments
 _INT_FIELDS = ("context_length", "max_total_tokens", "page_size", "chunked_prefill_size", "max_running_requests",
                "max_prefill_tokens", "cuda_graph_max_bs", "cuda_graph_max_prefill_tokens", "kt_cpuinfer",
-               "max_loras_per_batch", "max_lora_rank",
+               "max_loras_per_batch", "max_lora_rank", "max_loaded_loras",
                "kt_threadpool_count", "kt_num_gpu_experts", "kt_max_deferred_experts_per_token",
                "kt_gpu_prefill_token_threshold", "stream_interval", "decode_log_interval", "log_requests_level")
 
@@ -148,6 +148,8 @@ class EngineArgs:
     lora_paths: list[str] | None = None  # name=path or path
     max_loras_per_batch: int = 8
     max_lora_rank: int | None = None  # unset: the largest rank of --lora-paths (64 without adapters)
+    # adapters held in host memory at most (SGLang's flag); unset: no bound but the host memory
+    max_loaded_loras: int | None = None
     lora_target_modules: list[str] | None = None  # unset: the modules the startup adapters target (all: every linear)
     kt_expert_lora_path: str | None = None
     # CPU engine and hybrid driving settings (measured defaults; benchmarks compare others)
@@ -197,6 +199,9 @@ class EngineArgs:
                  "a non-empty value (or leave the flag out)")
         need(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
         need(self.max_loras_per_batch >= 1 and (self.max_lora_rank or 1) >= 1, "max-loras-per-batch", "counts >= 1")
+        n_paths = len(self.lora_paths) if isinstance(self.lora_paths, list) else int(bool(self.lora_paths))
+        need(self.max_loaded_loras is None or self.max_loaded_loras >= max(1, n_paths),
+             "max-loaded-loras", "a positive integer, at least the number of --lora-paths")
         need(self.load_format in ("auto", "dummy"), "load-format", "auto or dummy")
         need(self.page_size >= 1, "page-size", "a positive integer")
         need(self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1, "chunked-prefill-size",

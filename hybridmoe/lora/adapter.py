@@ -10,7 +10,12 @@ Which module paths the model has is checked when the adapter is attached (lora/t
 
 The delta of a targeted linear is s * B (A x), s = lora_alpha / r (alpha / sqrt(r) with use_rslora);
 rank_pattern / alpha_pattern give per-module ranks and scalings (PEFT's rules: a pattern key
-matches the end of the module path).
+matches the end of the full module name, model.layers.{L}.<module path>).
+
+An adapter directory is hostile input (the load route takes any path): the config is read up to a size
+and its fields type-checked, the patterns run within a time budget, and the weights file's header (keys,
+shapes, dtypes, ranks, the bytes its tensors take) is checked before any tensor is read. `check_adapter`
+runs those checks alone, reading no tensor data: the startup check of --lora-paths and the memory plan.
 
 Legend: r rank, E experts, H hidden, I expert intermediate.
 """
@@ -19,11 +24,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from hybridmoe.config import ConfigError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -33,8 +43,53 @@ _EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.([A-Za-z0-9_]+)$")
 GPU_LINE = "LoRA slots"  # memory-plan keys: lora/plan.py estimates them, setup.note_memory sets the real bytes
 HOST_LINE = "LoRA expert slots (CPU share)"
 
-class LoRAAdapterError(ValueError):
-    """A malformed or unsupported adapter; the message names the file and key."""
+MAX_CONFIG_BYTES = 16 << 20  # adapter configs are kilobytes; a huge one (or a sparse 1 TiB one) was read whole
+# a tensor key or pattern key: real ones are under 200 characters; a 5000-digit layer number was a ValueError of
+# int(), and every pattern key is compiled and run on every module
+MAX_KEY_CHARS = 1024
+MAX_NAME_CHARS = 256  # an adapter's name: in every log line, /v1/models card and error that names it
+# rank_pattern / alpha_pattern keys are regexes, run on every module path: one that backtracks without end took
+# hours per path with Python's re, which cannot be stopped. A key without repetition or alternation (a module
+# name, the usual key) cannot backtrack so and runs in re; any other runs in the `regex` module, whose matches
+# take a timeout: a real key matches a module path in microseconds, so one match over MATCH_TIMEOUT_S refuses
+# the adapter; PATTERN_BUDGET_S bounds all of an adapter's compiling and matching (many keys times many modules)
+MATCH_TIMEOUT_S = 0.1
+PATTERN_BUDGET_S = 30.0
+_BACKTRACKING = frozenset("*+?{|")
+FLOAT32_MAX = torch.finfo(torch.float32).max  # the slots' scale is a float32; their weights float32 at most
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_OTHER_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
+                 "I32": "int32", "U64": "uint64", "I64": "int64", "C64": "complex64"}
+_JSON_TYPES = {list: "a list", str: "a string", type(None): "null", bool: "a boolean", int: "a number",
+               float: "a number"}
+_MISSING = object()
+
+
+class LoRAAdapterError(ConfigError):
+    """A malformed or unsupported adapter; the message names the file and key. A ConfigError: given by a flag,
+    it is reported as that flag's one line (not as an unknown error with its type name)."""
+
+
+def _show(value: object, limit: int = 80) -> str:
+    """A value of the file in a message: its repr, cut (a 10 MB list must not become a 10 MB error line)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def one_line(text: object) -> str:
+    """A message as one line (a path or a library's error may hold newlines)."""
+    return " ".join(str(text).split())
+
+
+def check_name(name: object, where: str = "") -> str:
+    """`name` if requests can give it as lora_path or `model`: 1 to MAX_NAME_CHARS printable characters, no
+    whitespace at its ends (SGLang's names are free-form; these are the ones a request could not name
+    reliably, or that would break a log line or /v1/models). LoRAAdapterError otherwise."""
+    if not (isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS and name.isprintable() and name == name.strip()):
+        raise LoRAAdapterError(f"{where}LoRA adapter name {_show(name)}: expected 1 to {MAX_NAME_CHARS} printable "
+                               "characters, without whitespace at its ends")
+    return name
 
 
 @dataclass
@@ -118,127 +173,332 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(wide).all())
 
 
-def _pattern_value(patterns: dict, module: str, default: float) -> float:
-    """PEFT's rank_pattern / alpha_pattern: the first key that matches the end of the module path."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+def abs_max(t: torch.Tensor) -> float:
+    """The largest magnitude of a floating-point tensor (0 when empty); min/max reduce without a copy."""
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(t if t.dtype.itemsize > 1 else t.float())
+    return max(-float(lo), float(hi))
 
 
-def _patterns(cfg: dict, field: str, cfg_file: Path, rank: bool) -> dict[str, float]:
-    """rank_pattern / alpha_pattern checked: module regex -> a positive integer rank / a finite alpha."""
-    raw = cfg.get(field) or {}
-    if not isinstance(raw, dict):
-        raise LoRAAdapterError(f"{cfg_file}: {field} must map module patterns to numbers, got {raw!r}")
-    out: dict[str, float] = {}
-    for key, value in raw.items():
+# ---- adapter_config.json -------------------------------------------------------------------------------
+def _read_config(cfg_file: Path) -> dict:
+    """The config's JSON object; LoRAAdapterError naming the file for anything else."""
+    try:  # non-blocking: a FIFO put there after the directory was checked must not wait for a writer
+        fd = os.open(cfg_file, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise LoRAAdapterError(f"{cfg_file}: cannot be read ({e.strerror})") from None
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LoRAAdapterError(f"{cfg_file}: {CONFIG_FILE} is not a regular file")
         try:
-            re.compile(key)
-        except re.error as e:
-            raise LoRAAdapterError(f"{cfg_file}: {field} key {key!r} is not a valid pattern ({e})") from None
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        if rank:
-            ok = ok and value == int(value) and value > 0
-        if not ok:
-            want = "a positive integer" if rank else "a finite number"
-            raise LoRAAdapterError(f"{cfg_file}: {field}[{key!r}] is {value!r}; expected {want}")
-        out[key] = int(value) if rank else float(value)
-    return out
+            data = f.read(MAX_CONFIG_BYTES + 1)  # never more: a sparse file's size says nothing
+        except OSError as e:
+            raise LoRAAdapterError(f"{cfg_file}: cannot be read ({e.strerror})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise LoRAAdapterError(f"{cfg_file}: {max(st.st_size, len(data))} bytes; an adapter config is at most "
+                               f"{MAX_CONFIG_BYTES >> 20} MiB")
+    try:
+        cfg = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise LoRAAdapterError(f"{cfg_file}: not valid JSON (not UTF-8 text: byte {e.start})") from None
+    except RecursionError:  # json's parser recurses per nesting level: [[[...]]] 100000 deep
+        raise LoRAAdapterError(f"{cfg_file}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, and int()'s limit on digits
+        raise LoRAAdapterError(f"{cfg_file}: not valid JSON ({one_line(e)[:200]})") from None
+    if not isinstance(cfg, dict):
+        raise LoRAAdapterError(f"{cfg_file}: expected a JSON object, got {_JSON_TYPES.get(type(cfg), 'a value')}")
+    return cfg
+
+
+class _Patterns:
+    """rank_pattern / alpha_pattern: module regex -> a positive integer rank / a finite alpha, matched by PEFT's
+    rule (the first key whose pattern matches the end of the full module name) within the adapter's budget."""
+
+    def __init__(self, cfg: dict, name: str, cfg_file: Path, rank: bool, deadline: float) -> None:
+        import regex
+
+        self.name, self.cfg_file, self.deadline = name, cfg_file, deadline
+        raw = cfg.get(name) or {}
+        if not isinstance(raw, dict):
+            raise LoRAAdapterError(f"{cfg_file}: {name} must map module patterns to numbers, got {_show(raw)}")
+        self.items: list[tuple[str, object, bool, float]] = []  # (key, compiled, timed, value)
+        for key, value in raw.items():
+            self._left()
+            if len(key) > MAX_KEY_CHARS:
+                raise LoRAAdapterError(f"{cfg_file}: {name} key of {len(key)} characters ({_show(key, 40)}); "
+                                       f"at most {MAX_KEY_CHARS}")
+            timed = not _BACKTRACKING.isdisjoint(key)
+            try:
+                pattern = regex.compile(rf"(.*\.)?({key})$", flags=regex.VERSION0) if timed \
+                    else re.compile(rf"(.*\.)?({key})$")
+            except Exception as e:  # noqa: BLE001  (the compilers' errors are of several types: all mean "invalid")
+                raise LoRAAdapterError(f"{cfg_file}: {name} key {_show(key)} is not a valid pattern "
+                                       f"({one_line(e)[:200]})") from None
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if rank:
+                ok = ok and value == int(value) and value > 0
+            if not ok:
+                want = "a positive integer" if rank else "a finite number"
+                raise LoRAAdapterError(f"{cfg_file}: {name}[{_show(key)}] is {_show(value)}; expected {want}")
+            self.items.append((key, pattern, timed, int(value) if rank else float(value)))
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise LoRAAdapterError(f"{self.cfg_file}: {self.name}: its patterns took longer than "
+                                   f"{PATTERN_BUDGET_S:g} s to match this adapter's modules")
+        return left
+
+    def value(self, module: str, default: float) -> float:
+        """The value of the full module name `module` (model.layers.{L}.<path>), or `default`."""
+        for key, pattern, timed, value in self.items:
+            left = self._left()
+            try:
+                hit = pattern.match(module, timeout=min(left, MATCH_TIMEOUT_S)) if timed \
+                    else pattern.match(module)  # type: ignore[attr-defined]
+            except TimeoutError:
+                raise LoRAAdapterError(f"{self.cfg_file}: {self.name} key {_show(key)} took longer than "
+                                       f"{MATCH_TIMEOUT_S:g} s to match {module} (a pattern that backtracks without "
+                                       "end?)") from None
+            if hit is not None:
+                return value
+        return default
+
+
+@dataclass
+class _Config:
+    file: Path
+    r: int
+    alpha: float
+    rslora: bool
+    ranks: _Patterns
+    alphas: _Patterns
+
+
+def _flag(cfg: dict, name: str, cfg_file: Path) -> bool:
+    value = cfg.get(name)
+    if value is not None and not isinstance(value, bool):  # "false" is a true string
+        raise LoRAAdapterError(f"{cfg_file}: {name} must be true or false, got {_show(value)}")
+    return bool(value)
+
+
+def _check_config(cfg: dict, cfg_file: Path) -> _Config:
+    peft_type = cfg.get("peft_type", "LORA")
+    if not (isinstance(peft_type, str) and peft_type.upper() == "LORA"):
+        raise LoRAAdapterError(f"{cfg_file}: peft_type {_show(peft_type)}; only LORA adapters are served")
+    if _flag(cfg, "use_dora", cfg_file):
+        raise LoRAAdapterError(f"{cfg_file}: use_dora is not supported (plain LoRA only)")
+    rslora = _flag(cfg, "use_rslora", cfg_file)
+    if cfg.get("bias", "none") not in ("none", None):
+        raise LoRAAdapterError(f"{cfg_file}: bias {_show(cfg.get('bias'))}; only bias 'none' is supported")
+    if cfg.get("modules_to_save"):
+        raise LoRAAdapterError(f"{cfg_file}: modules_to_save {_show(cfg['modules_to_save'])} (fully trained "
+                               "modules) are not supported")
+    # the weights say which modules are adapted (target_modules is PEFT's recipe for making them): it is never
+    # compiled or matched here, only its type checked (garbage there means a damaged file)
+    targets = cfg.get("target_modules")
+    if not (targets is None or isinstance(targets, str) or
+            (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise LoRAAdapterError(f"{cfg_file}: target_modules must be a module name pattern or a list of module "
+                               f"names, got {_show(targets)}")
+    r = cfg.get("r", _MISSING)
+    if r is _MISSING:
+        raise LoRAAdapterError(f"{cfg_file}: r is missing; expected a positive integer")
+    # a float r that is a whole number is taken (some writers use floats); 4.5 was served as rank 4, "4" as 4
+    if not (isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) and r == int(r) and r > 0):
+        raise LoRAAdapterError(f"{cfg_file}: r is {_show(r)}; expected a positive integer")
+    alpha = cfg.get("lora_alpha", r)
+    # a NaN or infinite scaling makes every output of the adapter NaN; a string was taken by float()
+    if not (isinstance(alpha, int | float) and not isinstance(alpha, bool) and math.isfinite(alpha)):
+        raise LoRAAdapterError(f"{cfg_file}: lora_alpha must be a finite number, got {_show(alpha)}")
+    deadline = time.monotonic() + PATTERN_BUDGET_S
+    return _Config(cfg_file, int(r), float(alpha), rslora, _Patterns(cfg, "rank_pattern", cfg_file, True, deadline),
+                   _Patterns(cfg, "alpha_pattern", cfg_file, False, deadline))
+
+
+# ---- adapter_model.safetensors' header ---------------------------------------------------------------
+@dataclass
+class _Pair:
+    """One module's lora_A / lora_B as the header gives them, its rank and scaling."""
+
+    keys: dict[str, str] = field(default_factory=dict)  # "A" / "B" -> key
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    rank: int = 0
+    scaling: float = 0.0
+
+
+@dataclass
+class CheckedAdapter:
+    """What `check_adapter` found: the files, the config, and the modules (layer, module path) -> _Pair."""
+
+    path: Path
+    config: _Config
+    weights: Path
+    pairs: dict[tuple[int, str], _Pair]
+    nbytes: int
+
+    @property
+    def has_experts(self) -> bool:
+        return any(_EXPERT.match(module) for _, module in self.pairs)
+
+    @property
+    def max_rank(self) -> int:
+        return max((p.rank for p in self.pairs.values()), default=0)
+
+
+def _regular_file(d: Path, name: str) -> Path:
+    f = d / name
+    if f.is_file():
+        return f
+    if f.is_symlink() or f.exists():  # a FIFO, a directory, a symlink loop: opening one could wait forever
+        raise LoRAAdapterError(f"LoRA adapter {_show(str(d), 400)}: {name} is not a regular file")
+    other = " (adapter_model.bin is not read: save with safetensors)" \
+        if name == WEIGHTS_FILE and (d / "adapter_model.bin").exists() else ""
+    raise LoRAAdapterError(f"LoRA adapter {_show(str(d), 400)}: no {name}{other}")
 
 
 def check_adapter_files(path: str | Path) -> tuple[Path, Path]:
-    """(config file, weights file) of an adapter directory; LoRAAdapterError when either is missing. Cheap:
-    the startup checks run it on the flags' adapters before the model loads."""
+    """(config file, weights file) of an adapter directory that passes `check_adapter` (no tensor data is
+    read): the startup check of --lora-paths and --kt-expert-lora-path, before the model loads (a bad config
+    found after the load cost the user the whole load, and was a traceback for some values)."""
+    checked = check_adapter(path)
+    return checked.config.file, checked.weights
+
+
+def _adapter_files(path: str | Path) -> tuple[Path, Path]:
+    """(config file, weights file) of an adapter directory; LoRAAdapterError when either is missing or not a
+    regular file."""
     d = Path(path)
-    cfg_file, w_file = d / CONFIG_FILE, d / WEIGHTS_FILE
-    if not d.is_dir():
-        raise LoRAAdapterError(f"LoRA adapter {str(path)!r}: not a directory")
-    if not cfg_file.is_file():
-        raise LoRAAdapterError(f"LoRA adapter {str(path)!r}: no {CONFIG_FILE}")
-    if not w_file.is_file():
-        other = " (adapter_model.bin is not read: save with safetensors)" if (d / "adapter_model.bin").exists() else ""
-        raise LoRAAdapterError(f"LoRA adapter {str(path)!r}: no {WEIGHTS_FILE}{other}")
-    return cfg_file, w_file
+    try:
+        if not d.is_dir():
+            raise LoRAAdapterError(f"LoRA adapter {_show(str(path), 400)}: not a directory")
+        return _regular_file(d, CONFIG_FILE), _regular_file(d, WEIGHTS_FILE)
+    except LoRAAdapterError:
+        raise
+    except (OSError, ValueError) as e:  # a path too long for the OS (OSError), a NUL byte in it (ValueError)
+        raise LoRAAdapterError(f"LoRA adapter {_show(str(path), 400)}: cannot be read "
+                               f"({getattr(e, 'strerror', None) or one_line(e)})") from None
 
 
-def read_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
-    """Parse an adapter directory (host tensors, their dtype). Raises LoRAAdapterError."""
-    from safetensors import safe_open
+def _header(w_file: Path) -> dict[str, tuple[list[int], str]]:
+    """key -> (shape, safetensors dtype name) from the header alone (the file is mapped, no data read)."""
+    from safetensors import SafetensorError, safe_open
 
+    try:
+        with safe_open(str(w_file), framework="pt") as f:
+            out = {}
+            for key in f.keys():
+                sl = f.get_slice(key)
+                out[key] = (list(sl.get_shape()), str(sl.get_dtype()))
+            return out
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise LoRAAdapterError(f"{w_file}: not a readable safetensors file ({one_line(e)[:200]})") from None
+
+
+def _host_available() -> int | None:
+    from hybridmoe.moe.memory_plan import host_available_bytes
+
+    return host_available_bytes()
+
+
+def check_adapter(path: str | Path, max_rank: int | None = None) -> CheckedAdapter:
+    """Every check of an adapter directory that needs no tensor data: the files, the config, and the weights'
+    header (keys, 2-D floating-point tensors, A/B pairs of the config's ranks (at most `max_rank`), finite
+    scalings, the bytes they take against the host memory available). Raises LoRAAdapterError. Cheap: the
+    startup check runs it on the flags' adapters before the model loads."""
     d = Path(path)
-    cfg_file, w_file = check_adapter_files(d)
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise LoRAAdapterError(f"{cfg_file}: not valid JSON ({e})") from e
-    peft_type = str(cfg.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise LoRAAdapterError(f"{cfg_file}: peft_type {peft_type!r}; only LORA adapters are served")
-    if cfg.get("use_dora"):
-        raise LoRAAdapterError(f"{cfg_file}: use_dora is not supported (plain LoRA only)")
-    if cfg.get("bias", "none") not in ("none", None):
-        raise LoRAAdapterError(f"{cfg_file}: bias {cfg.get('bias')!r}; only bias 'none' is supported")
-    if cfg.get("modules_to_save"):
-        raise LoRAAdapterError(f"{cfg_file}: modules_to_save {cfg['modules_to_save']} (fully trained modules) "
-                               "are not supported")
-    try:
-        r = int(cfg["r"])
-        alpha = float(cfg.get("lora_alpha", r))
-    except (KeyError, TypeError, ValueError) as e:
-        raise LoRAAdapterError(f"{cfg_file}: needs an integer `r` and a number `lora_alpha` ({e})") from e
-    if r <= 0:
-        raise LoRAAdapterError(f"{cfg_file}: r must be positive, got {r}")
-    if not math.isfinite(alpha):  # a NaN or infinite scaling makes every output of the adapter NaN
-        raise LoRAAdapterError(f"{cfg_file}: lora_alpha must be a finite number, got {alpha}")
-    rslora = bool(cfg.get("use_rslora", False))
-    ranks, alphas = _patterns(cfg, "rank_pattern", cfg_file, True), _patterns(cfg, "alpha_pattern", cfg_file, False)
-    adapter = LoRAAdapter(name=name or d.name, path=str(d), rank=r)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(str(w_file), framework="pt") as f:
-        for key in f.keys():
-            m = _KEY.match(key)
-            if m is None:
-                raise LoRAAdapterError(f"{w_file}: key {key!r} is not a LoRA weight "
-                                       "(model.layers.{L}.<module>.lora_{A|B}.weight)")
-            layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-            t = f.get_tensor(key)
-            if t.dim() != 2:
-                raise LoRAAdapterError(f"{w_file}: {key} has shape {tuple(t.shape)}; expected 2-D")
-            if not t.is_floating_point():
-                raise LoRAAdapterError(f"{w_file}: {key} is {str(t.dtype).removeprefix('torch.')}; expected a "
-                                       "floating-point type")
-            if not all_finite(t):  # served, it would make this adapter's outputs NaN
-                raise LoRAAdapterError(f"{w_file}: {key} holds NaN or infinite values")
-            pairs.setdefault((layer, module), {})[ab] = t
-    for (layer, module), ab in sorted(pairs.items()):
+    cfg_file, w_file = _adapter_files(d)
+    conf = _check_config(_read_config(cfg_file), cfg_file)
+    pairs: dict[tuple[int, str], _Pair] = {}
+    nbytes = 0
+    for key, (shape, dt) in _header(w_file).items():
+        if len(key) > MAX_KEY_CHARS:
+            raise LoRAAdapterError(f"{w_file}: a key of {len(key)} characters ({_show(key, 60)}); LoRA weight keys "
+                                   "are far shorter")
+        m = _KEY.match(key)
+        if m is None:
+            raise LoRAAdapterError(f"{w_file}: key {_show(key, 200)} is not a LoRA weight "
+                                   "(model.layers.{L}.<module>.lora_{A|B}.weight)")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if len(shape) != 2:
+            raise LoRAAdapterError(f"{w_file}: {key} has shape {tuple(shape)}; expected 2-D")
+        if dt not in _FLOAT_DTYPES:
+            raise LoRAAdapterError(f"{w_file}: {key} is {_OTHER_DTYPES.get(dt, dt.lower())}; expected a "
+                                   "floating-point type")
+        nbytes += math.prod(shape) * _FLOAT_DTYPES[dt].itemsize
+        pair = pairs.setdefault((layer, module), _Pair())
+        if ab in pair.keys:  # PEFT's prefix or `.default` on one of them: which one to serve would be a guess
+            raise LoRAAdapterError(f"{w_file}: {key} and {pair.keys[ab]} are one tensor (model.layers.{layer}."
+                                   f"{module} lora_{ab}) given twice")
+        pair.keys[ab], pair.shapes[ab] = key, shape
+    for (layer, module), pair in sorted(pairs.items()):
         where = f"{w_file}: model.layers.{layer}.{module}"
-        if set(ab) != {"A", "B"}:
-            raise LoRAAdapterError(f"{where}: lora_{'B' if 'A' in ab else 'A'} is missing")
-        a, b = ab["A"], ab["B"]
+        if set(pair.keys) != {"A", "B"}:
+            raise LoRAAdapterError(f"{where}: lora_{'B' if 'A' in pair.keys else 'A'} is missing")
         if module.endswith(".experts"):
             raise LoRAAdapterError(f"{where}.lora_A.weight: a LoRA on the stacked expert parameters (peft's "
                                    "target_parameters form) is not supported; give per-expert keys "
                                    "(...experts.{e}.gate_proj.lora_A.weight, as convert-lora writes)")
-        rank = int(_pattern_value(ranks, module, r))
-        if a.shape[0] != rank or b.shape[1] != rank:
-            raise LoRAAdapterError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not have "
-                                   f"rank {rank} (adapter_config r / rank_pattern)")
-        al = float(_pattern_value(alphas, module, alpha))
-        s = al / math.sqrt(rank) if rslora else al / rank
-        em = _EXPERT.match(module)
-        if em is not None:
-            moe, e, proj = em.group(1), int(em.group(2)), em.group(3)
-            held = adapter.raw_experts.setdefault(layer, (moe, {}))
-            if held[0] != moe:
-                raise LoRAAdapterError(f"{where}: experts under both {held[0]} and {moe}")
-            held[1].setdefault(e, {})[proj] = (a, b, s)
-        else:
-            adapter.linears[(layer, module)] = LinearLoRA(A=a, B=b, scaling=s)
-    if not adapter.linears and not adapter.raw_experts:
+        full = f"model.layers.{layer}.{module}"  # what PEFT matches pattern keys against
+        rank = int(conf.ranks.value(full, conf.r))
+        a, b = pair.shapes["A"], pair.shapes["B"]
+        if a[0] != rank or b[1] != rank:
+            raise LoRAAdapterError(f"{where}: lora_A {tuple(a)} and lora_B {tuple(b)} do not have rank {rank} "
+                                   "(adapter_config r / rank_pattern)")
+        if max_rank is not None and rank > max_rank:  # refused before its tensors are read
+            raise LoRAAdapterError(f"{where}: rank {rank} exceeds --max-lora-rank {max_rank}")
+        alpha = conf.alphas.value(full, conf.alpha)
+        pair.rank, pair.scaling = rank, alpha / math.sqrt(rank) if conf.rslora else alpha / rank
+        if not abs(pair.scaling) <= FLOAT32_MAX:  # the slots keep it as a float32: the forward failed on it
+            div = f"sqrt({rank})" if conf.rslora else str(rank)
+            raise LoRAAdapterError(f"{cfg_file}: the scaling of {full}, lora_alpha / r = {alpha:g} / {div}, is "
+                                   "beyond the float32 range")
+    if not pairs:
         raise LoRAAdapterError(f"{w_file}: no LoRA weights")
-    adapter.rank = max(r, adapter.max_rank)
+    available = _host_available()
+    if available is not None and nbytes > available:  # a header may claim a terabyte (in a sparse file)
+        raise LoRAAdapterError(f"{w_file}: its tensors take {nbytes / 2**30:.1f} GiB; {available / 2**30:.1f} GiB "
+                               "of host memory are available")
+    return CheckedAdapter(d, conf, w_file, pairs, nbytes)
+
+
+def read_adapter(path: str | Path, name: str | None = None, max_rank: int | None = None) -> LoRAAdapter:
+    """Parse an adapter directory (host tensors, their dtype); ranks above `max_rank` are refused before any
+    tensor is read. Raises LoRAAdapterError."""
+    from safetensors import SafetensorError, safe_open
+
+    checked = check_adapter(path, max_rank)
+    d, w_file = checked.path, checked.weights
+    adapter = LoRAAdapter(name=name or d.name, path=str(d), rank=checked.config.r)
+    try:
+        with safe_open(str(w_file), framework="pt") as f:
+            for (layer, module), pair in sorted(checked.pairs.items()):
+                where = f"{w_file}: model.layers.{layer}.{module}"
+                a, b = (_tensor(f, w_file, pair.keys[x]) for x in "AB")
+                em = _EXPERT.match(module)
+                if em is not None:
+                    moe, e, proj = em.group(1), int(em.group(2)), em.group(3)
+                    held = adapter.raw_experts.setdefault(layer, (moe, {}))
+                    if held[0] != moe:
+                        raise LoRAAdapterError(f"{where}: experts under both {held[0]} and {moe}")
+                    held[1].setdefault(e, {})[proj] = (a, b, pair.scaling)
+                else:
+                    adapter.linears[(layer, module)] = LinearLoRA(A=a, B=b, scaling=pair.scaling)
+    except (SafetensorError, OSError, RuntimeError, MemoryError) as e:  # changed since its check, an I/O error
+        raise LoRAAdapterError(f"{w_file}: cannot be read ({one_line(e)[:200]})") from None
+    adapter.rank = max(checked.config.r, adapter.max_rank)
     return adapter
+
+
+def _tensor(f, w_file: Path, key: str) -> torch.Tensor:
+    t = f.get_tensor(key)
+    if not all_finite(t):  # served, it would make this adapter's outputs NaN
+        raise LoRAAdapterError(f"{w_file}: {key} holds NaN or infinite values")
+    if t.dtype == torch.float64 and abs_max(t) > FLOAT32_MAX:  # infinite in the slots (float32 at most)
+        raise LoRAAdapterError(f"{w_file}: {key} holds values beyond the float32 range")
+    return t
 
 
 def stack_experts(adapter: LoRAAdapter, layer: int, num_experts: int, names: tuple[str, str, str],

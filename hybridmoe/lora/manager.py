@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hybridmoe.lora import targets
-from hybridmoe.lora.adapter import ExpertLoRA, LoRAAdapter, LoRAAdapterError, stack_experts
+from hybridmoe.lora.adapter import FLOAT32_MAX, ExpertLoRA, LoRAAdapter, LoRAAdapterError, abs_max, stack_experts
 from hybridmoe.lora.batch import LoRABatch
 from hybridmoe.lora.linear import LoRALinear
 
@@ -38,9 +38,10 @@ class _Prepared:
 
 class LoRAManager:
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, slots: int, max_rank: int,
-                 target_paths: list[str], graph_capacity: int = 0) -> None:
+                 target_paths: list[str], graph_capacity: int = 0, max_loaded: int | None = None) -> None:
         self.model, self.device, self.dtype = model, device, dtype
         self.num_slots, self.max_rank = slots, max_rank
+        self.max_loaded = max_loaded  # --max-loaded-loras: adapters registered at most (None: no bound)
         self.batch = LoRABatch(device, graph_capacity)
         # a graph replay's slots go to batch.graph_index from this pinned buffer, asynchronously (a pageable
         # copy synchronized the stream: with the overlap schedule the host then waited for the step in flight
@@ -70,15 +71,23 @@ class LoRAManager:
     def key_of(self, name: str) -> str | None:
         return self.keys.get(name)
 
+    def check_room(self) -> None:
+        """LoRAError when --max-loaded-loras adapters are loaded (checked before a new one is read)."""
+        if self.max_loaded is not None and len(self.keys) >= self.max_loaded:
+            raise LoRAError(f"{len(self.keys)} LoRA adapters are loaded, --max-loaded-loras {self.max_loaded}: "
+                            "unload one first")
+
     def register(self, adapter: LoRAAdapter) -> str:
         """Validate against the model and keep (host memory); returns its key. LoRAAdapterError names the problem."""
         if adapter.name in self.keys:
             raise LoRAError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        self.check_room()
         if adapter.max_rank > self.max_rank:
             raise LoRAAdapterError(f"LoRA adapter {adapter.name!r} ({adapter.path}): rank {adapter.max_rank} exceeds "
                                    f"--max-lora-rank {self.max_rank}")
         linears = targets.check_targets(self.model, adapter, self.wrapped)
         experts = self._stack_experts(adapter)
+        self._check_range(adapter, linears, experts)
         self._loads += 1
         key = f"{adapter.name}#{self._loads}"
         self.adapters[key] = _Prepared(adapter, linears, experts)
@@ -87,6 +96,29 @@ class LoRAManager:
         log.info("LoRA adapter %r loaded from %s (rank %d, %d linears, %d expert layers)", adapter.name,
                  adapter.path, adapter.max_rank, sum(len(p) for p in linears.values()), len(experts))
         return key
+
+    def _check_range(self, adapter: LoRAAdapter, linears: dict[str, dict[int, tuple]],
+                     experts: dict[int, ExpertLoRA]) -> None:
+        """Every value the slots will hold is finite in their dtype (a float16 server's slots overflow at 65504;
+        the parts of a fused linear with different scalings hold B * s): an infinite one made every answer of
+        the adapter NaN. (Float32 range and finiteness are read_adapter's checks.)"""
+        limit = min(torch.finfo(self.dtype).max, FLOAT32_MAX) if self.dtype.is_floating_point else FLOAT32_MAX
+
+        def over(t: torch.Tensor, factor: float = 1.0) -> bool:  # (a dtype that cannot exceed it is not scanned)
+            return torch.finfo(t.dtype).max * factor > limit and abs_max(t) * factor > limit
+
+        for path, parts in linears.items():
+            fold = len({s for _, _, s in parts.values()}) > 1  # LoRALinear.set_slot folds s into B then
+            for part, (a, b, s) in parts.items():
+                if over(a) or over(b, abs(s) if fold else 1.0):
+                    raise LoRAAdapterError(f"LoRA adapter {adapter.name!r} ({adapter.path}): {path} part {part}: "
+                                           f"values beyond the {str(self.dtype).removeprefix('torch.')} range of "
+                                           "this server's LoRA slots")
+        for layer, lora in experts.items():
+            if any(over(t) for t in lora.tensors()):
+                raise LoRAAdapterError(f"LoRA adapter {adapter.name!r} ({adapter.path}): the experts of layer "
+                                       f"{layer}: values beyond the {str(self.dtype).removeprefix('torch.')} range "
+                                       "of this server's LoRA slots")
 
     def unregister(self, name: str, in_use: set[str]) -> None:
         """New requests can no longer name it; its weights stay while requests made with it
@@ -162,7 +194,12 @@ class LoRAManager:
                 victim = next(v for v in self.slot_of if v not in wanted)
                 self.free.append(self.slot_of.pop(victim))
             slot = self.free.pop(0)
-            self._fill(slot, self.adapters[n])
+            try:
+                self._fill(slot, self.adapters[n])
+            except BaseException:  # the slot goes back (it leaked: after S failures no adapter could be served)
+                self._clear(slot)
+                self.free.append(slot)
+                raise
             self.slot_of[n] = slot
         return [-1 if n is None else self.slot_of[n] for n in names]
 

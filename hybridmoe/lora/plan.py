@@ -12,10 +12,7 @@ Per MoE layer with E_g GPU-side and E_c CPU experts, S slots of max rank R:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from hybridmoe.lora.adapter import _EXPERT, _KEY, CONFIG_FILE, GPU_LINE, HOST_LINE, WEIGHTS_FILE
+from hybridmoe.lora.adapter import GPU_LINE, HOST_LINE, LoRAAdapterError, check_adapter
 
 
 def _adapter_dirs(args) -> list[str]:
@@ -26,26 +23,14 @@ def _adapter_dirs(args) -> list[str]:
 
 
 def header_info(path: str) -> tuple[bool, int]:
-    """(has expert weights, largest rank) of an adapter directory from its header; (False, 0) when
-    it cannot be read (read_adapter reports why when the server loads it)."""
-    from safetensors import safe_open
-
-    d = Path(path)
-    rank, experts = 0, False
+    """(has expert weights, largest rank) of an adapter directory from its config and header (adapter.py's
+    checks, no tensor data); (False, 0) when they refuse it (read_adapter reports why when the server loads
+    it). Never raises: a hostile config here was a traceback (a list for the JSON object, r of 1e400)."""
     try:
-        cfg = json.loads((d / CONFIG_FILE).read_text())
-        rank = int(cfg.get("r", 0))
-        with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
-            for key in f.keys():
-                m = _KEY.match(key)
-                if m is None:
-                    continue
-                if m.group(3) == "A":
-                    rank = max(rank, int(f.get_slice(key).get_shape()[0]))
-                experts = experts or _EXPERT.match(m.group(2)) is not None
-    except (OSError, ValueError, TypeError, IndexError):
+        checked = check_adapter(path)
+    except (LoRAAdapterError, OSError):
         return False, 0
-    return experts, rank
+    return checked.has_experts, max(checked.config.r, checked.max_rank)
 
 
 def expert_slot_bytes(args, hidden: int, inter: int, masks: dict, method: str, group_size: int,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe.lora import targets
-from hybridmoe.lora.adapter import LoRAAdapter, LoRAAdapterError, read_adapter
+from hybridmoe.lora.adapter import LoRAAdapter, LoRAAdapterError, check_name, read_adapter
 from hybridmoe.lora.cpu_bridge import CPUExpertLoRA, slot_dtype
 from hybridmoe.lora.experts import ExpertLoRASlots
 from hybridmoe.lora.manager import LoRAManager
@@ -41,6 +41,7 @@ def parse_lora_paths(values: list[str] | None) -> list[tuple[str, str]]:
             name, path = Path(v.rstrip("/")).name, v
         if not name or not path:
             raise LoRAAdapterError(f"--lora-paths {v!r}: expected name=path or a path")
+        check_name(name, "--lora-paths: ")
         if any(n == name for n, _ in out):
             raise LoRAAdapterError(f"--lora-paths: the name {name!r} is given twice")
         out.append((name, path))
@@ -48,9 +49,10 @@ def parse_lora_paths(values: list[str] | None) -> list[tuple[str, str]]:
 
 
 def initial_adapters(args) -> list[LoRAAdapter]:
-    adapters = [read_adapter(p, n) for n, p in parse_lora_paths(args.lora_paths)]
+    rank = args.max_lora_rank  # (a rank above it is refused before the adapter's tensors are read)
+    adapters = [read_adapter(p, n, rank) for n, p in parse_lora_paths(args.lora_paths)]
     if args.kt_expert_lora_path:
-        expert = read_adapter(args.kt_expert_lora_path)
+        expert = read_adapter(args.kt_expert_lora_path, max_rank=rank)
         if len(adapters) > 1:
             raise LoRAAdapterError("--kt-expert-lora-path with several --lora-paths: which adapter it belongs to is "
                                    "ambiguous; put the expert half into that adapter's directory (convert-lora "
@@ -137,7 +139,8 @@ def build_manager(args, model, device: torch.device, dtype: torch.dtype, graph_c
                                            f"unknown target module {module!r} for this model")
                 if hit[0] not in paths:
                     paths.append(hit[0])
-    mgr = LoRAManager(model, device, dtype, args.max_loras_per_batch, max_rank, paths, graph_capacity)
+    mgr = LoRAManager(model, device, dtype, args.max_loras_per_batch, max_rank, paths, graph_capacity,
+                      max_loaded=args.max_loaded_loras)
     if any(a.has_experts for a in adapters):
         attach_experts(mgr, model)
     for a in adapters:

@@ -1,16 +1,25 @@
 """LoRA routes (SGLang's): POST /load_lora_adapter {lora_name, lora_path}, POST /unload_lora_adapter
-{lora_name}; and which adapter an OpenAI `model` field names ("<served>:<adapter>" or "<adapter>")."""
+{lora_name}; and which adapter an OpenAI `model` field names ("<adapter>" or "<served>:<adapter>").
+
+A load reads the adapter's files on a worker thread, then registers it on the engine thread; a bad adapter
+or name is a 400 naming it, and leaves the server as it was."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from hybridmoe.lora.engine_ops import load_adapter, unload_adapter
+from hybridmoe.lora.adapter import LoRAAdapterError
+from hybridmoe.lora.engine_ops import answer, load_adapter, read_for_load, unload_adapter
+from hybridmoe.lora.manager import LoRAError
 from hybridmoe.server.errors import APIError
+
+log = logging.getLogger(__name__)
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -35,6 +44,8 @@ def model_adapter(state, model: str | None, base_names: tuple[str, ...]) -> str 
     if model is None or model in base_names:
         return None
     adapters = adapter_names(state)
+    if model in adapters:  # first: a name with a colon ("tiny:v2") was taken for "<served>:<adapter>"
+        return model
     served, sep, adapter = model.rpartition(":")
     if sep and served in base_names:
         if adapter in adapters:
@@ -57,9 +68,31 @@ def adapter_cards(state, created: int) -> list[dict[str, Any]]:
 
 
 def register_routes(app: FastAPI, state) -> None:
+    reading = asyncio.Lock()  # one adapter read at a time: each can take gigabytes of host memory
+
+    async def load(name: str, path: str) -> dict[str, Any]:
+        if name in state.base_names():
+            return await state.engine.call(lambda e: answer(
+                e, f"LoRA adapter name {name!r} is the served model's name; an OpenAI `model` could not ask for it"))
+        mgr = getattr(state.core.runner, "lora", None)
+        if mgr is None:  # (load_adapter says that LoRA is off)
+            return await state.engine.call(lambda e: load_adapter(e, name, path))
+        async with reading:
+            # read off the engine thread: requests keep running while the files are read and checked
+            try:
+                adapter = await asyncio.to_thread(read_for_load, mgr, name, path)
+            except (LoRAError, LoRAAdapterError, OSError) as err:
+                msg = str(err)
+                return await state.engine.call(lambda e: answer(e, msg))
+            except Exception as err:  # noqa: BLE001  (as load_adapter: the load fails, the server goes on)
+                log.warning("reading LoRA adapter %r from %r failed", name[:400], path[:400], exc_info=True)
+                msg = f"LoRA adapter {path[:400]!r}: cannot be loaded ({type(err).__name__}: {str(err)[:200]})"
+                return await state.engine.call(lambda e: answer(e, msg))
+        return await state.engine.call(lambda e: load_adapter(e, name, path, adapter))
+
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> JSONResponse:
-        out = await state.engine.call(lambda e: load_adapter(e, body.lora_name, body.lora_path))
+        out = await load(body.lora_name, body.lora_path)
         return JSONResponse(out, status_code=200 if out["success"] else 400)
 
     @app.post("/unload_lora_adapter")

@@ -96,8 +96,11 @@ class ServerState:
         loaded LoRA adapter); returns the adapter's name (None: the base model)."""
         from hybridmoe.server.lora_routes import model_adapter
 
-        names = (self.model_name, self.args.model_path, Path(self.args.model_path).name, "default")
-        return model_adapter(self, model, names)
+        return model_adapter(self, model, self.base_names())
+
+    def base_names(self) -> tuple[str, ...]:
+        """The names an OpenAI `model` field may give the base model (an adapter cannot take one)."""
+        return self.model_name, self.args.model_path, Path(self.args.model_path).name, "default"
 
     def tokenizer(self):
         tok = self.core.tokenizer
