@@ -33,10 +33,11 @@ from pathlib import Path
 
 # Tiles the sweep times: (block_h, block_n, num_warps, num_stages[, transposed]). 64-head tiles compile to wgmma
 # with 8 warps, smaller ones to mma.sync (offline sm_90 compiles; see mla_triton._CONFIGS). Transposed: the
-# kernel's TRANS form (tokens and the latent width as the dots' M).
+# kernel's TRANS form (tokens and the latent width as the dots' M); 2: the mixed form (scores transposed only).
 SWEEP_TILES = [(64, 16, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2),
                (64, 32, 8, 2, 1), (64, 64, 8, 2, 1), (64, 64, 8, 3, 1), (64, 128, 8, 1, 1), (32, 32, 8, 2, 1),
-               (32, 64, 8, 2, 1), (32, 64, 4, 2, 1), (16, 64, 4, 2, 1)]
+               (32, 64, 8, 2, 1), (32, 64, 4, 2, 1), (16, 64, 4, 2, 1), (64, 16, 8, 2, 2), (64, 32, 8, 2, 2),
+               (64, 32, 8, 3, 2), (64, 64, 8, 2, 2)]
 SWEEP_SHAPES = [(1, 8192), (4, 8192), (16, 8192), (64, 8192), (1, 32768), (64, 32768)]
 CHECK_TOL = 2e-2  # bf16: see tests/test_mla_triton.py
 ELT = 2  # bytes of a bf16 / fp16 element
@@ -74,8 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-absorbed", action="store_true", help="time the kernel alone only")
     p.add_argument("--check", action="store_true", help="compare every row to mla_decode_ref before timing")
     p.add_argument("--sweep", action="store_true", help="time SWEEP_TILES and split counts on SWEEP_SHAPES")
+    p.add_argument("--sweep-tiles", type=_tile_arg, nargs="+", metavar="H,N,W,S[,T]",
+                   help="--sweep: time these tiles instead of SWEEP_TILES (e.g. 32,128,8,1,1)")
     p.add_argument("--tile", type=int, nargs="+", metavar="N",
-                   help="force the kernel tile: BLOCK_H BLOCK_N WARPS STAGES [TRANSPOSED 0/1] "
+                   help="force the kernel tile: BLOCK_H BLOCK_N WARPS STAGES [FORM 0/1/2: plain, transposed, mixed] "
                         "(default: mla_triton.decode_config)")
     p.add_argument("--splits", type=int, help="force the split count (default: mla_triton.choose_num_splits)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write it, no GPU")
@@ -83,6 +86,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cpu: a smoke run under TRITON_INTERPRET=1 (wall-clock timing, no graphs)")
     p.add_argument("--out", type=Path, help="write the results as JSON")
     return p.parse_args(argv)
+
+
+def _tile_arg(text: str) -> tuple[int, ...]:
+    """A sweep tile "BLOCK_H,BLOCK_N,WARPS,STAGES[,TRANSPOSED]"."""
+    try:
+        tile = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        tile = ()
+    if len(tile) not in (4, 5) or min(tile[:4]) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 4 or 5 positive integers, H,N,W,S[,T]")
+    return tile
 
 
 def shapes_of(a: argparse.Namespace) -> list[tuple[int, int]]:
@@ -223,7 +237,7 @@ class Bench:
         """MLADecodeConfig of a tile tuple (4 ints, or 5 with the transposed flag)."""
         if len(tile) not in (4, 5):
             raise SystemExit(f"--tile: 4 or 5 numbers, got {list(tile)}")
-        return self.m.MLADecodeConfig(*tile[:4], transposed=bool(tile[4]) if len(tile) == 5 else False)
+        return self.m.MLADecodeConfig(*tile[:4], transposed=tile[4] if len(tile) == 5 else 0)
 
     def kw(self, tile: tuple | None = None, splits: int | None = None) -> dict:
         tile = tile or self.a.tile
@@ -286,11 +300,11 @@ def run_sweep(a: argparse.Namespace, bench: Bench, rows: list[Row], copy_bw: flo
     out = []
     default = bench.m.decode_config(bench.dtype, a.lkv, a.heads, False)
     default = (default.block_h, default.block_n, default.num_warps, default.num_stages) + (
-        (1,) if default.transposed else ())
+        (default.transposed,) if default.transposed else ())
     print(f"{'B':>3} {'ctx':>6} {'tile':>18} {'X':>3} {'kern us':>8} {'ratio':>6} {'TFLOP/s':>7}", flush=True)
     for row in rows:
         x = bench.setup(row)
-        trials = [(t, bench.auto_splits(row, t), True) for t in SWEEP_TILES]
+        trials = [(t, bench.auto_splits(row, t), True) for t in a.sweep_tiles or SWEEP_TILES]
         xd = bench.auto_splits(row, default)
         trials += [(default, s, False) for s in sorted({max(1, xd // 2), xd * 2}) if s != xd]
         for tile, splits, auto in trials:
