@@ -357,3 +357,20 @@ def test_generate_without_a_tokenizer_exits_2_as_a_process(tiny_model_dir):
     r = _process(["generate", "--device", "cpu", "--model", str(model), "--max-new-tokens", "1"])
     _one_error_line(r.returncode, r.stderr.splitlines(), "hybridmoe generate", f"{model}: no tokenizer files")
     assert r.stdout == ""
+
+
+def test_rope_tables_follow_the_context_length_not_the_model_maximum(tmp_path: Path) -> None:
+    """The cos/sin tables cover --context-length, not max_position_embeddings: a model declaring 2^24 positions
+    (the most model_check allows; real models declare up to ~10M) served at a 256-token context builds 256 rows,
+    not 2^24 (2 GiB of tables for the demo's head dim, built at every start), and generates what the unmodified
+    model generates."""
+    big = _model_with_config(DEMO, tmp_path / "m", {"max_position_embeddings": 2**24})
+    prompt = [[5, 17, 99, 3]]
+    params = {"max_new_tokens": 12, "temperature": 0.0}
+    outs = []
+    for model in (big, DEMO):
+        with LLM(str(model), device="cpu", context_length=256, max_total_tokens=1024) as llm:
+            rotary = llm.engine.runner.model.model.rotary
+            assert rotary.cos.shape[0] == rotary.sin.shape[0] == 256, rotary.cos.shape
+            outs.append(llm.generate(input_ids=prompt, sampling_params=params)[0]["output_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) == 12

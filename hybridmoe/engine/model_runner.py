@@ -82,7 +82,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(attn)
         self.model = load_model(
             args.model_path, hf_config, self.dtype, self.device, self.moe.make,
-            max_position=max(self.context_len, model_cfg.max_position), progress=progress,
+            max_position=self.context_len, progress=progress,  # positions stay below the context length
             load_format=args.load_format, spec=model_cfg.spec, fp8_dequantize=args.fp8_dequantize,
             # CPU experts are assembled (and quantized) in host memory (random ones: moe.assemble_device)
             expert_device=lambda _layer: self.moe.assemble_device,
