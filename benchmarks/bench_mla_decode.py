@@ -33,11 +33,10 @@ from pathlib import Path
 
 # Tiles the sweep times: (block_h, block_n, num_warps, num_stages[, transposed]). 64-head tiles compile to wgmma
 # with 8 warps, smaller ones to mma.sync (offline sm_90 compiles; see mla_triton._CONFIGS). Transposed: the
-# kernel's TRANS form (tokens and the latent width as the dots' M); 2: the mixed form (scores transposed only).
+# kernel's TRANS form (tokens and the latent width as the dots' M).
 SWEEP_TILES = [(64, 16, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2),
                (64, 32, 8, 2, 1), (64, 64, 8, 2, 1), (64, 64, 8, 3, 1), (64, 128, 8, 1, 1), (32, 32, 8, 2, 1),
-               (32, 64, 8, 2, 1), (32, 64, 4, 2, 1), (16, 64, 4, 2, 1), (64, 16, 8, 2, 2), (64, 32, 8, 2, 2),
-               (64, 32, 8, 3, 2), (64, 64, 8, 2, 2)]
+               (32, 64, 8, 2, 1), (32, 64, 4, 2, 1), (16, 64, 4, 2, 1)]
 SWEEP_SHAPES = [(1, 8192), (4, 8192), (16, 8192), (64, 8192), (1, 32768), (64, 32768)]
 CHECK_TOL = 2e-2  # bf16: see tests/test_mla_triton.py
 ELT = 2  # bytes of a bf16 / fp16 element
@@ -78,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-tiles", type=_tile_arg, nargs="+", metavar="H,N,W,S[,T]",
                    help="--sweep: time these tiles instead of SWEEP_TILES (e.g. 32,128,8,1,1)")
     p.add_argument("--tile", type=int, nargs="+", metavar="N",
-                   help="force the kernel tile: BLOCK_H BLOCK_N WARPS STAGES [FORM 0/1/2: plain, transposed, mixed] "
+                   help="force the kernel tile: BLOCK_H BLOCK_N WARPS STAGES [TRANSPOSED 0/1] "
                         "(default: mla_triton.decode_config)")
     p.add_argument("--splits", type=int, help="force the split count (default: mla_triton.choose_num_splits)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write it, no GPU")
@@ -237,7 +236,7 @@ class Bench:
         """MLADecodeConfig of a tile tuple (4 ints, or 5 with the transposed flag)."""
         if len(tile) not in (4, 5):
             raise SystemExit(f"--tile: 4 or 5 numbers, got {list(tile)}")
-        return self.m.MLADecodeConfig(*tile[:4], transposed=tile[4] if len(tile) == 5 else 0)
+        return self.m.MLADecodeConfig(*tile[:4], transposed=bool(tile[4]) if len(tile) == 5 else False)
 
     def kw(self, tile: tuple | None = None, splits: int | None = None) -> dict:
         tile = tile or self.a.tile
@@ -300,7 +299,7 @@ def run_sweep(a: argparse.Namespace, bench: Bench, rows: list[Row], copy_bw: flo
     out = []
     default = bench.m.decode_config(bench.dtype, a.lkv, a.heads, False)
     default = (default.block_h, default.block_n, default.num_warps, default.num_stages) + (
-        (default.transposed,) if default.transposed else ())
+        (1,) if default.transposed else ())
     print(f"{'B':>3} {'ctx':>6} {'tile':>18} {'X':>3} {'kern us':>8} {'ratio':>6} {'TFLOP/s':>7}", flush=True)
     for row in rows:
         x = bench.setup(row)

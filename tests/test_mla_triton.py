@@ -139,10 +139,9 @@ def run_case(case: tuple, dtype: torch.dtype, device: str, seed: int = 0) -> flo
     out = mla_decode(**x, num_splits=splits)
     assert out.shape == (len(lens), heads, lkv) and out.dtype == dtype, name
     errs = [rel_err(out, naive_mla(**x))]
-    # the transposed (TRANS 1) and mixed (TRANS 2) forms of the kernel, same tile
-    for form in (1, 2):
-        cfg = replace(decode_config(dtype, lkv, heads, device != "cuda"), transposed=form)
-        errs.append(rel_err(mla_decode(**x, num_splits=splits, config=cfg), naive_mla(**x)))
+    # the transposed form of the kernel (TRANS), same tile
+    cfg = replace(decode_config(dtype, lkv, heads, device != "cuda"), transposed=True)
+    errs.append(rel_err(mla_decode(**x, num_splits=splits, config=cfg), naive_mla(**x)))
     # q_lat as the model makes it (bmm over heads, then transposed: strided), written into a given `out`.
     q_hb = x["q_lat"].transpose(0, 1).contiguous()  # [H, B, Lkv]
     given = torch.full_like(out, float("nan"))
@@ -254,10 +253,10 @@ COMPILE_SHAPES = [("bf16", 128, 512, 64, 16), ("bf16", 128, 512, 64, 1), ("fp16"
 
 
 @needs_triton
-@pytest.mark.parametrize("trans", [0, 1, 2])
+@pytest.mark.parametrize("trans", [False, True])
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("shape", COMPILE_SHAPES, ids=str)
-def test_mla_kernels_compile_sm90(shape: tuple, split: bool, trans: int) -> None:
+def test_mla_kernels_compile_sm90(shape: tuple, split: bool, trans: bool) -> None:
     """What only the compiler rejects shows up here, not first on the GPU machine (like test_triton_compile.py)."""
     import triton
     from triton.backends.compiler import GPUTarget

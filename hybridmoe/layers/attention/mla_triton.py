@@ -49,17 +49,11 @@ def _mla_decode_kernel(
 ):
     """One program: sequence b, heads hb * BLOCK_H ..., context split `split` of X.
 
-    TRANS selects one of three forms of the same arithmetic (same results up to summation order).
-    TRANS == 1 computes the transposed products, scores^T [BLOCK_N, BLOCK_H] = c_kv . q^T and
+    TRANS computes the transposed products, scores^T [BLOCK_N, BLOCK_H] = c_kv . q^T and
     o^T [BLOCK_L, BLOCK_H] += c_kv^T . p^T, with the softmax along axis 0: the tokens are the M of the
     score dot and the latent width the M of the value dot, so the warps split both along M (the
     untransposed chain has M = heads for both dots, and with 64 heads both warpgroups compute the same
-    score tile).
-    TRANS == 2 (mixed) computes the scores transposed and the output untransposed: q^T is the score dot's
-    B operand (shared memory), so q does not sit in registers as an A operand for the whole loop (the plain
-    form's spill at 64 heads: 128 registers of q a thread on top of 128 of the accumulator), and the score
-    dot is no longer the head of a dot chain to Triton (the transpose sits between), so its warps split the
-    heads instead of both warpgroups repeating it; p goes through a layout conversion into the value dot.
+    score tile). Same arithmetic, same results up to summation order.
 
     The split covers tokens [split * split_len, (split + 1) * split_len) clipped to seq_lens[b], with
     split_len = ceil(seq_len / X) rounded up to BLOCK_N, so a sequence's work spreads over all X
@@ -90,11 +84,7 @@ def _mla_decode_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    if TRANS == 2:
-        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-        q_t = tl.trans(q)  # [BLOCK_L, BLOCK_H]
-        q_pe_t = tl.trans(q_pe)  # [BLOCK_R, BLOCK_H]
-    elif TRANS == 1:
+    if TRANS:
         acc = tl.zeros([BLOCK_L, BLOCK_H], tl.float32)  # o_lat^T
         q_t = tl.trans(q)  # [BLOCK_L, BLOCK_H]
         q_pe_t = tl.trans(q_pe)  # [BLOCK_R, BLOCK_H]
@@ -110,15 +100,7 @@ def _mla_decode_kernel(
                        mask=tok_mask[:, None] & l_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_L]
         k_pe = tl.load(kv_ptr + row[:, None] + LKV + offs_r[None, :],
                        mask=tok_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-        if TRANS == 2:
-            s = tl.trans(_dot(c_kv, q_t, DOT_FP32) + _dot(k_pe, q_pe_t, DOT_FP32))  # [BLOCK_H, BLOCK_N]
-            s = tl.where(tok_mask[None, :], s * scale_log2e, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(q.dtype), c_kv, DOT_FP32)
-        elif TRANS == 1:
+        if TRANS:
             s = _dot(c_kv, q_t, DOT_FP32) + _dot(k_pe, q_pe_t, DOT_FP32)  # [BLOCK_N, BLOCK_H]
             s = tl.where(tok_mask[:, None], s * scale_log2e, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -136,7 +118,7 @@ def _mla_decode_kernel(
             acc = acc * alpha[:, None] + _dot(p.to(q.dtype), c_kv, DOT_FP32)  # the values are the latent itself
         m_i = m_new
 
-    if TRANS == 1:
+    if TRANS:
         acc = tl.trans(acc)  # [BLOCK_H, BLOCK_L]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or seq_len 0) leaves zeros
     io_mask = h_mask[:, None] & l_mask[None, :]
@@ -197,7 +179,7 @@ class MLADecodeConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    transposed: int = 0  # the kernel's TRANS form: 0 plain, 1 transposed, 2 mixed (scores transposed only)
+    transposed: bool = False  # the kernel's TRANS form
 
 
 # Keyed by (element bytes, padded latent width >= 256). bf16/fp16 at Lkv 512: the kernel is tensor-core
