@@ -374,3 +374,17 @@ def test_rope_tables_follow_the_context_length_not_the_model_maximum(tmp_path: P
             assert rotary.cos.shape[0] == rotary.sin.shape[0] == 256, rotary.cos.shape
             outs.append(llm.generate(input_ids=prompt, sampling_params=params)[0]["output_ids"])
     assert outs[0] == outs[1] and len(outs[0]) == 12
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_requests_at_the_context_edge_stay_inside_the_rope_tables(overlap: bool) -> None:
+    """With the tables cut to the context length, requests that end exactly at it (a prompt one short of it,
+    prompts whose new tokens fill it) run to their length, with the overlap scheduler's step ahead too: a
+    position past the tables would raise here (the CPU path indexes them)."""
+    with LLM(str(DEMO), device="cpu", context_length=40, max_total_tokens=512, enable_overlap_schedule=overlap,
+             progress=False) as llm:
+        assert llm.engine.runner.model.model.rotary.cos.shape[0] == 40
+        outs = llm.generate(input_ids=[[5] * 30, [7] * 39, [9] * 10],
+                            sampling_params={"max_new_tokens": 100, "temperature": 0.0, "ignore_eos": True})
+    assert [len(o["output_ids"]) for o in outs] == [10, 1, 30]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
