@@ -161,8 +161,12 @@ class Converter:
         if diff:
             raise ConvertError(f"{state}: the conversion there used other settings or another checkpoint (differs "
                                f"in {', '.join(diff)}); rerun with the same options or choose another --output")
-        for tmp in out.glob("*.tmp"):
-            tmp.unlink()
+        for tmp in out.glob("*.tmp"):  # left by the interrupted run
+            try:
+                tmp.unlink()
+            except OSError as e:  # e.g. a directory of that name
+                raise ConvertError(f"{tmp}: cannot be removed ({e.strerror}); remove it by hand, then rerun with "
+                                   "--resume") from None
         done = {}
         for name, entry in prev["files"].items():
             path = out / name

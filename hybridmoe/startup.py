@@ -133,6 +133,22 @@ def check_flags_against_model(args: EngineArgs, hf_config) -> None:
         if not parent.is_dir():
             raise ConfigError(f"--record-expert-distribution {args.record_expert_distribution}: the directory "
                               f"{parent} does not exist")
+        if Path(args.record_expert_distribution).is_dir():  # written at shutdown: that failed (IsADirectoryError) after the whole run
+            raise ConfigError(f"--record-expert-distribution {args.record_expert_distribution}: is a directory, "
+                              "expected the path of the statistics file to write")
+
+
+def check_expert_location(args: EngineArgs, spec) -> None:
+    """--init-expert-location, the statistics file the `frequency` placement reads, against the model's MoE layers
+    and experts (it was read after the whole load, and a malformed one failed with an error from deep inside)."""
+    if args.kt_expert_placement_strategy != "frequency" or args.init_expert_location is None:
+        return
+    from hybridmoe.moe.placement import load_expert_counts
+
+    try:
+        load_expert_counts(args.init_expert_location, list(spec.moe_layers), spec.num_experts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_lora_flags(args: EngineArgs) -> None:
@@ -159,6 +175,7 @@ def prepare(args: EngineArgs) -> EngineArgs:
     Raises ConfigError or CheckpointError with a one-line message."""
     config, spec = load_checked_config(args.model_path, args.trust_remote_code)
     check_flags_against_model(args, config)
+    check_expert_location(args, spec)
     size = None
     tok_path = args.tokenizer_path or args.model_path
     if not args.skip_tokenizer_init:

@@ -30,7 +30,7 @@ from hybridmoe.engine.llm import LLM
 from hybridmoe.startup import prepare
 from hybridmoe.weights.errors import CheckpointError
 
-from tiny_models import DROP, linked_with_json
+from tiny_models import DROP, linked_with_json, one_line
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "hybridmoe" / "demo_model"
@@ -51,14 +51,6 @@ def _demo(dst: Path, **tokenizer_config: object) -> Path:
     """The demo model at dst (files linked) with its tokenizer_config.json changed: a value None removes the key."""
     changes = {k: DROP if v is None else v for k, v in tokenizer_config.items()}
     return linked_with_json(DEMO, dst, "tokenizer_config.json", changes)
-
-
-def _one_line(e: pytest.ExceptionInfo, *want: str) -> str:
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for w in want:
-        assert w in msg, (w, msg)
-    return msg
 
 
 @pytest.fixture
@@ -106,11 +98,11 @@ def _process(argv: list[str]) -> subprocess.CompletedProcess:
     # was an error naming a tensor's shape, not the field
     ("qwen3_moe", {"num_key_value_heads": 4}, "num_key_value_heads is 4"),
 ], ids=["layers_huge", "experts_huge", "kv_heads_not_dividing"])
-def test_llm_refuses_a_hostile_config_in_one_line(tiny_model_dir, tmp_path, kind, changes, field):
+def test_llm_refuses_a_hostile_config_inone_line(tiny_model_dir, tmp_path, kind, changes, field):
     model = _model_with_config(tiny_model_dir(kind), tmp_path / "m", changes)
     with pytest.raises(CheckpointError) as e:
         LLM(model_path=str(model), device="cpu", progress=False)
-    _one_line(e, f"{model}/config.json: {field}")
+    one_line(e, f"{model}/config.json: {field}")
 
 
 def test_llm_checks_the_shards_only_where_the_command_line_does(tiny_model_dir, monkeypatch):
@@ -168,7 +160,7 @@ def test_loader_refuses_a_malformed_index_as_the_startup_scan_does(tiny_model_di
     with pytest.raises(CheckpointError) as loaded:
         SafetensorsIndex(str(model))
     assert str(loaded.value) == str(scanned.value)
-    _one_line(loaded, f"{model}/model.safetensors.index.json: not a safetensors index")
+    one_line(loaded, f"{model}/model.safetensors.index.json: not a safetensors index")
 
 
 # ---- 3. chat templates are compiled at startup ------------------------------------------------------------
@@ -227,7 +219,7 @@ def test_a_broken_chat_template_is_refused_at_startup(tmp_path, config, write, w
         write(model)
     with pytest.raises(CheckpointError) as e:
         prepare(EngineArgs.from_kwargs(model_path=str(model), device="cpu"))
-    msg = _one_line(e, str(model), *want)
+    msg = one_line(e, str(model), *want)
     assert "--chat-template" in msg  # the way out: another template
 
 
@@ -265,19 +257,19 @@ def test_the_chat_template_flag_is_compiled(tmp_path):
     f.write_text(BROKEN)
     with pytest.raises(ConfigError) as e:
         EngineArgs.from_kwargs(chat_template=str(f))
-    _one_line(e, f"--chat-template {f}: not a valid Jinja template: unexpected '}}' (line 2 of the template)")
+    one_line(e, f"--chat-template {f}: not a valid Jinja template: unexpected '}}' (line 2 of the template)")
     f.write_bytes(b"{{")
     os.truncate(f, 1 << 40)
     with pytest.raises(ConfigError) as e:
         EngineArgs.from_kwargs(chat_template=str(f))
-    _one_line(e, f"--chat-template {f}: 1099511627776 bytes, more than a chat template can be")
+    one_line(e, f"--chat-template {f}: 1099511627776 bytes, more than a chat template can be")
 
 
 def test_llm_refuses_a_broken_chat_template(tmp_path):
     model = _demo(tmp_path / "m", chat_template=BROKEN)
     with pytest.raises(CheckpointError) as e:
         LLM(model_path=str(model), device="cpu", progress=False)
-    _one_line(e, f"{model}/tokenizer_config.json: chat_template: not a valid Jinja template")
+    one_line(e, f"{model}/tokenizer_config.json: chat_template: not a valid Jinja template")
 
 
 @pytest.mark.parametrize("which", ["serve", "generate"])
@@ -310,7 +302,7 @@ def test_a_gguf_with_a_broken_chat_template_is_named(tmp_path, monkeypatch):
     write_model_gguf(ckpt, gguf, ("Q8_0",), chat_template=BROKEN)
     with pytest.raises(CheckpointError) as e:
         prepare(EngineArgs.from_kwargs(model_path=str(gguf), device="cpu"))
-    _one_line(e, f"{gguf}: tokenizer.chat_template: not a valid Jinja template: unexpected '}}' (line 2")
+    one_line(e, f"{gguf}: tokenizer.chat_template: not a valid Jinja template: unexpected '}}' (line 2")
 
 
 def test_generate_with_a_broken_chat_template_exits_2_as_a_process(tmp_path):

@@ -134,3 +134,12 @@ def linked_with_json(src: Path, dst: Path, name: str, changes: dict) -> Path:
             data[key] = value
     (dst / name).write_text(json.dumps(data))
     return dst
+
+
+def one_line(e, *want: str) -> str:
+    """The message of a raised error (a pytest.ExceptionInfo), asserted to be one line holding every `want`."""
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    for w in want:
+        assert w in msg, (w, msg)
+    return msg

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,9 @@ from hybridmoe.config import ConfigError, HybridConfig, ModelConfig
 log = logging.getLogger(__name__)
 
 STATS_FORMAT = "hybridmoe-expert-distribution"
+STATS_VERSION = 1
+# a statistics file holds a count per expert per MoE layer: a few MB for the largest models
+MAX_STATS_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -130,20 +134,51 @@ def _mask(num_experts: int, ids) -> torch.Tensor:
     return m
 
 
-def load_expert_counts(path: str, moe_layers: list[int], num_experts: int) -> dict[int, list[int]]:
-    """Per-layer expert activation counts from a statistics file; errors name the file and field."""
+def load_expert_counts(path: str, moe_layers: list[int], num_experts: int) -> dict[int, list[float]]:
+    """Per-layer expert activation counts from a statistics file: one non-negative finite count per expert of
+    every MoE layer of the model, and no other layer; errors (ValueError) name the file and what was expected."""
     p = Path(path)
+    where = f"--init-expert-location {p}"
     try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--init-expert-location {p}: cannot be read as JSON: {e}") from e
-    if data.get("format") != STATS_FORMAT:
-        raise ValueError(f"--init-expert-location {p}: not an expert distribution file (format field)")
-    if data.get("num_experts") != num_experts:
-        raise ValueError(f"--init-expert-location {p}: recorded for {data.get('num_experts')} experts per layer, "
-                         f"the model has {num_experts}")
-    counts = {int(k): v for k, v in data.get("counts", {}).items()}
+        size = p.stat().st_size
+        data = json.loads(p.read_text()) if size <= MAX_STATS_BYTES else None
+    except OSError as e:
+        raise ValueError(f"{where}: cannot be read: {e}") from None
+    except ValueError as e:  # UnicodeDecodeError included
+        raise ValueError(f"{where}: cannot be read as JSON: {e}") from None
+    except RecursionError:  # json's parser recurses per nesting level: [[[...]]] 100000 deep
+        raise ValueError(f"{where}: cannot be read as JSON: nested too deeply") from None
+    if size > MAX_STATS_BYTES:  # read whole: a huge (or sparse) file took its size in memory
+        raise ValueError(f"{where}: {size} bytes, more than a statistics file can be ({MAX_STATS_BYTES >> 20} MiB)")
+    if not isinstance(data, dict) or data.get("format") != STATS_FORMAT:
+        raise ValueError(f"{where}: not an expert distribution file (expected a JSON object with format "
+                         f"{STATS_FORMAT!r}, written by --record-expert-distribution)")
+    if data.get("version", STATS_VERSION) != STATS_VERSION:
+        raise ValueError(f"{where}: version {data.get('version')!r}, this hybridmoe reads version {STATS_VERSION}")
+    if data.get("num_experts") != num_experts or isinstance(data.get("num_experts"), bool):
+        raise ValueError(f"{where}: recorded for {data.get('num_experts')!r} experts per layer, the model has "
+                         f"{num_experts}")
+    raw = data.get("counts")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: field 'counts' is {type(raw).__name__}, expected an object of MoE layer index "
+                         f"-> {num_experts} counts")
+    counts: dict[int, list[float]] = {}
+    for key, row in raw.items():
+        try:
+            layer = int(key)
+        except ValueError:
+            layer = None
+        if layer not in moe_layers:  # recorded for another model (or not by the recorder)
+            raise ValueError(f"{where}: counts for layer {key!r}, which is not a MoE layer of the model (expected "
+                             f"the MoE layers {moe_layers})")
+        ok = isinstance(row, list) and len(row) == num_experts and all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0
+            and (isinstance(c, int) or math.isfinite(c)) for c in row)
+        if not ok:
+            raise ValueError(f"{where}: counts of layer {key}: expected a list of {num_experts} non-negative finite "
+                             f"numbers, got {str(row)[:80]}")
+        counts[layer] = row
     missing = [layer for layer in moe_layers if layer not in counts]
     if missing:
-        raise ValueError(f"--init-expert-location {p}: no counts for MoE layer(s) {missing}")
+        raise ValueError(f"{where}: no counts for MoE layer(s) {missing}")
     return counts

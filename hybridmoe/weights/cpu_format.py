@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import stat
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe.cpu import hugepages
-from hybridmoe.cpu.quant import ACTIVATIONS, METHODS, PackedLayer, pack_layer
+from hybridmoe.cpu.quant import ACTIVATIONS, GROUP_SIZES, METHODS, PackedLayer, pack_layer, pad_sizes
 from hybridmoe.weights.loader import CheckpointError
 from hybridmoe.weights.shards import DTYPES, read_header  # noqa: F401 (re-exported for convert)
 
@@ -39,7 +40,14 @@ PROGRESS = "progress.json"
 CHECKSUM = "sha256"
 ALIGN = 64
 _BLOCK = 64 << 20  # bytes per read / hash step
+# manifest.json / progress.json are kilobytes (one entry per layer); a huge (or sparse) one was read whole
+_MAX_STATE_BYTES = 16 << 20
+# a layer file's header (its tensor table and layer meta) is under a kilobyte; the bytes a manifest may
+# give a layer file beyond its tensors' (a larger number was allocated before the checksum could refuse it)
+_MAX_LAYER_HEADER = 1 << 20
 _REDO = "rerun the same `hybridmoe convert` command with --resume: it re-verifies every file and redoes the bad ones"
+# for a file that passes its checksum yet is not what convert writes (--resume would keep it)
+_AGAIN = "convert the checkpoint again into a new directory (`hybridmoe convert --output NEW ...`)"
 # keys of config.json that do not change the weights (dtype, storage quantization, tool version)
 _VOLATILE_KEYS = ("quantization_config", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
 
@@ -192,8 +200,36 @@ def read_verified(path: Path, size: int, sha256: str) -> tuple[torch.Tensor, dic
     if h.hexdigest() != sha256:
         raise CPUWeightsError(f"{path}: checksum mismatch (sha256 {h.hexdigest()[:16]}..., manifest "
                               f"{sha256[:16]}...): the file is corrupted; {_REDO}")
-    (n,) = struct.unpack("<Q", bytes(view[:8]))
-    return buf, json.loads(bytes(view[8:8 + n])), 8 + n
+    return buf, *_layer_header(path, view, size)
+
+
+def _layer_header(path: Path, view: memoryview, size: int) -> tuple[dict, int]:
+    """(header, data offset) of a layer file read into `view` ({size} bytes), checked to be a safetensors
+    header (a file that passes its checksum may still have been written by something else than convert)."""
+    (n,) = struct.unpack("<Q", bytes(view[:8])) if size >= 8 else (-1,)
+    if not 0 < n <= min(size - 8, _MAX_LAYER_HEADER):
+        raise CPUWeightsError(f"{path}: not a safetensors file (header length {n} for a {size}-byte file); {_AGAIN}")
+    try:
+        header = json.loads(bytes(view[8:8 + n]))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CPUWeightsError(f"{path}: not a safetensors file (its header is not valid JSON: {e}); {_AGAIN}") from None
+    if not isinstance(header, dict):
+        raise CPUWeightsError(f"{path}: not a safetensors file (its header is a JSON {type(header).__name__}); {_AGAIN}")
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        ok = isinstance(info, dict) and info.get("dtype") in DTYPES and isinstance(info.get("shape"), list) \
+            and all(isinstance(d, int) and d >= 0 for d in info["shape"]) \
+            and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2 \
+            and all(isinstance(o, int) for o in info["data_offsets"])
+        if ok:
+            b, e = info["data_offsets"]
+            nbytes = math.prod(info["shape"]) * torch.empty(0, dtype=DTYPES[info["dtype"]]).element_size()
+            ok = 0 <= b <= e <= size - 8 - n and e - b == nbytes
+        if not ok:
+            raise CPUWeightsError(f"{path}: tensor {name!r}: its header entry {str(info)[:120]} is not a dtype, "
+                                  f"shape and data_offsets that fit the file; {_AGAIN}")
+    return header, 8 + n
 
 
 def tensor_views(buf: torch.Tensor, header: dict, data_start: int) -> dict[str, torch.Tensor]:
@@ -274,11 +310,17 @@ def read_state(path: Path, what_to_do: str) -> dict:
     """A converted directory's manifest.json or progress.json, checked for the fields this version
     uses; a damaged one is an error saying so and `what_to_do`."""
     try:
-        m = json.loads(path.read_text())
+        size = path.stat().st_size
+        m = json.loads(path.read_text()) if size <= _MAX_STATE_BYTES else None
     except OSError as e:
         raise CPUWeightsError(f"{path}: cannot be read: {e}") from e
     except ValueError as e:
         raise CPUWeightsError(f"{path}: damaged (not valid JSON: {e}); {what_to_do}") from e
+    except RecursionError:  # json's parser recurses per nesting level: [[[...]]] 100000 deep
+        raise CPUWeightsError(f"{path}: damaged (not valid JSON: nested too deeply); {what_to_do}") from None
+    if size > _MAX_STATE_BYTES:
+        raise CPUWeightsError(f"{path}: damaged ({size} bytes; a {path.name} is at most {_MAX_STATE_BYTES >> 20} MiB); "
+                              f"{what_to_do}")
     if isinstance(m, dict) and m.get("format") == FORMAT and m.get("format_version") != FORMAT_VERSION:
         raise CPUWeightsError(f"{path}: format version {m.get('format_version')}; this hybridmoe reads "
                               f"version {FORMAT_VERSION}: reconvert with this version")
@@ -306,7 +348,7 @@ class CPUWeightDir:
                               f"--output NEW ...`), or remove {self.path} and convert into it")
         self.manifest = m
         self.by_layer = {int(v["layer"]): (self.path / name, v) for name, v in m["files"].items()}
-        self._shapes: dict[str, tuple[int, ...]] | None = None
+        self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
 
     @property
     def method(self) -> str:
@@ -334,10 +376,47 @@ class CPUWeightDir:
             diff = sorted(k for k in set(src) | set(canon) if src.get(k) != canon.get(k))
             raise CPUWeightsError(f"{where}: converted from a different checkpoint than {model_path} (config.json "
                                   f"differs in {', '.join(diff) or 'content'}); reconvert from --model's checkpoint")
+        self._check_layout()
         self._check_experts(config, model_path, spec)
         missing = [layer for layer in spec.moe_layers if layer not in self.by_layer]
         if missing:
             raise CPUWeightsError(f"{where}: no file for MoE layer(s) {missing}")
+        for layer in spec.moe_layers:
+            self._check_file(layer)
+
+    def _check_layout(self) -> None:
+        """The group size and paddings must be the ones `convert` derives from the sizes: the kernels walk
+        the packed tensors by the paddings, and the layer files' shapes are checked against the sizes alone."""
+        m, where = self.manifest, self.path / MANIFEST
+        gs = m["group_size"]
+        if gs < 1 or (m["method"] == "AMXINT4" and gs not in GROUP_SIZES):
+            raise CPUWeightsError(f"{where}: damaged (field 'group_size' is {gs}, expected "
+                                  f"{f'one of {GROUP_SIZES}' if m['method'] == 'AMXINT4' else 'a positive integer'})")
+        pads = pad_sizes(m["hidden"], m["inter"], m["method"], gs)
+        if (m["hidden_pad"], m["inter_pad"]) != pads:
+            raise CPUWeightsError(f"{where}: damaged (fields 'hidden_pad', 'inter_pad' are {m['hidden_pad']}, "
+                                  f"{m['inter_pad']}; hidden {m['hidden']} and inter {m['inter']} with {m['method']} "
+                                  f"give {pads[0]}, {pads[1]})")
+
+    def _check_file(self, layer: int) -> None:
+        """Layer `layer`'s file exists, is a regular file and has the size the manifest gives it, a size that
+        fits its tensors (before the model loads; load_layer verifies the checksum)."""
+        path, info = self.by_layer[layer]
+        data = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                   for dtype, shape in self.expected_layout().values())
+        if not data < info["bytes"] <= data + _MAX_LAYER_HEADER:
+            raise CPUWeightsError(f"{self.path / MANIFEST}: damaged (the entry of {path.name} under 'files' gives "
+                                  f"{info['bytes']} bytes; its tensors take {data} bytes plus a header)")
+        try:
+            st = path.stat()
+        except OSError as e:
+            raise CPUWeightsError(f"{path}: cannot be read: {e}; {_REDO}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CPUWeightsError(f"{path}: not a regular file (expected the layer file written by `hybridmoe "
+                                  f"convert`); {_REDO}")
+        if st.st_size != info["bytes"]:
+            raise CPUWeightsError(f"{path}: {st.st_size} bytes, the manifest says {info['bytes']}: the file is "
+                                  f"truncated or was replaced; {_REDO}")
 
     def _check_experts(self, config, model_path: str, spec) -> None:
         """The routed experts' fingerprint (weights/fingerprint.py) must be the one recorded at conversion."""
@@ -363,15 +442,19 @@ class CPUWeightDir:
                 f"recorded, {actual.split(':')[-1][:12]} in {model_path}); convert {model_path} with `hybridmoe "
                 "convert` and pass that directory")
 
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Name -> shape of every layer file's tensors (from packing one zero expert)."""
-        if self._shapes is None:
+    def expected_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Name -> (dtype, shape) of every layer file's tensors (from packing one zero expert)."""
+        if self._layout is None:
             m = self.manifest
             h, i = m["hidden"], m["inter"]
             one = pack_layer(torch.zeros(1, 2 * i, h), torch.zeros(1, h, i), m["method"], m["group_size"],
                              m["symmetric"], m["activation"])
-            self._shapes = {k: (m["num_experts"], *t.shape[1:]) for k, t in one.tensors().items()}
-        return self._shapes
+            self._layout = {k: (t.dtype, (m["num_experts"], *t.shape[1:])) for k, t in one.tensors().items()}
+        return self._layout
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every layer file's tensors."""
+        return {k: shape for k, (_, shape) in self.expected_layout().items()}
 
     def load_layer(self, layer: int, experts: torch.Tensor | None = None) -> PackedLayer:
         """Layer `layer`'s packed experts, read once and verified against the manifest; with `experts`
@@ -381,13 +464,30 @@ class CPUWeightDir:
         path, info = self.by_layer[layer]
         buf, header, start = read_verified(path, info["bytes"], info["sha256"])
         tensors = tensor_views(buf, header, start)
-        meta = json.loads(header.get("__metadata__", {}).get("meta", "{}"))
+        meta = header.get("__metadata__")
+        try:
+            meta = json.loads(meta.get("meta", "{}")) if isinstance(meta, dict) else {}
+        except (TypeError, ValueError, RecursionError):
+            meta = None
+        if not isinstance(meta, dict):
+            raise CPUWeightsError(f"{path}: its layer meta (__metadata__.meta) is not a JSON object; {_AGAIN}")
         want = {k: self.manifest[k] for k in ("method", "num_experts", "hidden", "inter", "hidden_pad", "inter_pad",
                                               "group_size", "symmetric", "activation")}
-        shapes = {k: tuple(t.shape) for k, t in tensors.items()}
-        if meta != want or shapes != self.expected_shapes():
-            raise CPUWeightsError(f"{path}: its layout ({meta}, {shapes}) does not match {MANIFEST} ({want}, "
-                                  f"{self.expected_shapes()})")
+        layout = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+        expected = self.expected_layout()
+        if meta != want:
+            diff = sorted(k for k in set(want) | set(meta) if meta.get(k) != want.get(k))
+            raise CPUWeightsError(f"{path}: its layer meta does not match {MANIFEST} (differs in {', '.join(diff)}); "
+                                  f"{_AGAIN}")
+        if layout != expected:
+            name = sorted(k for k in set(layout) | set(expected) if layout.get(k) != expected.get(k))[0]
+            got = "missing" if name not in layout else f"{layout[name][0]} {list(layout[name][1])}"
+            exp = "no such tensor" if name not in expected else f"{expected[name][0]} {list(expected[name][1])}"
+            raise CPUWeightsError(f"{path}: tensor {name!r} is {got}, {MANIFEST} implies {exp}; {_AGAIN}")
+        for name, t in tensors.items():  # the scales: a NaN or Inf turns every output of its expert into NaN
+            if t.is_floating_point() and not name.endswith(".data") and not bool(torch.isfinite(t).all()):
+                raise CPUWeightsError(f"{path}: tensor {name!r} holds NaN or infinite values (the converter never "
+                                      f"writes them); {_AGAIN}")
         if experts is not None:
             ids = experts.to("cpu", torch.long)
             tensors = {k: torch.index_select(t, 0, ids, out=hugepages.empty((len(ids), *t.shape[1:]), t.dtype))

@@ -35,7 +35,10 @@ class DirLock:
 
     def acquire(self) -> None:
         for _ in range(100):  # retried only when the file was replaced under us
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:  # e.g. a directory of that name, or a read-only output directory
+                raise CheckpointError(f"{self.path}: cannot be locked: {e.strerror}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
