@@ -440,6 +440,20 @@ def test_recorded_statistics_are_accepted(tmp_path):
     prepare(_frequency(path))
 
 
+def test_writing_statistics_leaves_a_neighbouring_tmp_file_alone(tmp_path):
+    """The statistics file is written through a temporary file named after the whole file name: stats.json used
+    stats.tmp, overwriting (then moving away) a user's file of that name beside it."""
+    import torch
+
+    mine = tmp_path / "stats.tmp"
+    mine.write_text("mine")
+    rec = ExpertDistributionRecorder(None, 8, torch.device("cpu"), layers=(0,))
+    rec.record(0, torch.tensor([[1, 2]]))
+    rec.dump(str(tmp_path / "stats.json"))
+    assert mine.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.json", "stats.tmp"]
+
+
 def test_record_expert_distribution_into_a_directory_is_refused(tmp_path):
     """The file is written at shutdown: a directory failed it there (IsADirectoryError), after the whole run."""
     with pytest.raises(ConfigError) as e:

@@ -102,7 +102,7 @@ class ExpertDistributionRecorder:
             raise ValueError("no path to write the expert distribution to")
         data = {"format": STATS_FORMAT, "version": 1, "num_experts": self.num_experts,
                 "counts": {str(k): v for k, v in self.recorded().items()}}
-        tmp = Path(path).with_suffix(".tmp")
+        tmp = Path(path).with_name(Path(path).name + ".tmp")  # not with_suffix: stats.json would take stats.tmp
         tmp.write_text(json.dumps(data))
         tmp.replace(path)
         return str(path)
