@@ -354,6 +354,14 @@ def test_bench_mla_decode_cpu_smoke(tmp_path: Path) -> None:
 
     assert sum(r["auto_splits"] for r in sweep) == len(SWEEP_TILES) and all(r["kernel_s"] > 0 for r in sweep)
     assert "best tile" in proc.stdout
+    # --sweep-tiles: only the tiles given (and the default tile's half / double splits)
+    proc = _bench(*tiny, "--sweep", "--sweep-tiles", "16,16,4,1", "16,16,4,1,1", "--batches", "2", "--contexts", "20",
+                  "--min-calls", "1", "--out", str(out), interpret=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweep = json.loads(out.read_text())["sweep"]
+    assert [r["tile"] for r in sweep if r["auto_splits"]] == [[16, 16, 4, 1], [16, 16, 4, 1, 1]]
+    proc = _bench("--dry-run", "--sweep", "--sweep-tiles", "64,64,8")
+    assert proc.returncode == 2 and "expected 4 or 5 positive integers" in proc.stderr, proc.stderr[-2000:]
 
 
 if __name__ == "__main__":  # interpreter entry point: python tests/test_mla_triton.py GROUP [GROUP ...]
