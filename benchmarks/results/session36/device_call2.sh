@@ -4,8 +4,8 @@
 # (which tile is best at batch 1 and 4, where the kernel is not tensor-core bound). Carry .whl.
 export TRITON_DEFAULT_FP_FUSION=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader; git log --oneline | head -1
-GPU_TESTS_TIMEOUT=330 GPU_TESTS_PATHS="tests/lora tests/test_parity.py tests/cpu/test_hybrid.py tests/test_prefill_graph_gpu.py tests/test_deepseek.py tests/test_startup_checks_api.py" \
+GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-300} GPU_TESTS_PATHS="tests/lora tests/test_parity.py tests/cpu/test_hybrid.py tests/test_prefill_graph_gpu.py tests/test_deepseek.py tests/test_startup_checks_api.py" \
   bash benchmarks/run_device_suite.sh "$OUT" gpu-tests 2>&1 | grep -v "^  skip" | tail -30
 echo "== MLA sweep $(date +%T)"
-timeout 120 python3 benchmarks/bench_mla_decode.py --sweep --out $OUT/mla_sweep_all.json 2>&1 | grep -v -i warn | tail -110
+timeout ${SWEEP_TIMEOUT:-60} python3 benchmarks/bench_mla_decode.py --sweep --out $OUT/mla_sweep_all.json 2>&1 | grep -v -i warn | tail -110
 echo "== end $(date +%T)"
