@@ -381,8 +381,10 @@ class CPUWeightDir:
         missing = [layer for layer in spec.moe_layers if layer not in self.by_layer]
         if missing:
             raise CPUWeightsError(f"{where}: no file for MoE layer(s) {missing}")
+        data = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                   for dtype, shape in self.expected_layout().values())  # tensor bytes of one layer file
         for layer in spec.moe_layers:
-            self._check_file(layer)
+            self._check_file(layer, data)
 
     def _check_layout(self) -> None:
         """The group size and paddings must be the ones `convert` derives from the sizes: the kernels walk
@@ -398,12 +400,10 @@ class CPUWeightDir:
                                   f"{m['inter_pad']}; hidden {m['hidden']} and inter {m['inter']} with {m['method']} "
                                   f"give {pads[0]}, {pads[1]})")
 
-    def _check_file(self, layer: int) -> None:
+    def _check_file(self, layer: int, data: int) -> None:
         """Layer `layer`'s file exists, is a regular file and has the size the manifest gives it, a size that
-        fits its tensors (before the model loads; load_layer verifies the checksum)."""
+        fits its tensors (`data` bytes) plus a header (before the model loads; load_layer verifies the checksum)."""
         path, info = self.by_layer[layer]
-        data = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-                   for dtype, shape in self.expected_layout().values())
         if not data < info["bytes"] <= data + _MAX_LAYER_HEADER:
             raise CPUWeightsError(f"{self.path / MANIFEST}: damaged (the entry of {path.name} under 'files' gives "
                                   f"{info['bytes']} bytes; its tensors take {data} bytes plus a header)")
@@ -451,10 +451,6 @@ class CPUWeightDir:
                              m["symmetric"], m["activation"])
             self._layout = {k: (t.dtype, (m["num_experts"], *t.shape[1:])) for k, t in one.tensors().items()}
         return self._layout
-
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Name -> shape of every layer file's tensors."""
-        return {k: shape for k, (_, shape) in self.expected_layout().items()}
 
     def load_layer(self, layer: int, experts: torch.Tensor | None = None) -> PackedLayer:
         """Layer `layer`'s packed experts, read once and verified against the manifest; with `experts`
