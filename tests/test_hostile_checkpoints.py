@@ -281,10 +281,11 @@ def test_convert_refuses_an_absurd_expert_count_fast(tiny_model_dir, tmp_path, c
 
 
 # ---- the real command line ------------------------------------------------------------------------
-def _generate(model: Path) -> subprocess.CompletedProcess:
+def _generate(model: Path, *more: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return subprocess.run([sys.executable, "-m", "hybridmoe.cli", "generate", "--device", "cpu", "--model", str(model),
-                           "--max-new-tokens", "2"], cwd=REPO, capture_output=True, text=True, timeout=50, env=env)
+                           "--max-new-tokens", "2", *more], cwd=REPO, capture_output=True, text=True, timeout=50,
+                          env=env)
 
 
 def _one_error_line(r: subprocess.CompletedProcess, *want: str) -> None:
@@ -305,3 +306,37 @@ def test_generate_with_an_absurd_layer_count_exits_2(tiny_model_dir, tmp_path):
 def test_generate_with_model_pointing_at_a_file_exits_2(tiny_model_dir):
     f = tiny_model_dir("qwen3_moe") / "config.json"
     _one_error_line(_generate(f), f"--model-path {f}: not a directory")
+
+
+def test_dummy_weights_too_large_for_the_host_exit_2_naming_the_config(tmp_path):
+    """Sizes every check allows but no host holds (~560 GiB of embeddings and layers), with random weights: was the
+    allocator's line ("you tried to allocate 274877906944 bytes"), naming neither the file nor a size field."""
+    model = _model_with_config(REPO / "hybridmoe" / "demo_model", tmp_path / "m",  # it has a tokenizer
+                               {"hidden_size": 65536, "vocab_size": 2**20, "num_hidden_layers": 512})
+    _one_error_line(_generate(model, "--load-format", "dummy"), f"{model}/config.json: the model's weights on cpu need",
+                    "hidden_size 65536", "vocab_size 1048576", "GiB are free there")
+
+
+def test_check_room_counts_parameters_and_buffers_exactly(tiny_model_dir, monkeypatch):
+    """The byte count is the meta model's parameters and buffers: one byte more than free is refused, exactly
+    enough passes (so the check cannot refuse a model that fits)."""
+    import torch
+
+    from hybridmoe.models.hf_config import load_config
+    from hybridmoe.models.base import MoECausalLM
+    from hybridmoe.models.registry import arch_spec
+    from hybridmoe.weights import loader
+
+    cfg = load_config(tiny_model_dir("qwen3_moe"))
+    with torch.device("meta"):
+        model = MoECausalLM(cfg, arch_spec(cfg, "config.json"), 64)
+    need = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert need > 0
+    monkeypatch.setattr(loader, "_free_bytes", lambda device: need)
+    loader.check_room(model, torch.device("cpu"), "m/config.json")
+    monkeypatch.setattr(loader, "_free_bytes", lambda device: need - 1)
+    with pytest.raises(CheckpointError) as e:
+        loader.check_room(model, torch.device("cpu"), "m/config.json")
+    assert str(e.value).startswith("m/config.json: the model's weights on cpu need ") and "\n" not in str(e.value)
+    monkeypatch.setattr(loader, "_free_bytes", lambda device: None)  # unknown: left to the allocator
+    loader.check_room(model, torch.device("cpu"), "m/config.json")

@@ -210,6 +210,34 @@ class DummyWeights:
 ExpertsBuilder = Callable[[ExpertWeights, int], MoEExperts]
 
 
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on `device` may take: MemAvailable for the CPU, the free memory of a GPU."""
+    if device.type == "cuda":
+        try:
+            return torch.cuda.mem_get_info(device)[0]
+        except Exception:  # a driver that cannot say: the allocator will
+            return None
+    from hybridmoe.moe.memory_plan import host_available_bytes
+
+    return host_available_bytes()
+
+
+def check_room(model: torch.nn.Module, device: torch.device, config_file: str) -> None:
+    """A model (still on the meta device) whose parameters and buffers cannot fit the free memory of `device`:
+    one line naming the config and its sizes, before any allocation (else the allocator's own error, with a
+    byte count and no name, after minutes of loading)."""
+    need = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    free = _free_bytes(device)
+    if free is None or need <= free:
+        return
+    cfg = getattr(model, "config", None)
+    sizes = ", ".join(f"{k} {getattr(cfg, k)}" for k in ("hidden_size", "vocab_size", "num_hidden_layers")
+                      if isinstance(getattr(cfg, k, None), int))
+    gib = 1 << 30
+    raise CheckpointError(f"{config_file}: the model's weights on {device.type} need {need / gib:.1f} GiB "
+                          f"({sizes}), {free / gib:.1f} GiB are free there")
+
+
 def load_model(
     model_path: str,
     config,
@@ -256,6 +284,7 @@ def load_model(
         model.to(dtype)  # on meta: no memory is allocated in the wrong dtype first
     if keep_fp8:
         swapped, dequantized = swap_fp8_linears(model, reader, block, dtype, model.checkpoint_parts)
+    check_room(model, device, f"{model_path}/config.json")
     model = model.to_empty(device=device)
     model.model.rotary.build(device)
     if block is not None:
