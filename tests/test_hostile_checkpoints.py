@@ -322,8 +322,8 @@ def test_check_room_counts_parameters_and_buffers_exactly(tiny_model_dir, monkey
     enough passes (so the check cannot refuse a model that fits)."""
     import torch
 
-    from hybridmoe.models.hf_config import load_config
     from hybridmoe.models.base import MoECausalLM
+    from hybridmoe.models.hf_config import load_config
     from hybridmoe.models.registry import arch_spec
     from hybridmoe.weights import loader
 
