@@ -352,6 +352,25 @@ def test_verify_of_a_deeply_nested_manifest(converted, tmp_path, capsys):
     assert len(lines) == 1 and f"{d / 'manifest.json'}: damaged (not valid JSON: nested too deeply)" in lines[0]
 
 
+@pytest.mark.parametrize("kind", ["dir", "fifo", "missing"])
+def test_verify_names_what_a_layer_file_is_instead(converted, tmp_path, capsys, kind):
+    """A layer file replaced by a directory or a FIFO was reported "missing" (and a FIFO must not be opened: its
+    read blocks); the other layer files are still verified, and the count says one failed."""
+    d = _copy(converted, tmp_path)
+    f = d / L0
+    f.unlink()
+    if kind == "dir":
+        f.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(f)
+    capsys.readouterr()
+    assert cli_main(["convert", "--verify", str(d)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    want = {"dir": "not a regular file", "fifo": "not a regular file", "missing": "missing"}[kind]
+    assert lines[0] == f"error: {f}: {want}", lines
+    assert lines[1:] == [f"{d}: 1 of 4 layer file(s) failed verification"], lines
+
+
 def test_output_that_is_a_file(tmp_path, capsys):
     """Guard: --output naming a file (or a path under one) is one line naming --output."""
     f = tmp_path / "afile"

@@ -495,12 +495,17 @@ class CPUWeightDir:
         """Problems found re-hashing every file (empty = all good)."""
         problems = []
         for _layer, (path, info) in sorted(self.by_layer.items()):
-            if not path.is_file():
-                problems.append(f"{path}: missing")
-            elif path.stat().st_size != info["bytes"]:
-                problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says {info['bytes']}")
-            elif file_sha256(path) != info["sha256"]:
-                problems.append(f"{path}: checksum mismatch: the file is corrupted")
+            try:
+                if not path.exists():
+                    problems.append(f"{path}: missing")
+                elif not path.is_file():  # a directory or a FIFO (never opened: a FIFO's read would block)
+                    problems.append(f"{path}: not a regular file")
+                elif path.stat().st_size != info["bytes"]:
+                    problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says {info['bytes']}")
+                elif file_sha256(path) != info["sha256"]:
+                    problems.append(f"{path}: checksum mismatch: the file is corrupted")
+            except OSError as e:  # unreadable (permissions, I/O error): that file's problem, the others still checked
+                problems.append(f"{path}: cannot be read: {e.strerror or e}")
         return problems
 
 
