@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import platform
 import sys
@@ -210,6 +211,7 @@ def format_report(r: dict[str, Any]) -> str:
 def add_model_sizing(report: dict[str, Any], ns: argparse.Namespace) -> None:
     """With --model: the method for that checkpoint, the largest --kt-num-gpu-experts that fits the
     GPU (or --gpu-memory-gib), and a ready `hybridmoe serve` command line."""
+    from hybridmoe.config import ConfigError, check_kt_method
     from hybridmoe.gguf.paths import is_gguf_model
     from hybridmoe.model_check import load_checked_config
     from hybridmoe.sizing import GiB, gpu_total_bytes, recommend_method, size_gpu_experts
@@ -223,7 +225,11 @@ def add_model_sizing(report: dict[str, Any], ns: argparse.Namespace) -> None:
     else:
         config, spec = load_checked_config(ns.model, flag="--model")
         method, why = recommend_method(report["cpu"]["isa"], config)
+    if ns.context_length is not None and ns.context_length > config.max_position_embeddings:  # as serve refuses it
+        raise ConfigError(f"--context-length: got {ns.context_length}, expected at most the model's "
+                          f"max_position_embeddings {config.max_position_embeddings}")
     if ns.kt_method:
+        check_kt_method(ns.kt_method, config, f"{ns.model}/config.json")  # FP8 of a checkpoint that is not: as serve
         method, why = ns.kt_method.upper(), f"--kt-method {ns.kt_method.upper()} as given"
     gpu = int(ns.gpu_memory_gib * GiB) if ns.gpu_memory_gib else gpu_total_bytes()
     s = size_gpu_experts(config, spec, gpu, mem_fraction=ns.mem_fraction_static, context_len=ns.context_length,
@@ -240,9 +246,46 @@ def add_model_sizing(report: dict[str, Any], ns: argparse.Namespace) -> None:
                                   *extra])
 
 
+# the flags that size a model (meaningful with --model only): (dest, flag)
+_MODEL_FLAGS = (("context_length", "--context-length"), ("max_total_tokens", "--max-total-tokens"),
+                ("mem_fraction_static", "--mem-fraction-static"), ("gpu_memory_gib", "--gpu-memory-gib"),
+                ("kt_method", "--kt-method"))
+MAX_GPU_GIB = float(1 << 20)  # a GPU of more than 1 PiB is a typo (and 1e300 GiB overflowed the byte count)
+
+
+def check_flag_values(ns: argparse.Namespace) -> str | None:
+    """What is wrong with the sizing flags (one line naming the flag), or None. They were used as given: a negative
+    GPU or context sized nonsense with exit code 0, --gpu-memory-gib inf was an OverflowError traceback."""
+    from hybridmoe.config import INT_MAX
+
+    if ns.model == "":  # Path("") is the current directory
+        return "--model: got '', expected a model directory or a GGUF file"
+    if ns.model is None:
+        given = [flag for dest, flag in _MODEL_FLAGS if getattr(ns, dest) is not None]
+        if given:
+            return f"{given[0]}: sizes the experts of --model; give --model DIR (or leave {given[0]} out)"
+        return None
+    for dest, flag in (("context_length", "--context-length"), ("max_total_tokens", "--max-total-tokens")):
+        v = getattr(ns, dest)
+        if v is not None and not 1 <= v <= INT_MAX:
+            return f"{flag}: got {v}, expected a positive integer (at most {INT_MAX})"
+    f = ns.mem_fraction_static
+    if f is not None and not (math.isfinite(f) and 0 < f < 1):
+        return f"--mem-fraction-static: got {f}, expected a fraction between 0 and 1"
+    g = ns.gpu_memory_gib
+    if g is not None and not (math.isfinite(g) and 0 < g <= MAX_GPU_GIB):
+        return f"--gpu-memory-gib: got {g}, expected a positive number of GiB (at most {MAX_GPU_GIB:.0f})"
+    return None
+
+
 def check_main(argv: list[str] | None = None) -> int:
     """`hybridmoe check [--json] [--model DIR ...]`: print the report; 0 when the server can run here, else 1."""
-    p = argparse.ArgumentParser(prog="hybridmoe check", description="environment report and recommended flags")
+    from hybridmoe.args import OneLineParser
+    from hybridmoe.config import KT_METHODS
+    from hybridmoe.model_check import one_line
+
+    # OneLineParser: a flag error is one line naming the flag (argparse's own printed the usage block first)
+    p = OneLineParser(prog="hybridmoe check", description="environment report and recommended flags")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="a model directory (config.json is enough) or a GGUF file: size its experts for this "
@@ -254,8 +297,12 @@ def check_main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-fraction-static", type=float, default=None, help="with --model: GPU share (default 0.85)")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="with --model: size for a GPU of this many GiB instead of the one here")
-    p.add_argument("--kt-method", default=None, help="with --model: size for this method instead of the recommended")
+    p.add_argument("--kt-method", default=None, type=str.upper, choices=KT_METHODS,
+                   help="with --model: size for this method instead of the recommended")
     ns = p.parse_args(argv)
+    problem = check_flag_values(ns)
+    if problem:
+        p.error(problem)
     report = collect()
     from hybridmoe.sizing import recommend_method
 
@@ -267,7 +314,7 @@ def check_main(argv: list[str] | None = None) -> int:
         try:
             add_model_sizing(report, ns)
         except (ConfigError, CheckpointError, ValueError) as e:  # GGUF path errors are ValueErrors
-            print(f"hybridmoe check: error: {e}", file=sys.stderr)
+            print(f"hybridmoe check: error: {one_line(str(e))}", file=sys.stderr)  # (a path may hold a newline)
             return 2
     print(json.dumps(report, indent=2) if ns.json else format_report(report))
     return 1 if report["problems"] else 0

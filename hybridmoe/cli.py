@@ -22,6 +22,9 @@ def _check_generate_flags(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--top-p: got {ns.top_p}, expected a number in (0, 1]")
     if ns.seed is not None and not 0 <= ns.seed < 2**63:
         raise ConfigError(f"--seed: got {ns.seed}, expected an integer in [0, 2^63)")
+    if not ns.prompt and not ns.chat:  # the engine refuses an empty prompt: found after the whole model load (with
+        # --chat the template's text is the prompt)
+        raise ConfigError("--prompt: got '', expected the text to generate from")
 
 
 def _generate(ns: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ TOOL_CALL_PARSERS = ("qwen25", "deepseekv3", "kimi_k2")
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "kimi", "kimi_k2")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 INT_MAX = 2**31 - 1  # counts and sizes beyond this are typos, and overflow int32 kernel arguments
+MAX_NUMA_NODES = 1024  # Linux's MAX_NUMNODES at its largest (CONFIG_NODES_SHIFT 10): node ids are below it
 _INT_FIELDS = ("context_length", "max_total_tokens", "page_size", "chunked_prefill_size", "max_running_requests",
                "max_prefill_tokens", "cuda_graph_max_bs", "cuda_graph_max_prefill_tokens", "kt_cpuinfer",
                "max_loras_per_batch", "max_lora_rank", "max_loaded_loras",
@@ -194,11 +196,14 @@ class EngineArgs:
         need(self.log_requests_level in (0, 1, 2, 3), "log-requests-level", "0, 1, 2 or 3")
         need(bool(self.model_path), "model-path", "a model directory")
         for name in ("tokenizer_path", "served_model_name", "kt_weight_path", "init_expert_location",
-                     "record_expert_distribution"):
+                     "record_expert_distribution", "kt_expert_lora_path"):  # ("" was taken as no flag)
             need(getattr(self, name) is None or bool(getattr(self, name)), name.replace("_", "-"),
                  "a non-empty value (or leave the flag out)")
         need(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
         need(self.max_loras_per_batch >= 1 and (self.max_lora_rank or 1) >= 1, "max-loras-per-batch", "counts >= 1")
+        need(self.lora_target_modules is None or (isinstance(self.lora_target_modules, list) and all(
+            isinstance(m, str) and m.strip() for m in self.lora_target_modules)), "lora-target-modules",
+            "module names such as q_proj or all")  # (an empty name matched no module: LoRA on nothing, silently)
         n_paths = len(self.lora_paths) if isinstance(self.lora_paths, list) else int(bool(self.lora_paths))
         need(self.max_loaded_loras is None or self.max_loaded_loras >= max(1, n_paths),
              "max-loaded-loras", "a positive integer, at least the number of --lora-paths")
@@ -210,8 +215,10 @@ class EngineArgs:
         need(self.max_prefill_tokens >= 1, "max-prefill-tokens", "a positive integer (tokens per prefill step)")
         need(isinstance(self.random_seed, int) and 0 <= self.random_seed < 2**63, "random-seed",
              "an integer in [0, 2^63)")
-        need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size, "max-total-tokens",
-             f"a positive integer, at least --page-size ({self.page_size})")
+        # two pages at least (engine/model_runner.py: page 0 is scratch): one page passed here, then failed after the
+        # whole model load with "no memory left for the KV cache ... or set --max-total-tokens"
+        need(self.max_total_tokens is None or self.max_total_tokens >= 2 * self.page_size, "max-total-tokens",
+             f"a positive integer, at least --page-size x 2 ({2 * self.page_size})")
         need(self.page_size <= 4096, "page-size", "at most 4096 tokens")
         need(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0, "mem-fraction-static",
              "a fraction between 0 and 1")
@@ -266,7 +273,12 @@ class EngineArgs:
         if self.kt_numa_nodes is not None:
             from hybridmoe.cpu.topology import numa_nodes_problem
 
-            problem = numa_nodes_problem(str(self.kt_numa_nodes))
+            spec = str(self.kt_numa_nodes)
+            # the node list is expanded id by id (cpu/topology.py): "0-1000000000" took gigabytes and ended in a
+            # MemoryError; ids at or above Linux's most NUMA nodes are refused before that
+            ids = [d.lstrip("0") or "0" for d in re.findall(r"\d+", spec)]
+            too_big = any(len(d) > 5 or int(d) >= MAX_NUMA_NODES for d in ids)
+            problem = f"NUMA node ids below {MAX_NUMA_NODES}" if too_big else numa_nodes_problem(spec)
             need(problem is None, "kt-numa-nodes", problem or "")
         need(self.kt_max_deferred_experts_per_token >= 0, "kt-max-deferred-experts-per-token",
              "a non-negative integer")
@@ -353,11 +365,18 @@ class ServerConfig:
             if not ok:
                 raise ConfigError(f"--{flag}: got {getattr(self, flag.replace('-', '_'))!r}, expected {expected}")
 
-        need(isinstance(self.host, str) and bool(self.host), "host", "an address to listen on, e.g. 127.0.0.1")
+        # no whitespace or control character in a host name or address (a newline split the bind error in two)
+        need(isinstance(self.host, str) and bool(self.host) and self.host.isprintable()
+             and not any(c.isspace() for c in self.host), "host", "an address to listen on, e.g. 127.0.0.1")
         need(isinstance(self.port, int) and not isinstance(self.port, bool) and 0 <= self.port < 65536, "port",
              "a TCP port number (0-65535)")
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api-key",
              "a non-empty value (or leave the flag out)")
+        # the key is compared with the Authorization header's, stripped: one with a control character or whitespace
+        # at its ends could never be sent, and every request would get 401 (the message does not echo the secret)
+        if self.api_key is not None and not (self.api_key.isprintable() and self.api_key == self.api_key.strip()):
+            raise ConfigError("--api-key: expected printable characters without whitespace at its ends (no request "
+                              "could send this key)")
         if self.allowed_origins is not None:  # a list from argparse: kept as a tuple (frozen, hashable)
             object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         need(self.allowed_origins is None or all(isinstance(o, str) and o for o in self.allowed_origins),

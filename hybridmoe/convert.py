@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -245,6 +246,7 @@ class Converter:
     def run(self) -> Path:
         """Converts every MoE layer not yet done, then writes the manifest; the output directory.
         The directory is locked meanwhile: a second writer is refused."""
+        delay = layer_delay()  # (a bad value was found after the output directory had been written to)
         if not self.out.exists():
             self._check_space(len(self.spec.moe_layers))  # before anything is created
         try:
@@ -252,14 +254,13 @@ class Converter:
         except OSError as e:
             raise ConvertError(f"--output {self.out}: cannot be created: {e}") from e
         with DirLock(self.out, "hybridmoe convert"):
-            return self._run()
+            return self._run(delay)
 
-    def _run(self) -> Path:
+    def _run(self, delay: float) -> Path:
         done = self._prepare_output()
         names = {cf.layer_file_name(layer): layer for layer in self.spec.moe_layers}
         todo = [layer for name, layer in names.items() if name not in done]
         in_bytes = self.e * self.expert_in_bytes
-        delay = float(os.environ.get(DELAY_ENV, "0") or 0)
         bar = tqdm(total=in_bytes * len(names), initial=in_bytes * (len(names) - len(todo)), unit="B",
                    unit_scale=True, unit_divisor=1000, desc=f"Converting to {self.method}", disable=not self.opts.progress,
                    dynamic_ncols=True)
@@ -310,6 +311,19 @@ class Converter:
         done[name] = {"layer": layer, "bytes": nbytes, "sha256": sha}
         cf.write_json_atomic(self.out / cf.PROGRESS, dict(self.header, files=dict(sorted(done.items()))))
         bar.set_postfix_str(f"layers {len(done)}/{total}")
+
+
+def layer_delay() -> float:
+    """$HYBRIDMOE_CONVERT_LAYER_DELAY_S: seconds in [0, 86400]; ConvertError naming the variable otherwise (it was
+    a ValueError or OverflowError from time.sleep, naming nothing)."""
+    text = os.environ.get(DELAY_ENV, "") or "0"
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= 86400):
+        raise ConvertError(f"${DELAY_ENV}={text!r}: expected seconds in [0, 86400] (or leave it unset)")
+    return value
 
 
 def verify(path: str) -> int:
@@ -365,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        # Path("") is the current directory: an empty --output converted into it, an empty --verify was ignored
+        empty = [f for f, v in (("--input-path", ns.input_path), ("--output", ns.output), ("--verify", ns.verify))
+                 if v == ""]
+        if empty:
+            p.error(f"{empty[0]}: got '', expected a path")
         if ns.verify:
             return verify(ns.verify)
         missing = [f for f, v in (("--input-path", ns.input_path), ("--output", ns.output),

@@ -120,8 +120,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         rc = run_server(args, server_config, graceful_shutdown_timeout=grace, limits=limits)
     except Exception as e:
         return report_failure("hybridmoe serve", e, debug)
-    # run_server gives 1 when the port is busy or the model failed to load (one ERROR line was logged):
-    # a startup failure, exit code 2 like the failures above
+    # run_server gives 1 when the model failed to load (one ERROR line was logged; an address it cannot listen on
+    # is a ConfigError above): a startup failure, exit code 2 like the failures above
     return 2 if rc == 1 else rc
 
 

@@ -123,6 +123,7 @@ def check_flags_against_model(args: EngineArgs, hf_config) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA GPU is visible to PyTorch; use --device cpu")
     check_kv_cache_dtype(args, hf_config)
+    check_host_kv_cache(args, hf_config)
     if args.init_expert_location is not None and not Path(args.init_expert_location).is_file():
         raise ConfigError(f"--init-expert-location {args.init_expert_location}: no such file")
     if args.kt_weight_path is not None and args.kt_method != "LLAMAFILE" and not Path(args.kt_weight_path).is_dir():
@@ -136,6 +137,38 @@ def check_flags_against_model(args: EngineArgs, hf_config) -> None:
         if Path(args.record_expert_distribution).is_dir():  # written at shutdown: that failed (IsADirectoryError) after the whole run
             raise ConfigError(f"--record-expert-distribution {args.record_expert_distribution}: is a directory, "
                               "expected the path of the statistics file to write")
+        # written as FILE.tmp renamed over FILE (moe/recorder.py): a FIFO or a device there (/dev/null, as root) was
+        # replaced by the statistics file at shutdown
+        if Path(args.record_expert_distribution).exists() and not Path(args.record_expert_distribution).is_file():
+            raise ConfigError(f"--record-expert-distribution {args.record_expert_distribution}: exists and is not a "
+                              "regular file (a FIFO or device would be replaced by the statistics file)")
+
+
+def check_host_kv_cache(args: EngineArgs, hf_config) -> None:
+    """--max-total-tokens on the CPU: the KV cache (allocated and zeroed after the whole model load, as
+    engine/model_runner.py sizes it) fits this machine's RAM. --max-total-tokens 2147483647 asked the allocator for
+    hundreds of GB after the load: a RuntimeError from inside torch, or, where the kernel overcommits, a host
+    swapping to death. (On a GPU the allocation fails at once with the device's out-of-memory error.)"""
+    if args.max_total_tokens is None:
+        return
+    import torch
+
+    from hybridmoe.engine.model_runner import resolve_device, resolve_dtype
+    from hybridmoe.layers.attention.base import kv_cache_dtype
+    from hybridmoe.models.config import model_config
+
+    device = resolve_device(args.device)
+    if device.type != "cpu":
+        return
+    m = model_config(hf_config)
+    kv = kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, hf_config, device))
+    pages = -(-args.max_total_tokens // args.page_size) + 1  # + the scratch page
+    need = pages * args.page_size * m.num_layers * m.kv_elements_per_token() * torch.finfo(kv).bits // 8
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > ram:
+        raise ConfigError(f"--max-total-tokens {args.max_total_tokens}: a KV cache of {need / 2**30:.1f} GiB "
+                          f"({str(kv).removeprefix('torch.')}, {m.num_layers} layers), more than this machine's "
+                          f"{ram / 2**30:.1f} GiB of RAM")
 
 
 def check_expert_location(args: EngineArgs, spec) -> None:
@@ -170,9 +203,53 @@ def check_lora_flags(args: EngineArgs) -> None:
             raise ConfigError(f"{flag}: {e}") from None
 
 
+# the files a tokenizer directory's loaders open when present (transformers' AutoTokenizer, tokenizers)
+TOKENIZER_DIR_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt")
+
+
+def check_tokenizer_dir(args: EngineArgs) -> None:
+    """The tokenizer directory's files are regular files, and a --tokenizer-path given has a tokenizer. A FIFO or a
+    link to /dev/zero named tokenizer.json passed the checks (they skip what is not a file) and failed the load with
+    transformers' "Couldn't instantiate the backend tokenizer", naming no file; `serve --tokenizer-path DIR` of a
+    directory without tokenizer files started without a tokenizer, every text request then refused."""
+    tok_path = Path(args.tokenizer_path or args.model_path)
+    for name in TOKENIZER_DIR_FILES:
+        f = tok_path / name
+        if f.exists() and not f.is_file():
+            raise CheckpointError(f"{f}: not a regular file (a directory, FIFO or device), expected the tokenizer "
+                                  "file of that name")
+    if args.tokenizer_path is not None and not has_tokenizer_files(tok_path):
+        raise ConfigError(f"--tokenizer-path {tok_path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass the "
+                          "model's tokenizer directory, or leave the flag out (--skip-tokenizer-init: token ids only)")
+
+
+def check_environment() -> None:
+    """The HYBRIDMOE_* variables read while the model loads and runs (envs.py), checked before: a bad value was an
+    error from deep inside the load naming no variable (CpuIsaError, OSError), or was silently ignored."""
+    from hybridmoe import envs
+    from hybridmoe.cpu.native import ISAS
+    from hybridmoe.engine.pipeline import OVERLAP_ENV
+
+    isa = envs.cpu_isa()
+    if isa is not None and isa not in ISAS:
+        raise ConfigError(f"${envs.CPU_ISA}={os.environ[envs.CPU_ISA]!r}: expected one of {', '.join(ISAS)} (or leave "
+                          "it unset)")
+    lib = envs.cpu_lib()
+    if lib is not None and not lib.is_file():
+        raise ConfigError(f"${envs.CPU_LIB}={str(lib)!r}: not a file (the native CPU library to load; or leave it unset)")
+    try:  # each raises ValueError naming its variable
+        envs.pin_caller(), envs.align_large("grid"), envs.moe_direct(), envs.router_fused(), envs.handoff_fused()
+    except ValueError as e:
+        raise ConfigError(f"${e}") from None
+    overlap = os.environ.get(OVERLAP_ENV, "")
+    if overlap not in ("", "0", "1"):  # engine/pipeline.py ignores any other value
+        raise ConfigError(f"${OVERLAP_ENV}={overlap!r}: expected 0 or 1 (or leave it unset)")
+
+
 def prepare(args: EngineArgs) -> EngineArgs:
     """Runs every startup check; the args to start with (oversubscribed values lowered).
     Raises ConfigError or CheckpointError with a one-line message."""
+    check_environment()
     config, spec = load_checked_config(args.model_path, args.trust_remote_code)
     check_flags_against_model(args, config)
     check_expert_location(args, spec)
@@ -180,6 +257,7 @@ def prepare(args: EngineArgs) -> EngineArgs:
     tok_path = args.tokenizer_path or args.model_path
     if not args.skip_tokenizer_init:
         size = check_tokenizer(tok_path, args.trust_remote_code)
+        check_tokenizer_dir(args)
         # the model's chat templates, where the tokenizer carries them (--chat-template replaces them all: it was
         # compiled by EngineArgs.validate, and a broken template of the model's must not stop its way out)
         if args.chat_template is None and has_tokenizer_files(tok_path):
