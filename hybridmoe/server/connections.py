@@ -150,6 +150,12 @@ class RequestLimitsMiddleware:
                                                  "(--max-request-body-size)")
         if scope.get("method") not in _BODY_METHODS:
             return await self.app(scope, receive, send)
+        coding = dict(scope.get("headers") or []).get(b"content-encoding", b"").strip().lower()
+        if coding not in (b"", b"identity"):
+            # nothing here decompresses (so no decompression bomb either): the body would fail as "not UTF-8";
+            # RFC 9110 15.5.16: 415, with Accept-Encoding naming what is taken
+            return await _respond(send, 415, f"Content-Encoding {coding.decode('latin-1')[:40]!r} is not supported; "
+                                             "send the body uncompressed", [(b"accept-encoding", b"identity")])
         body = await self._read_body(receive, send)
         if body is None:
             return

@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
           405: "MethodNotAllowedError", 408: "RequestTimeoutError", 409: "ConflictError",
-          413: "RequestTooLargeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
-          500: "InternalServerError", 503: "ServiceUnavailableError"}
+          413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError", 422: "UnprocessableEntityError",
+          429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 # pydantic error types whose message is complete (it names its field); see strict.py
 _SELF_CONTAINED = frozenset({"not_implemented", "invalid_unicode", "bad_request"})
 
@@ -70,6 +70,8 @@ def _where(loc: tuple | list) -> str:
 
 def _param(error: dict[str, Any]) -> str | None:
     """The field an error is about (OpenAI's `param`)."""
+    if error.get("type") == "json_invalid":  # its loc is ("body", byte offset): no field (was param "9")
+        return None
     name = (error.get("ctx") or {}).get("name")
     parts = [p for p in (_where(error.get("loc", ())), name if isinstance(name, str) else None) if p]
     return ".".join(parts) or None

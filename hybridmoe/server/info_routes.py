@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from hybridmoe.engine.request import is_unicode
 from hybridmoe.server.errors import APIError
 from hybridmoe.server.state import ServerState
 
@@ -48,6 +49,45 @@ def _recorder(engine):
     if rec is None:
         raise APIError(400, "this model has no MoE layers to record")
     return rec
+
+
+def dump_dir(args) -> Path:
+    """Where a client may have the record written: the directory of --record-expert-distribution's file, else the
+    temp directory (where a dump without a path goes)."""
+    if args.record_expert_distribution:
+        return Path(args.record_expert_distribution).resolve().parent
+    return Path(tempfile.gettempdir()).resolve()
+
+
+def _check_dump_path(path: str, root: Path) -> None:
+    """APIError(400) unless `path` names a file to write inside `root` (dump_dir).
+
+    A client's path was any path the server's user can write: without --api-key any client could overwrite the
+    server's own files (resolved, so neither "../" nor a symbolic link leads out of `root`). A NUL, a lone surrogate
+    (JSON's "\\ud800") or an over-long name made the filesystem calls raise ValueError/OSError (500 with a
+    traceback); an existing directory failed only after the record's temporary file was written beside it."""
+    if "\x00" in path or not is_unicode(path):
+        raise APIError(400, "path must be a file name without NUL characters or lone surrogates", param="path")
+    try:
+        target = Path(path).resolve()
+        ok_dir = target.parent.is_dir()
+        is_dir = target.is_dir()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise APIError(400, f"path {_shown(path)}: {getattr(e, 'strerror', None) or e}", param="path") from None
+    if not target.is_relative_to(root):
+        raise APIError(400, f"path {_shown(path)}: outside {root}, the directory this server writes records to "
+                            "(that of --record-expert-distribution, else the temp directory)", param="path")
+    if not ok_dir:
+        raise APIError(400, f"path {_shown(path)}: the directory does not exist", param="path")
+    if is_dir:
+        raise APIError(400, f"path {_shown(path)}: is a directory; give a file name", param="path")
+    if target.exists() and not target.is_file():  # a FIFO or socket there would be replaced by the rename
+        raise APIError(400, f"path {_shown(path)}: exists and is not a regular file", param="path")
+
+
+def _shown(path: str) -> str:
+    """A client's path as an error message quotes it: at most 200 characters."""
+    return path if len(path) <= 200 else path[:197] + "..."
 
 
 def register_routes(app: FastAPI, state: ServerState) -> None:
@@ -90,7 +130,8 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     @app.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
     async def dump_record(request: Request) -> dict[str, Any]:
         """Write the record (the statistics file of `--init-expert-location`). Where: `path` (query or
-        JSON body), else --record-expert-distribution's file, else a new file in the temp directory."""
+        JSON body; inside dump_dir), else --record-expert-distribution's file, else a new file in the temp
+        directory."""
         path = request.query_params.get("path")
         if path is None and request.method == "POST":
             body = await request.body()
@@ -103,8 +144,8 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
                     if not isinstance(data["path"], str) or not data["path"]:
                         raise APIError(400, "path must be a non-empty string", param="path")
                     path = data["path"]
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise APIError(400, f"path {path}: the directory does not exist", param="path")
+        if path is not None:
+            _check_dump_path(path, dump_dir(state.args))
 
         def dump(engine) -> str:
             rec = _recorder(engine)
@@ -112,5 +153,10 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
                                              f"expert_distribution_{time.strftime('%Y%m%d-%H%M%S')}.json")
             return rec.dump(target)
 
-        written = await state.engine.call(dump)
+        try:
+            written = await state.engine.call(dump)
+        except OSError as e:  # the client's path cannot be written (no permission, name too long, ...): its fault
+            if path is None:
+                raise
+            raise APIError(400, f"path {_shown(path)}: cannot be written ({e.strerror or e})", param="path") from None
         return {"success": True, "message": f"Expert distribution written to {written}", "path": written}

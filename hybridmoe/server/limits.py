@@ -12,11 +12,21 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from hybridmoe.config import INT_MAX, ConfigError
+
 MiB = 1 << 20
+# The time limits wait in multiprocessing's Connection.poll, whose timeout overflows a C int of milliseconds
+# past ~24.8 days (OverflowError on every job it times, not at startup); a day bounds every limit here, as
+# --graceful-shutdown-timeout's.
+MAX_SECONDS = 86400.0
+# Each tokenizer worker is a process holding its own copy of the tokenizer, spawned one after another at startup:
+# a typo such as 100000 (or 2**63) spawned processes until the host ran out of memory.
+MAX_TOKENIZER_WORKERS = 64
 
 
-class LimitsError(ValueError):
-    """A limit flag out of range; the message is one line naming the flag."""
+class LimitsError(ConfigError):
+    """A limit flag out of range; the message is one line naming the flag (reported like any other flag error:
+    `hybridmoe serve: error: --flag: ...`, without the class name)."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,8 @@ class ServerLimits:
     grammar_compile_timeout: float = 60.0  # a grammar compiling longer: 400 (it goes on compiling, then is cached);
     # one still queued behind other compiles then: 503, and it is dropped
     max_n_samples: int = 64  # n (parallel samples of one prompt), on every route
-    max_sequences_per_request: int = 4096  # prompts of a batch times their n (/generate, /v1/completions)
+    max_sequences_per_request: int = 4096  # prompts of a batch times their n (/generate, /v1/completions); also
+    # the inputs of a /tokenize or /detokenize batch
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -46,12 +57,18 @@ class ServerLimits:
             if f.type == "bool" or isinstance(value, bool):
                 continue
             flag = "--" + f.name.replace("_", "-")
-            ok = isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-            if f.type == "int":
-                ok = ok and isinstance(value, int)
+            # (an int is not given to math.isfinite: one of 400 digits raised OverflowError there, naming no flag)
+            ok = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+            ok = ok and value > 0
+            if f.type == "int":  # counts at most INT_MAX, as the engine's; a size in bytes is only compared
+                most = {"tokenizer_workers": MAX_TOKENIZER_WORKERS, "max_request_body_size": None}.get(f.name, INT_MAX)
+                ok = ok and isinstance(value, int) and (most is None or value <= most)
+                kind = "an integer > 0" if most is None else f"an integer in [1, {most}]"
+            else:
+                ok = ok and value <= MAX_SECONDS
+                kind = f"a number of seconds in (0, {MAX_SECONDS:.0f}]"
             if not ok:
-                kind = "an integer" if f.type == "int" else "a number of seconds"
-                raise LimitsError(f"{flag}: got {value!r}, expected {kind} > 0")
+                raise LimitsError(f"{flag}: got {value!r}, expected {kind}")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerLimits:
@@ -68,7 +85,7 @@ def _size(text: str) -> int:
     num = t.rstrip("kmgib")
     try:
         return int(float(num) * units[t[len(num):]])
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, OverflowError):  # OverflowError: inf, 1e309 (argparse shows it as a traceback)
         raise argparse.ArgumentTypeError(f"expected a size like 16MiB or 1048576, got {text!r}") from None
 
 
@@ -91,7 +108,7 @@ _LIMIT_FLAGS: tuple[tuple[str, object, str], ...] = (
      "compiled grammar is cached when it finishes; 503 when it waited that long behind other compiles)"),
     ("--max-n-samples", int, "most parallel samples (n) a request may ask for per prompt, on every route (400 beyond)"),
     ("--max-sequences-per-request", int, "most sequences one request may start: the prompts of a batch (/generate, "
-     "/v1/completions) times their n (400 beyond)"),
+     "/v1/completions) times their n; also the most inputs of a /tokenize or /detokenize batch (400 beyond)"),
 )
 
 

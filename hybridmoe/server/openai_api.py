@@ -107,8 +107,10 @@ async def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> l
     messages = []
     for m in body.messages:
         msg = m.model_dump(exclude_none=True)
-        if m.content is not None:  # content parts (text only: others are refused) joined
-            msg["content"] = m.text
+        # content parts (text only: others are refused) joined; a null content (OpenAI's assistant message that
+        # carries tool_calls) is "" as SGLang renders it: templates index message['content'], which was missing
+        # (a 400 "has no attribute 'content'" for a well-formed conversation)
+        msg["content"] = m.text if m.content is not None else ""
         messages.append(template_message(msg))
     kwargs = dict(body.chat_template_kwargs or {})
     tools = template_tools(body)

@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from hybridmoe.config import EngineArgs, ServerConfig
+from hybridmoe.config import ConfigError, EngineArgs, ServerConfig
 from hybridmoe.log import uvicorn_log_config
 from hybridmoe.server.app import create_app
 from hybridmoe.server.connections import LimitedH11Protocol
@@ -72,28 +72,35 @@ def build_server(app: Any, args: EngineArgs, limits: ServerLimits, graceful_shut
 
 def run_server(args: EngineArgs, server_config: ServerConfig | None = None, graceful_shutdown_timeout: float = 30.0,
                limits: ServerLimits | None = None) -> int:
-    """Serve until a signal stops the server; 0, or 1 if the model failed to load."""
+    """Serve until a signal stops the server; 0, or 1 if the model failed to load. ConfigError (nothing started)
+    when the address cannot be listened on."""
     limits = limits or ServerLimits()
     cfg = server_config or ServerConfig()
-    app = create_app(args, limits=limits, server=cfg)
+    sock = _bind(cfg.host, cfg.port)  # before anything else: a busy port or a bad host fails at once
+    try:
+        app = create_app(args, limits=limits, server=cfg)
+    except BaseException:
+        sock.close()
+        raise
     state: ServerState = app.state.hybridmoe
-    sock = _bind(cfg.host, cfg.port)  # before the model loads: a busy port fails at once
-    if sock is None:
-        return 1
     server = build_server(app, args, limits, graceful_shutdown_timeout, server=cfg)
     log.info("serving %s at http://%s:%d", state.model_name, cfg.host, sock.getsockname()[1])
     server.run(sockets=[sock])
     return state.exit_code
 
 
-def _bind(host: str, port: int) -> socket.socket | None:
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket; ConfigError naming --host and --port when it cannot be bound (a port in use, a host
+    that does not resolve or is not this machine's), reported as the other flag errors are: one
+    `hybridmoe serve: error:` line, exit code 2 (it was a log line of its own format, split by a newline in --host)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as e:
-        log.error("cannot listen on %s:%d: %s", host, port, e)
+    except (OSError, UnicodeError, TypeError) as e:  # TypeError "encoding of hostname failed": a non-ASCII
+        # label the IDNA codec refuses (e.g. 64 accented letters)
         sock.close()
-        return None
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there: {reason}") from None
     sock.set_inheritable(True)
     return sock
