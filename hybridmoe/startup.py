@@ -28,6 +28,7 @@ from hybridmoe.model_check import (
     load_checked_config,
     one_line,
 )
+from hybridmoe.sizing import check_preload_bounds
 from hybridmoe.weights.loader import CheckpointError
 
 log = logging.getLogger("hybridmoe.startup")
@@ -252,6 +253,7 @@ def prepare(args: EngineArgs) -> EngineArgs:
     check_environment()
     config, spec = load_checked_config(args.model_path, args.trust_remote_code)
     check_flags_against_model(args, config)
+    check_preload_bounds(args, config, spec)  # after it: it refuses --device cuda without a GPU first
     check_expert_location(args, spec)
     size = None
     tok_path = args.tokenizer_path or args.model_path

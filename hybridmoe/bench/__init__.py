@@ -30,7 +30,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     if cmd in ("-h", "--help"):
         print(USAGE)
         return 0
-    print(USAGE, file=sys.stderr)
-    print(f"hybridmoe bench: error: {'a sub-command is required' if cmd is None else f'unknown sub-command {cmd!r}'}",
+    # one line, as every other flag error of the project (the usage block is --help's)
+    what = "a sub-command is required" if cmd is None else f"unknown sub-command {cmd!r}"
+    print(f"hybridmoe bench: error: {what}; expected one-batch, serving or shape (see hybridmoe bench --help)",
           file=sys.stderr)
     return 2

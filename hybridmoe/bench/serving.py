@@ -169,9 +169,10 @@ def start_server(server_args: str, timeout: float, log_path: str | None = None) 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridmoe.args import OneLineParser
     from hybridmoe.bench.shapes import SHAPES
 
-    p = argparse.ArgumentParser(prog="hybridmoe bench serving", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="hybridmoe bench serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", "--base-url", dest="url", default=None, help="a running server (default: start one)")
     p.add_argument("--server-args", default="--device cpu", help="flags of the server this command starts")
     p.add_argument("--server-log", default=None, help="write the started server's output here (default: inherit)")
@@ -282,6 +283,59 @@ def _ab_summary(levels: list[dict], ceiling: float | None) -> list[dict]:
     return rows
 
 
+PROMPT_TOKEN_BYTES = 36  # a random id in a Python list: its 8-byte slot and a 28-byte int (ids >= 257 are not cached)
+
+
+def _writable(flag: str, path: str | None) -> str | None:
+    """Why `path` cannot be written (its directory missing, or a directory itself); None when it can be tried.
+    The results are written after the whole benchmark: a bad path was a traceback then."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_dir():
+        return f"{flag} {path}: is a directory, expected a file path"
+    if not p.parent.is_dir():
+        return f"{flag} {path}: the directory {p.parent} does not exist"
+    return None
+
+
+def check_flags(a: argparse.Namespace) -> str | None:
+    """The flags' values, before any server is started or reached: the first error, or None.
+    A zero concurrency hung on its semaphore, a NaN rate or a negative ratio failed inside the first level
+    (after the server was up), --server-args with an unclosed quote was shlex's traceback."""
+    try:
+        shlex.split(a.server_args)
+    except ValueError as e:
+        return f"--server-args {a.server_args!r}: {e} (a shell-quoted flag string)"
+    if any(c < 1 for c in a.concurrency):
+        return f"--concurrency: got {' '.join(map(str, a.concurrency))}, expected positive integers"
+    for flag, value in (("--num-prompts", a.num_prompts), ("--input-len", a.input_len),
+                        ("--output-len", a.output_len), ("--ab-rounds", a.ab_rounds)):
+        if value is not None and value < 1:
+            return f"{flag}: got {value}, expected a positive integer"
+    if not 0.0 <= a.range_ratio <= 1.0:  # (also NaN)
+        return f"--range-ratio: got {a.range_ratio}, expected a number in [0, 1]"
+    if not a.request_rate > 0:  # NaN, 0 or below; inf: all at once
+        return f"--request-rate: got {a.request_rate}, expected requests per second > 0 (or inf)"
+    if not (math.isfinite(a.startup_timeout) and a.startup_timeout > 0):
+        return f"--startup-timeout: got {a.startup_timeout}, expected a positive number of seconds"
+    from hybridmoe.moe.memory_plan import host_available_bytes
+
+    # a level's prompts are made in full before it starts: 4 x a huge --concurrency was gigabytes of Python ints
+    have = host_available_bytes()
+    prompts = max((a.num_prompts or max(8, 4 * c)) for c in a.concurrency)
+    need = prompts * a.input_len * PROMPT_TOKEN_BYTES
+    if have is not None and need > have:
+        flag = f"--num-prompts {a.num_prompts}" if a.num_prompts else f"--concurrency {max(a.concurrency)}"
+        return (f"{flag}: {prompts} prompts of up to {a.input_len} tokens (--input-len) take "
+                f"{need / 2**30:.1f} GiB of host memory, {have / 2**30:.1f} GiB are available")
+    for flag, path in (("--out", a.out), ("--png", a.png), ("--server-log", a.server_log)):
+        why = _writable(flag, path)
+        if why:
+            return why
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -293,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    error = check_flags(a)
+    if error:
+        parser.error(error)
     if a.shape is not None:
         from hybridmoe.bench.shapes import write_shape_dir
 

@@ -21,13 +21,16 @@ SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def shape_config(name: str, layers: int | None = None) -> dict:
-    """The config dict of a named shape, cut to `layers` decoder layers when given."""
+    """The config dict of a named shape, cut to `layers` decoder layers when given. Raises ConfigError (a
+    ValueError), which the commands print as one line without a type name."""
+    from hybridmoe.config import ConfigError
+
     if name not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}; choose one of {sorted(SHAPES)}")
+        raise ConfigError(f"--shape {name!r}: expected one of {sorted(SHAPES)}")
     cfg = copy.deepcopy(SHAPES[name])
     if layers is not None:
         if layers < 1:
-            raise ValueError(f"--layers {layers}: expected at least 1")
+            raise ConfigError(f"--layers: got {layers}, expected at least 1")
         cfg["num_hidden_layers"] = layers
     return cfg
 

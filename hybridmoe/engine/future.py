@@ -12,6 +12,14 @@ Ring size: step N+1 stores its ids after its forward read step N's slots (stream
 host replaces step N's placeholders before it launches step N+2, so two steps' rows would do; the
 ring holds three (a step's rows wrap to slot 1 only when they would pass the end, and then cannot
 reach the previous step's slots).
+
+Ring growth: the buffers start at INITIAL_ROWS rows per step (max_rows when smaller) and double, up
+to max_rows, when a step samples more. --max-running-requests only bounds the rows; allocating for
+it up front made --max-running-requests 2147483647 a 51 GB torch.zeros after the whole model load.
+A step's rows are its running requests, each holding KV cache tokens of its own, so the ring never
+grows past what the KV cache can run at once (a few bytes a row beside each request's KV pages).
+Growing copies the old ring into the head of the new one: the placeholders still in flight keep
+their slots, and the wrap argument above holds for the new row count.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import torch
 
 HOST_BUFFERS = 3  # pinned host copies in flight at most: step N is read before step N+2 is launched
+INITIAL_ROWS = 256  # rows per step the buffers hold at first (the default --max-running-requests: no growth)
 
 
 class HostIds:
@@ -38,20 +47,38 @@ class HostIds:
 class FutureTokens:
     """The device ring of not-yet-read sampled ids and their copies to the host.
 
-    max_rows: the most rows one step samples (--max-running-requests); blocking: wait for a copy
-    sleeping instead of spinning (hybrid MoE on CUDA: a spinning host thread takes a core the CPU
-    experts need)."""
+    max_rows: the most rows one step samples (--max-running-requests); the buffers hold fewer until
+    a step needs more (see the module docstring). blocking: wait for a copy sleeping instead of
+    spinning (hybrid MoE on CUDA: a spinning host thread takes a core the CPU experts need)."""
 
     def __init__(self, max_rows: int, device: torch.device, blocking: bool = False) -> None:
         self.max_rows = max(1, max_rows)
         self.device = device
-        self.ring = torch.zeros(3 * self.max_rows + 2, dtype=torch.int64, device=device)  # [R]
-        self._next = 1
         self._cuda = device.type == "cuda"
-        self._host = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=True) for _ in range(HOST_BUFFERS)] \
-            if self._cuda else []
+        self.rows = min(self.max_rows, INITIAL_ROWS)  # rows per step the buffers hold now
+        self.ring = torch.zeros(3 * self.rows + 2, dtype=torch.int64, device=device)  # [R]
+        self._next = 1
+        self._host = self._new_host_buffers()
         self._events = [torch.cuda.Event(blocking=blocking) for _ in range(HOST_BUFFERS)] if self._cuda else []
         self._turn = 0
+
+    def _new_host_buffers(self) -> list[torch.Tensor]:
+        """The pinned host copies (CUDA only: on the CPU the sampled ids are the host copy)."""
+        if not self._cuda:
+            return []
+        return [torch.empty(self.rows, dtype=torch.int64, pin_memory=True) for _ in range(HOST_BUFFERS)]
+
+    def _grow(self, n: int) -> None:
+        """Buffers for steps of `n` rows (n <= max_rows): doubled at least, so a batch that climbs
+        step by step regrows only log2 times."""
+        self.rows = min(self.max_rows, max(n, 2 * self.rows))
+        ring = torch.zeros(3 * self.rows + 2, dtype=torch.int64, device=self.device)
+        # the steps in flight keep their slots: their placeholders are resolved from the new ring (stream
+        # order puts this copy after their stores)
+        ring[:self.ring.shape[0]].copy_(self.ring)
+        self.ring = ring
+        # (a HostIds in flight holds a view of its old buffer, which stays alive until it is read)
+        self._host = self._new_host_buffers()
 
     def publish(self, ids: torch.Tensor) -> tuple[int, HostIds]:  # ids [B]
         """Store a step's sampled ids in the ring and start their copy to the host; returns the first
@@ -59,6 +86,8 @@ class FutureTokens:
         n = ids.shape[0]
         if not 0 < n <= self.max_rows:
             raise ValueError(f"{n} sampled rows; the ring takes 1..{self.max_rows} per step")
+        if n > self.rows:
+            self._grow(n)
         if self._next + n > self.ring.shape[0]:
             self._next = 1
         slot, self._next = self._next, self._next + n

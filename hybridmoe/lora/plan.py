@@ -12,7 +12,14 @@ Per MoE layer with E_g GPU-side and E_c CPU experts, S slots of max rank R:
 
 from __future__ import annotations
 
-from hybridmoe.lora.adapter import GPU_LINE, HOST_LINE, LoRAAdapterError, check_adapter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridmoe.lora import targets
+from hybridmoe.lora.adapter import GPU_LINE, HOST_LINE, CheckedAdapter, LoRAAdapterError, check_adapter
 
 
 def _adapter_dirs(args) -> list[str]:
@@ -67,3 +74,95 @@ def add_to_plan(plan, args, hidden: int, inter: int, masks: dict, method: str, g
         plan.gpu[GPU_LINE] = gpu
     if host:
         plan.host[HOST_LINE] = host
+
+
+# ---- every slot buffer, before the load (sizing.check_preload_bounds) --------------------------------------------
+@dataclass(frozen=True)
+class SlotBuffers:
+    """The LoRA slot buffers the runner allocates after the load (lora/setup.py build_manager), in bytes:
+    `device` on --device (the wrapped linears' A and B, the GPU-side expert slots), `host` in host memory
+    (the CPU experts' slots)."""
+
+    slots: int  # --max-loras-per-batch
+    rank: int  # --max-lora-rank, or the largest rank of the startup adapters
+    linears: int  # wrapped linears
+    expert_layers: int  # MoE layers with expert slots (0 without expert adapters)
+    device: int
+    host: int
+
+    def describe(self) -> str:
+        experts = f" and the experts of {self.expert_layers} MoE layers" if self.expert_layers else ""
+        return f"{self.slots} slots of rank {self.rank} on {self.linears} linears{experts}"
+
+
+def meta_model(hf_config: Any, spec: Any) -> nn.Module:
+    """The model's modules on the meta device (no memory): its linears' names and shapes before the load."""
+    from hybridmoe.models.base import MoECausalLM
+
+    with torch.device("meta"):
+        return MoECausalLM(hf_config, spec, int(getattr(hf_config, "max_position_embeddings", 4096)))
+
+
+def _checked(path: str) -> CheckedAdapter | None:
+    """The adapter's config and header, or None when they are refused: read_adapter reports why when the runner
+    reads it, as before (this estimate is no place to change which error a bad adapter gets)."""
+    try:
+        return check_adapter(path)
+    except (LoRAAdapterError, OSError):
+        return None
+
+
+def _target_paths(model: nn.Module, args: Any, adapters: list[CheckedAdapter]) -> list[str]:
+    """The linears build_manager wraps: --lora-target-modules' (or all of them without startup adapters),
+    else those the adapters name."""
+    if args.lora_target_modules or not adapters:
+        targets.check_target_names(model, args.lora_target_modules)
+        return targets.default_targets(model, args.lora_target_modules)
+    paths: list[str] = []
+    for a in adapters:
+        for layer, module in a.pairs:
+            hit = targets.resolve(model, layer, module)  # (an expert's module, absent on meta: no linear slot)
+            if hit is not None and hit[0] not in paths:
+                paths.append(hit[0])
+    return paths
+
+
+def _gpu_side_experts(args: Any, spec: Any, device_type: str) -> int:
+    """Routed experts per MoE layer whose LoRA slots sit on --device (ExpertsSetup's backend choice: the GPU
+    share of a hybrid placement, none on the CPU engine, all of them otherwise)."""
+    from hybridmoe.moe.placement import gpu_experts_per_layer
+
+    cfg = args.hybrid_config()
+    if cfg.split_requested:
+        n_gpu = gpu_experts_per_layer(spec.num_experts, cfg.num_gpu_experts, cfg.gpu_experts_ratio)
+        placed = not (n_gpu == 0 and not cfg.max_deferred_experts_per_token
+                      and cfg.gpu_prefill_token_threshold is None and device_type != "cuda")
+        return n_gpu if placed else 0
+    return 0 if cfg.weight_path is not None else spec.num_experts
+
+
+def slot_buffers(args: Any, hf_config: Any, spec: Any, device_type: str, dtype_bytes: int) -> SlotBuffers | None:
+    """Every LoRA slot buffer the flags and the startup adapters' headers ask for (None when LoRA is off);
+    refuses --lora-target-modules names this model does not have (LoRAAdapterError naming the flag)."""
+    from hybridmoe.cpu.quant import pad_sizes
+    from hybridmoe.lora.setup import DEFAULT_MAX_RANK, lora_enabled
+
+    if not lora_enabled(args):
+        return None
+    model = meta_model(hf_config, spec)
+    adapters = [c for c in map(_checked, _adapter_dirs(args)) if c is not None]
+    rank = args.max_lora_rank or max((a.max_rank for a in adapters), default=DEFAULT_MAX_RANK) or DEFAULT_MAX_RANK
+    slots = args.max_loras_per_batch
+    paths = _target_paths(model, args, adapters)
+    device, host, layers = targets.slot_bytes(model, paths, slots, rank, dtype_bytes), 0, 0
+    if any(a.has_experts for a in adapters):  # attach_experts: slots for every routed expert of every MoE layer
+        cfg = args.hybrid_config()
+        hidden, inter, n_exp = int(hf_config.hidden_size), spec.moe_intermediate, spec.num_experts
+        n_gpu = _gpu_side_experts(args, spec, device_type)
+        layers = len(spec.moe_layers)
+        hp, ip = ((-(-hidden // 16) * 16, -(-inter // 16) * 16) if cfg.method.upper() == "LLAMAFILE"
+                  else pad_sizes(hidden, inter, cfg.method, cfg.group_size))
+        host_elem = 4 if dtype_bytes == 4 else 2  # lora/cpu_bridge.py slot_dtype
+        device += layers * n_gpu * slots * 3 * rank * (hidden + inter) * dtype_bytes
+        host += layers * (n_exp - n_gpu) * slots * 3 * rank * (hp + ip) * host_elem
+    return SlotBuffers(slots, rank, len(paths), layers, device, host)

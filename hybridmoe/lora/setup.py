@@ -28,6 +28,34 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_RANK = 64  # --enable-lora without adapters or --max-lora-rank
 
 
+def slot_flag(args) -> str:
+    """The flag to name when the slot buffers are too large: of --max-lora-rank and --max-loras-per-batch (both
+    scale every buffer), the one furthest above its default."""
+    from hybridmoe.config import EngineArgs
+
+    if args.max_lora_rank is not None and \
+            args.max_lora_rank / DEFAULT_MAX_RANK >= args.max_loras_per_batch / EngineArgs.max_loras_per_batch:
+        return f"--max-lora-rank {args.max_lora_rank}"
+    return f"--max-loras-per-batch {args.max_loras_per_batch}"
+
+
+def _check_room(args, need: int, what: str, device: torch.device) -> None:
+    """The slot buffers against the memory free now, before they are allocated: where the startup check
+    (sizing.check_preload_bounds) did not run (or the load took the room), a huge --max-lora-rank was the
+    allocator's RuntimeError with a byte count."""
+    from hybridmoe.moe.memory_plan import host_available_bytes
+
+    if device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], "GPU memory"
+    elif device.type == "cpu":
+        free, where = host_available_bytes(), "host memory"
+    else:  # (meta: nothing is allocated)
+        return
+    if free is not None and need > free:
+        raise LoRAAdapterError(f"{slot_flag(args)}: the LoRA slot buffers ({what}) need {need / 2**30:.1f} GiB of "
+                               f"{where}, {free / 2**30:.1f} GiB are free")
+
+
 def lora_enabled(args) -> bool:
     return bool(args.enable_lora or args.lora_paths or args.kt_expert_lora_path)
 
@@ -128,6 +156,7 @@ def build_manager(args, model, device: torch.device, dtype: torch.dtype, graph_c
             raise LoRAAdapterError(f"LoRA adapter {a.name!r} ({a.path}): rank {a.max_rank} exceeds --max-lora-rank "
                                    f"{max_rank}")
     if args.lora_target_modules or not adapters:
+        targets.check_target_names(model, args.lora_target_modules)  # (lora/plan.py checks it before the load)
         paths = targets.default_targets(model, args.lora_target_modules)
     else:
         paths = []
@@ -139,6 +168,12 @@ def build_manager(args, model, device: torch.device, dtype: torch.dtype, graph_c
                                            f"unknown target module {module!r} for this model")
                 if hit[0] not in paths:
                     paths.append(hit[0])
+    _check_room(args, targets.slot_bytes(model, paths, args.max_loras_per_batch, max_rank, dtype.itemsize),
+                f"{args.max_loras_per_batch} slots of rank {max_rank} on {len(paths)} linears", device)
+    if device.type != "cuda" or args.disable_cuda_graph:
+        # the graph index buffer is read by CUDA-graph replays only: none here (sized by --cuda-graph-max-bs and
+        # --max-running-requests, it was gigabytes on the CPU when both were huge)
+        graph_capacity = 0
     mgr = LoRAManager(model, device, dtype, args.max_loras_per_batch, max_rank, paths, graph_capacity,
                       max_loaded=args.max_loaded_loras)
     if any(a.has_experts for a in adapters):

@@ -59,6 +59,45 @@ def default_targets(model: nn.Module, names: list[str] | None = None) -> list[st
     return out
 
 
+def target_names(model: nn.Module) -> list[str]:
+    """The names --lora-target-modules may give for this model: the last name component of each
+    targetable linear (default_targets), and q_proj, k_proj, v_proj for a fused qkv_proj."""
+    names: list[str] = []
+    for path in default_targets(model):
+        last = path.rsplit(".", 1)[-1]
+        for name in (*_QKV, last) if last == "qkv_proj" else (last,):
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def check_target_names(model: nn.Module, names: list[str] | None) -> None:
+    """--lora-target-modules against the model's linears: a name that is none of them matched no module,
+    and LoRA was then silently served on fewer modules than asked (or on none)."""
+    if not names:
+        return
+    known = target_names(model)
+    unknown = [n for n in names if n != "all" and n not in known]
+    if unknown:
+        arch = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+        raise LoRAAdapterError(f"--lora-target-modules {' '.join(unknown)}: no LoRA-targetable linear of this model "
+                               f"({arch}) has that name; its names are "
+                               f"{', '.join(known) or '(none)'}, or all")
+
+
+def slot_bytes(model: nn.Module, paths: list[str], slots: int, rank: int, dtype_bytes: int) -> int:
+    """Bytes of the slot buffers `wrap` gives the linears at `paths` (LoRALinear: A [S, P*R, K] and Bt
+    [S, P*R, N] in the slots' dtype, a float32 scale per slot); from the modules' shapes alone, so a model on
+    the meta device answers before the load."""
+    total = 0
+    for path in paths:
+        parent_path, attr = path.rsplit(".", 1)
+        mod = model.get_submodule(path)
+        parts = len(model.get_submodule(parent_path).qkv_sizes) if attr == "qkv_proj" else 1
+        total += slots * parts * rank * (mod.in_features + mod.out_features) * dtype_bytes + 4 * slots
+    return total
+
+
 def wrap(model: nn.Module, paths: list[str], slots: int, rank: int, batch: LoRABatch, dtype: torch.dtype,
          device: torch.device) -> dict[str, LoRALinear]:
     """Replace each module at `paths` by a LoRALinear around it; path -> wrapper."""

@@ -157,6 +157,18 @@ def param_counts(cfg, spec) -> dict[str, int]:
             "activated": ne - (cfg.vocab_size - 1) * cfg.hidden_size + len(spec.moe_layers) * spec.top_k * e}
 
 
+def batch_activation_bytes(max_batch: int, hidden: int, dtype_bytes: int) -> int:
+    """The plan's GPU item "activations and graphs": decode activations and captured graphs of `max_batch`
+    rows (--max-running-requests), plus a fixed half GiB."""
+    return 64 * max_batch * hidden * dtype_bytes * 8 + GiB // 2
+
+
+def pinned_buffer_bytes(max_batch: int, hidden: int) -> int:
+    """The plan's host item "pinned buffers": a CPU task's float32 inputs and outputs for the larger of a
+    decode step of `max_batch` rows and an 8192-token prefill chunk, double-buffered."""
+    return 2 * max(max_batch, 8192) * hidden * 4 * 2
+
+
 def plan_memory(
     hf_config,
     spec,
@@ -198,7 +210,7 @@ def plan_memory(
     plan.gpu["non-expert weights"] = sum(non_expert_bytes(hf_config, spec, wb).values())
     plan.gpu["GPU experts"] = n_gpu * gpu_expert
     plan.gpu["KV cache (minimum)"] = kv_tokens * kv_bytes_per_token(hf_config, dtype_bytes)
-    plan.gpu["activations and graphs"] = 64 * max_batch * h * dtype_bytes * 8 + GiB // 2
+    plan.gpu["activations and graphs"] = batch_activation_bytes(max_batch, h, dtype_bytes)
     if prefill_tokens:
         plan.gpu["prefill activations"] = prefill_tokens * prefill_activation_bytes(hf_config, spec, dtype_bytes)
     cpu_bytes = _CPU_BYTES_PER_PARAM.get(kt_method, 2.0)
@@ -226,7 +238,7 @@ def plan_memory(
         # the buffer holds the streamed experts in the model dtype (dequantized), fp8 only when copied as they are
         buffer_expert = gpu_expert if not dequant else per_expert * dtype_bytes
         plan.gpu["prefill buffers"] = int(ec_max * (buffer_expert + 2 * per_expert * cpu_bytes)) + temps
-    plan.host["pinned buffers"] = 2 * max(max_batch, 8192) * h * 4 * 2  # in/out, double-buffered
+    plan.host["pinned buffers"] = pinned_buffer_bytes(max_batch, h)  # in/out, double-buffered
     return plan
 
 
