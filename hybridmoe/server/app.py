@@ -22,7 +22,7 @@ from hybridmoe.engine.engine import Engine, RequestError
 from hybridmoe.server import info_routes, lora_routes, openai_api
 from hybridmoe.server.async_engine import AsyncEngine, EngineFailed, RequestStream, Unavailable
 from hybridmoe.server.connections import RequestLimitsMiddleware
-from hybridmoe.server.errors import APIError, error_body, error_response, install_error_handlers
+from hybridmoe.server.errors import APIError, ParamNames, error_body, error_response, install_error_handlers
 from hybridmoe.server.limits import ServerLimits
 from hybridmoe.server.metrics import CONTENT_TYPE, ServerMetrics
 from hybridmoe.server.protocol import (
@@ -33,7 +33,7 @@ from hybridmoe.server.protocol import (
     check_top_logprobs,
     max_top_logprobs_num,
 )
-from hybridmoe.server.state import ServerState
+from hybridmoe.server.state import ReqSpec, ServerState
 from hybridmoe.server.streaming import DONE, guarded_all, merged, results, sse, visible_text
 
 log = logging.getLogger(__name__)
@@ -134,13 +134,26 @@ def _batch_size(body: GenerateRequest) -> int | None:
 
 
 def _check_batch_size(state: ServerState, n: int, param: str) -> None:
-    """400 for a /tokenize or /detokenize batch of more inputs than --max-sequences-per-request. Each input is
-    one job handed off the event loop, and the loop's share of a job (~0.1 ms) adds up: a 2.5 MB body of
-    500,000 one-character prompts held the loop, so every request of the server, for over a minute."""
+    """400 for a /tokenize or /detokenize batch of more inputs than --max-sequences-per-request. Each input was
+    one job handed off the event loop, and the loop's share of a job (~0.1 ms) added up: a 2.5 MB body of
+    500,000 one-character prompts held the loop, so every request of the server, for over a minute. A batch is
+    a few jobs now (workers.batch_chunks), and this bound keeps the rest of its per-input work (the response's
+    lists, the id range check) bounded too."""
     limit = state.limits.max_sequences_per_request
     if n > limit:
         raise APIError(400, f"the batch has {n} inputs; this server's limit is {limit} per request "
                             "(--max-sequences-per-request raises it)", param=param)
+
+
+def _native_names(body: GenerateRequest, i: int | None = None) -> ParamNames:
+    """How /generate names the engine's fields for one prompt (i: its index in a batch): its own paths, with the
+    index where a field holds one value per prompt (`input_ids.3`, `sampling_params.3.top_k`, `lora_path.3`)."""
+    def at(name: str) -> str:
+        return f"{name}.{i}" if i is not None and isinstance(getattr(body, name), list) else name
+
+    prompt = "text" if body.text is not None else "input_ids"
+    return ParamNames(prompt if i is None else f"{prompt}.{i}", at("sampling_params") + ".",
+                      {name: at(name) for name in ("top_logprobs_num", "logprob_start_len", "lora_path", "rid")})
 
 
 def _pick(value: Any, i: int, n: int, name: str) -> Any:
@@ -203,7 +216,7 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
             if isinstance(body.lora_path, list):
                 raise APIError(400, "lora_path is a list; one prompt takes one adapter name", param="lora_path")
             req = await state.build_req(prompt=body.text, input_ids=body.input_ids, params=body.sampling_params,
-                                        rid=body.rid, lora_path=body.lora_path, **logprobs(0))
+                                        rid=body.rid, lora_path=body.lora_path, names=_native_names(body), **logprobs(0))
             streams = state.submit([req])  # n > 1 (sampling_params.n): n streams, n outputs in a list
             if body.stream:
                 events = _generate_events(streams, req.params.stop_strs)
@@ -220,12 +233,13 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "give exactly one of `text` and `input_ids`")
         state.check_sequences([(p or {}).get("n") if isinstance(p, dict) else None
                                for p in (_pick(body.sampling_params, i, n, "sampling_params") for i in range(n))])
-        reqs = list(await asyncio.gather(*(
-            state.build_req(prompt=texts[i] if texts is not None else None,
-                            input_ids=ids[i] if ids is not None else None,  # type: ignore[index]
-                            params=_pick(body.sampling_params, i, n, "sampling_params"),
-                            rid=_pick(body.rid, i, n, "rid"), lora_path=_pick(body.lora_path, i, n, "lora_path"),
-                            **logprobs(i)) for i in range(n))))
+        # one build for the batch: its texts tokenized in a few jobs, not one a prompt (see ServerState.build_reqs)
+        specs = [ReqSpec(prompt=texts[i] if texts is not None else None,
+                         input_ids=ids[i] if ids is not None else None,  # type: ignore[index]
+                         params=_pick(body.sampling_params, i, n, "sampling_params"),
+                         rid=_pick(body.rid, i, n, "rid"), lora_path=_pick(body.lora_path, i, n, "lora_path"),
+                         names=_native_names(body, i), **logprobs(i)) for i in range(n)]
+        reqs = await state.build_reqs(specs, "text" if texts is not None else "input_ids")
         return await results(request, state.engine, state.submit(reqs))
 
     @app.get("/get_model_info")
@@ -254,13 +268,15 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        """Token ids of a prompt (or a batch), off the event loop; beyond the context length: 400."""
+        """Token ids of a prompt (or a batch, in a few jobs), off the event loop; beyond the context length: 400
+        naming the prompt (`prompt.3` in a batch)."""
         ctx = state.core.context_len
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        _check_batch_size(state, len(prompts), "prompt")
-        all_ids = await asyncio.gather(*(state.encode(p, "prompt", body.add_special_tokens) for p in prompts))
         if isinstance(body.prompt, str):
-            return {"tokens": all_ids[0], "count": len(all_ids[0]), "max_model_len": ctx}
+            ids = await state.encode(body.prompt, "prompt", body.add_special_tokens)
+            return {"tokens": ids, "count": len(ids), "max_model_len": ctx}
+        _check_batch_size(state, len(body.prompt), "prompt")
+        all_ids = await state.encode_batch(body.prompt, [f"prompt.{i}" for i in range(len(body.prompt))], "prompt",
+                                           body.add_special_tokens)
         return {"tokens": all_ids, "count": [len(x) for x in all_ids], "max_model_len": ctx}
 
     @app.post("/detokenize")
@@ -271,11 +287,13 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
         batch = bool(body.tokens) and isinstance(body.tokens[0], list)
         seqs: list[list[int]] = body.tokens if batch else [body.tokens]  # type: ignore[assignment,list-item]
         _check_batch_size(state, len(seqs), "tokens")
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             if seq and (min(seq) < 0 or max(seq) >= vocab):  # min/max: C speed on a long list
-                raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
-        texts = await asyncio.gather(*(state.decode(seq, body.skip_special_tokens) for seq in seqs))
-        return {"text": texts if batch else texts[0]}
+                where = f"tokens.{i}" if batch else "tokens"
+                raise APIError(400, f"{where} must be ids in [0, {vocab})", param=where)
+        if not batch:
+            return {"text": await state.decode(seqs[0], body.skip_special_tokens)}
+        return {"text": await state.decode_batch(seqs, body.skip_special_tokens, "tokens")}
 
     if state.server_config.enable_metrics and state.metrics is not None:
         metrics = state.metrics

@@ -9,10 +9,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from hybridmoe.engine.grammar import grammar_of
 from hybridmoe.engine.request import Req
 from hybridmoe.server.async_engine import EngineFailed, RequestStream
 from hybridmoe.server.chat_tools import plan_chat, prompt_tail, template_message, template_tools
-from hybridmoe.server.errors import APIError, error_body
+from hybridmoe.server.errors import APIError, ParamNames, error_body
 from hybridmoe.server.lora_routes import adapter_cards
 from hybridmoe.server.parsers.chat_output import ChatOutput
 from hybridmoe.server.protocol import (
@@ -22,9 +23,13 @@ from hybridmoe.server.protocol import (
     check_top_logprobs,
     max_top_logprobs_num,
 )
-from hybridmoe.server.state import ServerState
+from hybridmoe.server.state import ReqSpec, ServerState
 from hybridmoe.server.streaming import DONE, guarded_all, merged, results, sse, visible_text
-from hybridmoe.server.structured import structured_params
+from hybridmoe.server.structured import grammar_fields, structured_params
+
+# The engine's (SGLang's) names of fields an OpenAI request spells otherwise, for an error's `param`; each route
+# adds its own (max_tokens or max_completion_tokens, logprobs or top_logprobs, the grammar's field).
+_OPENAI_RENAMES = {"min_new_tokens": "min_tokens", "sampling_seed": "seed", "lora_path": "model"}
 
 
 def _sampling(body: SamplingFields, max_new_tokens: int) -> dict[str, Any]:
@@ -47,6 +52,37 @@ def _finish(out: dict[str, Any]) -> tuple[str | None, Any]:
     if reason is None:
         return None, None
     return reason["type"], reason.get("matched")
+
+
+# Aborts the engine ends a request with because something failed (Engine._fail_request / _fail_culprit: "request
+# failed: ...", _fail_batch and the engine thread: "engine failure: ...", the scheduler's refusals of a request too
+# large for the KV cache). SGLang's OpenAI routes answer such an abort (one with a status) as an error, not a
+# choice; the server's own aborts (an operator's /abort_request, shutdown, a client gone) stay finish_reason
+# "abort", as SGLang's do.
+_FAILED = ("request failed:", "engine failure", "KV cache too small", "request of ")
+_REQUESTS_OWN = ("GrammarError", "KV cache too small", "request of ")  # the request cannot be served as given
+
+
+def _abort_error(out: dict[str, Any], grammar_param: str | None) -> APIError | None:
+    """The error an output that ended in a failure abort is answered with (None for any other output): the
+    engine's status (500 for an engine failure), else 400 when the request itself is at fault (its grammar
+    allowed no token: `param` names the grammar's field, grammar_param; too large for the KV cache), else 500."""
+    reason = out["meta_info"]["finish_reason"]
+    if not reason or reason.get("type") != "abort":
+        return None
+    message = str(reason.get("message") or "the request was aborted")
+    status = reason.get("status_code")
+    if status is None and not message.startswith(_FAILED):
+        return None
+    own = any(word in message for word in _REQUESTS_OWN)
+    return APIError(int(status) if status else 400 if own else 500, message,
+                    param=grammar_param if "GrammarError" in message else None)
+
+
+def _grammar_param(req: Req, names: ParamNames) -> str | None:
+    """The request field of a request's grammar (response_format, tool_choice, ...), None without one."""
+    spec = grammar_of(req.params)
+    return names(spec[0]) if spec is not None else None
 
 
 def _usage(outs: list[dict[str, Any]], n: int = 1, cache_report: bool = False) -> dict[str, Any]:
@@ -137,10 +173,8 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
             check_top_logprobs(body.logprobs, "logprobs", max_top_logprobs_num(state))
         prompts: list[Any]
         p = body.prompt
-        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
-            prompts = [p]
-        else:
-            prompts = list(p)
+        batch = not (isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)))
+        prompts = list(p) if batch else [p]  # type: ignore[arg-type]
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
         if body.stream and len(prompts) > 1:
@@ -149,23 +183,32 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         max_tokens = body.max_tokens if body.max_tokens is not None else state.core.context_len
         params = _sampling(body, max_tokens)
         k = body.logprobs
-        reqs = [await state.build_req(prompt=x if isinstance(x, str) else None, input_ids=None if isinstance(x, str) else x,
-                                params=dict(params), rid=body.rid if len(prompts) == 1 else None,
-                                return_logprob=k is not None, top_logprobs_num=k or 0,
-                                logprob_start_len=0 if body.echo and k is not None else -1,  # echo: prompt logprobs
-                                check_max_tokens=body.max_tokens is not None, lora_path=lora) for x in prompts]
+        renames = dict(_OPENAI_RENAMES, max_new_tokens="max_tokens", top_logprobs_num="logprobs",
+                       logprob_start_len="echo", **grammar_fields(body))
+        # one build for the batch: its texts tokenized in a few jobs, not one a prompt (ServerState.build_reqs)
+        specs = [ReqSpec(prompt=x if isinstance(x, str) else None, input_ids=None if isinstance(x, str) else x,
+                         params=dict(params), rid=body.rid if len(prompts) == 1 else None,
+                         return_logprob=k is not None, top_logprobs_num=k or 0,
+                         logprob_start_len=0 if body.echo and k is not None else -1,  # echo: prompt logprobs
+                         check_max_tokens=body.max_tokens is not None, lora_path=lora,
+                         names=ParamNames(f"prompt.{i}" if batch else "prompt", renames=renames))
+                 for i, x in enumerate(prompts)]
+        reqs = await state.build_reqs(specs, "prompt")
         names = _Tokens(state.core.tokenizer)
         n = body.n or 1
-        echo = [_echo_text(state, r) if body.echo else "" for r in reqs for _ in range(n)]
+        echoed = await _echo_texts(state, reqs) if body.echo else [""] * len(reqs)
+        echo = [e for e in echoed for _ in range(n)]
+        grammar = _grammar_param(reqs[0], specs[0].names)
         streams = state.submit(reqs)  # n per prompt, in a row
         created = int(time.time())
         cid = f"cmpl-{reqs[0].rid}"
         base = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name}
         if body.stream:
-            events = _completion_events(streams, reqs[0], base, echo[0], names, body,
+            events = _completion_events(streams, reqs[0], base, echo[0], names, body, grammar,
                                         cache_report=state.args.enable_cache_report)
             return StreamingResponse(guarded_all(streams, state.engine, events), media_type="text/event-stream")
         outs = await results(request, state.engine, streams)
+        _raise_failed(outs, grammar)
         choices = []
         for i, out in enumerate(outs):
             reason, matched = _finish(out)
@@ -179,25 +222,35 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         lora = state.check_model(body.model)
         if body.top_logprobs is not None:
             check_top_logprobs(body.top_logprobs, "top_logprobs", max_top_logprobs_num(state))
+            if body.top_logprobs > 0 and not body.logprobs:  # OpenAI's rule (it was silently ignored)
+                raise APIError(400, "top_logprobs needs logprobs: true (top_logprobs is the number of most likely "
+                                    "tokens returned with each token's logprob)", param="top_logprobs")
         ids = await _chat_prompt_ids(state, body)
         explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling(body, explicit if explicit is not None else state.core.context_len)
         plan = await plan_chat(state.server_config, body, params)  # tools and reasoning: may add a grammar
         tail = prompt_tail(state.core.tokenizer, ids) if plan.reasoning_format is not None else ""
         top = body.top_logprobs or 0
+        renames = dict(_OPENAI_RENAMES, top_logprobs_num="top_logprobs", **grammar_fields(body),
+                       max_new_tokens="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+        if plan.forced:  # the grammar is tool_choice's (required or a named function)
+            renames["ebnf"] = "tool_choice"
+        chat_names = ParamNames("messages", renames=renames)
         req = await state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
-                              top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None,
-                              lora_path=lora)
+                                    top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None,
+                                    lora_path=lora, names=chat_names)
         names = _Tokens(state.core.tokenizer)
+        grammar = _grammar_param(req, chat_names)
         streams = state.submit([req])  # n > 1: n streams
         base = {"id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
             parsers = [plan.output(tail, eager=True) for _ in streams]  # one a sequence (n > 1)
             events = _chat_events(streams, req, dict(base, object="chat.completion.chunk"), names, body, parsers,
-                                  cache_report=state.args.enable_cache_report)
+                                  grammar, cache_report=state.args.enable_cache_report)
             return StreamingResponse(guarded_all(streams, state.engine, events), media_type="text/event-stream")
         outs = await results(request, state.engine, streams)
+        _raise_failed(outs, grammar)
         choices = []
         for i, out in enumerate(outs):
             reason, matched = _finish(out)
@@ -210,14 +263,29 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         return dict(base, choices=choices, usage=_usage(outs, len(outs), state.args.enable_cache_report))
 
 
-def _echo_text(state: ServerState, req: Req) -> str:
-    tok = state.core.tokenizer
-    return tok.decode(req.prompt_ids) if tok is not None else ""
+def _raise_failed(outs: list[dict[str, Any]], grammar_param: str | None) -> None:
+    """A non-streamed response with a sequence that failed is that failure's error (as a streamed one ends with it)."""
+    for out in outs:
+        error = _abort_error(out, grammar_param)
+        if error is not None:
+            raise error
+
+
+async def _echo_texts(state: ServerState, reqs: list[Req]) -> list[str]:
+    """echo: each prompt's text, decoded off the event loop (a batch in a few jobs)."""
+    if state.core.tokenizer is None:
+        return [""] * len(reqs)
+    seqs = [r.prompt_ids for r in reqs]
+    if len(seqs) == 1:
+        return [await state.decode(seqs[0], skip_special_tokens=False, field="prompt")]
+    return await state.decode_batch(seqs, skip_special_tokens=False, field="prompt")
 
 
 async def _completion_events(streams: list[RequestStream], req: Req, base: dict[str, Any], echo: str,
-                             names: _Tokens, body: CompletionRequest, cache_report: bool = False) -> AsyncIterator[bytes]:
-    """The chunks of n streams of one prompt, each chunk with its sequence's index; usage after the last."""
+                             names: _Tokens, body: CompletionRequest, grammar_param: str | None = None,
+                             cache_report: bool = False) -> AsyncIterator[bytes]:
+    """The chunks of n streams of one prompt, each chunk with its sequence's index; usage after the last. A
+    sequence that fails ends the stream with an error event (as a non-streamed request answers with it)."""
     n, stops = len(streams), req.params.stop_strs
     sent_text, sent_tokens, finals = [""] * n, [0] * n, [None] * n
     if echo:  # the prompt's logprobs (echo) arrive with the first output, in its chunk
@@ -225,6 +293,10 @@ async def _completion_events(streams: list[RequestStream], req: Req, base: dict[
             yield sse(dict(base, choices=[{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]))
     try:
         async for i, out in merged(streams):
+            failed = _abort_error(out, grammar_param)
+            if failed is not None:
+                yield sse(error_body(failed.status, failed.message, failed.param))
+                break
             text = visible_text(out, stops)
             reason, matched = _finish(out)
             lp = None
@@ -247,10 +319,11 @@ async def _completion_events(streams: list[RequestStream], req: Req, base: dict[
 
 
 async def _chat_events(streams: list[RequestStream], req: Req, base: dict[str, Any], names: _Tokens,
-                       body: ChatCompletionRequest, parsers: list[ChatOutput],
+                       body: ChatCompletionRequest, parsers: list[ChatOutput], grammar_param: str | None = None,
                        cache_report: bool = False) -> AsyncIterator[bytes]:
     """The chunks of n streams, each chunk with its sequence's index (reasoning and tool calls split out
-    by each sequence's parser); usage after the last."""
+    by each sequence's parser); usage after the last. A sequence that fails ends the stream with an error
+    event (as a non-streamed request answers with it)."""
     n, stops = len(streams), req.params.stop_strs
     sent_text, sent_tokens, finals = [""] * n, [0] * n, [None] * n
     for i in range(n):
@@ -258,6 +331,10 @@ async def _chat_events(streams: list[RequestStream], req: Req, base: dict[str, A
                                        "finish_reason": None}]))
     try:
         async for i, out in merged(streams):
+            failed = _abort_error(out, grammar_param)
+            if failed is not None:
+                yield sse(error_body(failed.status, failed.message, failed.param))
+                break
             text = visible_text(out, stops)
             reason, matched = _finish(out)
             lp = _chat_logprobs(out["meta_info"], sent_tokens[i], names) if body.logprobs else None

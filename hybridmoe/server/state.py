@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,16 +10,35 @@ from typing import Any
 
 from hybridmoe.config import EngineArgs, ServerConfig
 from hybridmoe.engine.engine import Engine, RequestError
+from hybridmoe.engine.grammar import grammar_of
 from hybridmoe.engine.request import Req
 from hybridmoe.server.async_engine import AsyncEngine, RequestStream
-from hybridmoe.server.errors import APIError
+from hybridmoe.server.errors import NATIVE_TEXT, APIError, ParamNames
 from hybridmoe.server.limits import ServerLimits
 from hybridmoe.server.metrics import ServerMetrics
 from hybridmoe.server.structured import attach_grammar
 from hybridmoe.server.templates import model_template
-from hybridmoe.server.workers import PromptTooLong, TokenizerPool
+from hybridmoe.server.workers import BatchItemError, PromptTooLong, TokenizerPool
 
 CLIENT_TEMPLATE = "chat_template_kwargs.chat_template"
+INLINE_REQUESTS = 16  # batches up to this size make their requests on the event loop (a thread hop costs more)
+
+
+@dataclass
+class ReqSpec:
+    """One request of build_reqs: build_req's arguments. names: how the route names the engine's fields."""
+
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    params: dict[str, Any] | None = None
+    rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    lora_path: str | None = None
+    check_max_tokens: bool = True
+    names: ParamNames = NATIVE_TEXT
 
 
 @dataclass
@@ -56,6 +76,35 @@ class ServerState:
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True, field: str = "tokens") -> str:
         return await self._pool().decode(ids, skip_special_tokens=skip_special_tokens, field=field)
+
+    async def encode_batch(self, texts: list[Any], params: list[str], field: str,
+                           add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of a batch's prompts in a few pool jobs (not one per prompt: each job costs the event loop
+        its share, which a batch of thousands made a stall of the whole server); a 400 names the prompt's own
+        param (params[i], e.g. `prompt.3`), with the context length when it is too long. field: the batch's
+        field, named when a whole job fails (a timeout)."""
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise APIError(400, f"{params[i]} must be a string", param=params[i])
+        ctx = self.core.context_len
+        limit = None if self.args.allow_auto_truncate else ctx  # --allow-auto-truncate: the engine cuts it
+        try:
+            return await self._pool().encode_batch(texts, add_special_tokens=add_special_tokens, max_len=limit,
+                                                   field=field)
+        except PromptTooLong as e:
+            where = params[e.index or 0]
+            raise APIError(400, f"{where}: the prompt has {e.n} tokens; the context length is {ctx}",
+                           param=where) from None
+        except BatchItemError as e:
+            raise APIError(400, f"{params[e.index]}: {e.message}", param=params[e.index]) from None
+
+    async def decode_batch(self, seqs: list[list[int]], skip_special_tokens: bool = True,
+                           field: str = "tokens") -> list[str]:
+        """Text of a batch of id lists in a few pool jobs (see encode_batch); a 400 names `field.<index>`."""
+        try:
+            return await self._pool().decode_batch(seqs, skip_special_tokens=skip_special_tokens, field=field)
+        except BatchItemError as e:
+            raise APIError(400, f"{field}.{e.index}: {e.message}", param=f"{field}.{e.index}") from None
 
     async def chat_prompt_ids(self, messages: list[dict[str, Any]], continue_final_message: bool,
                               chat_template_kwargs: dict[str, Any] | None) -> list[int]:
@@ -120,40 +169,78 @@ class ServerState:
     async def build_req(self, *, prompt: str | None = None, input_ids: list[int] | None = None,
                         params: dict[str, Any] | None = None, rid: str | None = None, return_logprob: bool = False,
                         top_logprobs_num: int = 0, check_max_tokens: bool = True, logprob_start_len: int = -1,
-                        return_text_in_logprobs: bool = False, lora_path: str | None = None) -> Req:
+                        return_text_in_logprobs: bool = False, lora_path: str | None = None,
+                        names: ParamNames = NATIVE_TEXT) -> Req:
         """Validate and tokenize one request (tokenization off the event loop); APIError(400) with
-        the engine's message when bad.
+        the engine's message when bad, its `param` the field as the route names it (names).
 
         An explicit max_new_tokens that does not fit in the context with the prompt is an error
         (the engine would silently shorten it).
         """
+        spec = ReqSpec(prompt=prompt, input_ids=input_ids, params=params, rid=rid, return_logprob=return_logprob,
+                       top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                       return_text_in_logprobs=return_text_in_logprobs, lora_path=lora_path,
+                       check_max_tokens=check_max_tokens, names=names)
+        return (await self.build_reqs([spec]))[0]
+
+    async def build_reqs(self, specs: list[ReqSpec], batch_field: str | None = None) -> list[Req]:
+        """build_req for a batch, with O(1) event-loop work per batch where it matters: the text prompts are
+        tokenized in a few pool jobs (encode_batch) and a large batch's requests are made (Engine.make_request,
+        thread-safe) in one thread job, so a batch of thousands does not hold every other request of the server.
+        The first bad prompt (in order) is the 400, named by its spec's names. batch_field: the batch's prompt field."""
         engine = self.core
-        if params is not None and not isinstance(params, dict):
-            raise APIError(400, "sampling_params must be an object")
-        if (prompt is None) == (input_ids is None):
+        for spec in specs:
+            self._check_spec(spec)
+        texts = [i for i, spec in enumerate(specs) if spec.prompt is not None]
+        if len(specs) == 1 and texts:
+            spec = specs[0]
+            spec.input_ids = await self.encode(spec.prompt, spec.names.prompt)
+        elif texts:
+            all_ids = await self.encode_batch([specs[i].prompt for i in texts], [specs[i].names.prompt for i in texts],
+                                              batch_field or specs[texts[0]].names.prompt)
+            for i, ids in zip(texts, all_ids):
+                specs[i].input_ids = ids
+
+        def make_all() -> list[Req]:
+            out = []
+            for spec in specs:
+                try:
+                    out.append(engine.make_request(
+                        input_ids=spec.input_ids, sampling_params=spec.params, rid=spec.rid,
+                        return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num,
+                        logprob_start_len=spec.logprob_start_len, return_text_in_logprobs=spec.return_text_in_logprobs,
+                        lora_path=spec.lora_path))
+                except RequestError as e:
+                    raise spec.names.error(e) from e
+            return out
+
+        # a few requests: made here; a batch: on a thread, as each takes tens of microseconds of Python
+        reqs = make_all() if len(specs) <= INLINE_REQUESTS else await asyncio.to_thread(make_all)
+        graded = [(req, spec) for req, spec in zip(reqs, specs) if grammar_of(req.params) is not None]
+        if graded:  # structured output: compiled off the event loop, 400 if it fails (cached: a batch compiles once)
+            await asyncio.gather(*(attach_grammar(self, req, spec.names) for req, spec in graded))
+        ctx = engine.context_len
+        for req, spec in zip(reqs, specs):
+            wanted = (spec.params or {}).get("max_new_tokens")
+            if spec.check_max_tokens and not self.args.allow_auto_truncate and isinstance(wanted, int) \
+                    and wanted + len(req.prompt_ids) > ctx:
+                param = spec.names("max_new_tokens")  # max_tokens (OpenAI), sampling_params.max_new_tokens
+                name = (param or "max_new_tokens").rsplit(".", 1)[-1]
+                raise APIError(400, f"{name}={wanted} plus the prompt's {len(req.prompt_ids)} tokens exceed the "
+                                    f"context length {ctx}", param=param)
+        return reqs
+
+    def _check_spec(self, spec: ReqSpec) -> None:
+        """What build_reqs checks before tokenizing: one prompt, sampling_params an object, n within the limit."""
+        if spec.params is not None and not isinstance(spec.params, dict):
+            raise APIError(400, "sampling_params must be an object", param=spec.names.sampling.rstrip(".") or None)
+        if (spec.prompt is None) == (spec.input_ids is None):
             raise APIError(400, "give exactly one of `text` (prompt) and `input_ids`")
-        n = (params or {}).get("n")
+        n = (spec.params or {}).get("n")
         if isinstance(n, int) and n > self.limits.max_n_samples:
             raise APIError(400, f"n={n} is above this server's limit of {self.limits.max_n_samples} samples per "
-                                "prompt (--max-n-samples raises it)", param="n")
+                                "prompt (--max-n-samples raises it)", param=spec.names("n"))
         self.check_sequences([n])  # (a batch's total was checked before its prompts were tokenized)
-        if prompt is not None:
-            input_ids, prompt = await self.encode(prompt), None
-        try:
-            req = engine.make_request(prompt=prompt, input_ids=input_ids, sampling_params=params, rid=rid,
-                                      return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                                      logprob_start_len=logprob_start_len,
-                                      return_text_in_logprobs=return_text_in_logprobs, lora_path=lora_path)
-        except RequestError as e:
-            raise APIError(400, str(e)) from e
-        await attach_grammar(self, req)  # structured output: compiled off the event loop, 400 if it fails
-        wanted = (params or {}).get("max_new_tokens")
-        ctx = engine.context_len
-        if check_max_tokens and not self.args.allow_auto_truncate and isinstance(wanted, int) \
-                and wanted + len(req.prompt_ids) > ctx:
-            raise APIError(400, f"max_new_tokens={wanted} plus the prompt's {len(req.prompt_ids)} tokens exceed "
-                                f"the context length {ctx}", param="max_new_tokens")
-        return req
 
     def submit(self, reqs: list[Req]) -> list[RequestStream]:
         """Queue requests; all or none (503 past the queue bound, 400 on a duplicate rid).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 from hybridmoe.server.templates import ChatTemplateError, model_template, render_chat, special_tokens
@@ -31,10 +32,18 @@ def parse_json(body: bytes) -> tuple[str, Any]:
 
 def run_job(tok: Any, job: tuple) -> tuple[str, Any]:
     """One job -> ("ids", ids) | ("too_long", n) | ("text", text) | ("template", message) |
-    ("json", value) | ("json_error", (message, position))."""
+    ("json", value) | ("json_error", (message, position)) | ("batch", [one reply per input])."""
     kind = job[0]
     if kind == "json":
         return parse_json(job[1])
+    if kind == "encode_batch":  # a batch's prompts in one job: the server's event loop pays per job, not per prompt
+        _, texts, add_special_tokens, max_len = job
+        return "batch", [_each(lambda t=t: _ids(tok.encode(t, add_special_tokens=add_special_tokens, verbose=False),
+                                                max_len)) for t in texts]
+    if kind == "decode_batch":
+        _, seqs, skip_special_tokens = job
+        return "batch", [_each(lambda s=s: ("text", tok.decode(s, skip_special_tokens=skip_special_tokens)))
+                         for s in seqs]
     if kind == "encode":
         _, text, add_special_tokens, max_len = job
         # verbose=False: not transformers' "Token indices sequence length is longer than ..." line (once per
@@ -53,6 +62,15 @@ def run_job(tok: Any, job: tuple) -> tuple[str, Any]:
             return "template", str(e)
         return _ids(tok.encode(text, add_special_tokens=False, verbose=False), max_len)
     raise ValueError(f"unknown job {kind!r}")
+
+
+def _each(one: Callable[[], tuple[str, Any]]) -> tuple[str, Any]:
+    """One input of a batch job: its failure is its own ("error", message), reported with its index, and the
+    batch's other inputs are still answered."""
+    try:
+        return one()
+    except Exception as e:  # noqa: BLE001  (a tokenizer raises anything; the server names the input)
+        return "error", f"{type(e).__name__}: {e}"
 
 
 def _ids(ids: list[int], max_len: int | None) -> tuple[str, Any]:

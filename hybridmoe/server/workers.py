@@ -30,6 +30,19 @@ INLINE_IDS = 8192  # id lists up to this length are decoded on a thread
 INLINE_JSON_BYTES = 1 << 20  # larger request bodies are parsed in a worker (json.loads holds the GIL)
 WORKER_START_S = 120.0  # a worker that does not load its tokenizer in this time is given up
 QUEUE_WAIT_S = 60.0  # a job waiting longer for a free worker gets 503
+# A batch (/tokenize, /detokenize, a /generate or /v1/completions text batch) goes in a few jobs of consecutive
+# inputs, not one job per input: each job costs the event loop ~0.1-0.2 ms of its own, so 4096 one-line prompts
+# held it (every other request, /health included) for 0.4-1 s. A job holds at most BATCH_ITEMS inputs and, past
+# one input, at most BATCH_CHARS characters (BATCH_IDS ids): no more work than one large input, so the per-job
+# --tokenize-timeout keeps its meaning. Each input also weighs ITEM_WEIGHT (the tokenizer's Python overhead,
+# ~70 us, is that of a few hundred characters): a job whose weight is at most INLINE_CHARS (INLINE_IDS) runs on a
+# thread, like a small input; heavier ones go to the worker processes, where the tokenizer's Python does not
+# contend with the event loop for the GIL. (Decoding one short list costs ~5 us: ITEM_WEIGHT_IDS.)
+BATCH_ITEMS = 1024
+BATCH_CHARS = 1 << 20
+BATCH_IDS = 1 << 18
+ITEM_WEIGHT = 256
+ITEM_WEIGHT_IDS = 16
 
 
 @dataclass(eq=False)  # hashed by identity: kept in a set
@@ -39,9 +52,36 @@ class _Worker:
 
 
 class PromptTooLong(Exception):
-    def __init__(self, n: int) -> None:
+    """A prompt of n tokens, at or past the limit; index: its place in a batch (None: a single prompt)."""
+
+    def __init__(self, n: int, index: int | None = None) -> None:
         super().__init__(n)
         self.n = n
+        self.index = index
+
+
+class BatchItemError(Exception):
+    """One input of a batch failed (its tokenizer raised); index: its place in the batch."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+        self.message = message
+
+
+def batch_chunks(sizes: list[int], limit: int) -> list[range]:
+    """Consecutive inputs grouped into jobs of at most BATCH_ITEMS inputs and `limit` in size (an input larger
+    than the limit is a job of its own)."""
+    chunks: list[range] = []
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (i - start >= BATCH_ITEMS or total + size > limit):
+            chunks.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        chunks.append(range(start, len(sizes)))
+    return chunks
 
 
 class TokenizerPool:
@@ -160,6 +200,49 @@ class TokenizerPool:
         reply = await self._run(("decode", ids, skip_special_tokens), len(ids) <= INLINE_IDS,
                                 self.limits.tokenize_timeout, "detokenizing", field, "--tokenize-timeout")
         return reply[1]
+
+    async def encode_batch(self, texts: list[str], *, add_special_tokens: bool = True, max_len: int | None = None,
+                           field: str = "text") -> list[list[int]]:
+        """Token ids of each text, in a few jobs (batch_chunks); PromptTooLong(n, index) for the first text with
+        max_len tokens or more, BatchItemError(index, message) for the first whose tokenizer raised."""
+        sizes = [len(t) for t in texts]
+        jobs = [(("encode_batch", texts[r.start:r.stop], add_special_tokens, max_len),
+                 sum(sizes[r.start:r.stop]) + ITEM_WEIGHT * len(r) <= INLINE_CHARS, r)
+                for r in batch_chunks(sizes, BATCH_CHARS)]
+        replies = await self._run_batch(jobs, "tokenizing", field)
+        out: list[list[int]] = []
+        for i, (kind, value) in enumerate(replies):
+            if kind == "too_long":
+                raise PromptTooLong(value, i)
+            if kind != "ids":
+                raise BatchItemError(i, f"tokenizing failed: {value}")
+            out.append(value)
+        return out
+
+    async def decode_batch(self, seqs: list[list[int]], *, skip_special_tokens: bool = True,
+                           field: str = "tokens") -> list[str]:
+        """Text of each id list, in a few jobs (batch_chunks); BatchItemError(index, message) for the first whose
+        tokenizer raised."""
+        sizes = [len(s) for s in seqs]
+        jobs = [(("decode_batch", seqs[r.start:r.stop], skip_special_tokens),
+                 sum(sizes[r.start:r.stop]) + ITEM_WEIGHT_IDS * len(r) <= INLINE_IDS, r)
+                for r in batch_chunks(sizes, BATCH_IDS)]
+        replies = await self._run_batch(jobs, "detokenizing", field)
+        out: list[str] = []
+        for i, (kind, value) in enumerate(replies):
+            if kind != "text":
+                raise BatchItemError(i, f"detokenizing failed: {value}")
+            out.append(value)
+        return out
+
+    async def _run_batch(self, jobs: list[tuple[tuple, bool, range]], what: str, field: str) -> list[tuple[str, Any]]:
+        """The replies of a batch's jobs (job, small, the inputs it holds), in input order."""
+        def one(job: tuple, small: bool, r: range) -> Any:
+            where = f"{what} {field} {r.start}" if len(r) == 1 else f"{what} {field} {r.start}..{r.stop - 1}"
+            return self._run(job, small, self.limits.tokenize_timeout, where, field, "--tokenize-timeout")
+
+        replies = await asyncio.gather(*(one(*j) for j in jobs))
+        return [item for reply in replies for item in reply[1]]
 
     async def chat_ids(self, messages: list[dict[str, Any]], *, source: str | None, add_generation_prompt: bool,
                        continue_final_message: bool, variables: dict[str, Any], max_len: int | None) -> list[int]:
