@@ -78,7 +78,7 @@ def run_server(args: EngineArgs, server_config: ServerConfig | None = None, grac
     cfg = server_config or ServerConfig()
     sock = _bind(cfg.host, cfg.port)  # before anything else: a busy port or a bad host fails at once
     try:
-        app = create_app(args, limits=limits, server=cfg)
+        app = create_app(args, limits=limits, server=cfg, freeze_gc=True)
     except BaseException:
         sock.close()
         raise

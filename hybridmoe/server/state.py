@@ -52,6 +52,7 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     server_config: ServerConfig = field(default_factory=ServerConfig)
     pool: TokenizerPool = None  # type: ignore[assignment]  # made from limits
+    freeze_gc: bool = False  # app.create_app's: gc.freeze once the model has loaded
 
     def __post_init__(self) -> None:
         if self.pool is None:
