@@ -49,7 +49,13 @@ log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
-    """A request that cannot be served as given (the server answers 400)."""
+    """A request that cannot be served as given (the server answers 400). `field`: the request field at fault,
+    by the engine's (SGLang's native) name (`input_ids` for the prompt, a sampling parameter, `top_logprobs_num`,
+    `logprob_start_len`, `lora_path`); None when no one field is."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Engine:
@@ -112,35 +118,36 @@ class Engine:
             params = SamplingParams.from_any(sampling_params)
             params.validate(self.hf_config.vocab_size)
         except (SamplingParamsError, TypeError, ValueError, OverflowError) as e:
-            raise RequestError(str(e)) from e
+            raise RequestError(str(e), getattr(e, "field", None)) from e
         if (prompt is None) == (input_ids is None):
-            raise RequestError("give exactly one of `text` (prompt) and `input_ids`")
+            raise RequestError("give exactly one of `text` (prompt) and `input_ids`", "input_ids")
         if prompt is not None:
             if not isinstance(prompt, str):
-                raise RequestError("the prompt must be a string")
+                raise RequestError("the prompt must be a string", "input_ids")
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer: send input_ids")
             input_ids = self.tokenizer.encode(prompt)
         assert input_ids is not None
         vocab = self.hf_config.vocab_size
         if not isinstance(input_ids, list):
-            raise RequestError(f"input_ids must be a list of token ids in [0, {vocab})")
+            raise RequestError(f"input_ids must be a list of token ids in [0, {vocab})", "input_ids")
         if not input_ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", "input_ids")
         # The length first: a huge list is refused without walking it.
         if len(input_ids) >= self.context_len and self.args.allow_auto_truncate and input_ids:
             log.warning("request %s: the prompt's %d tokens do not fit the context length %d; keeping the first %d "
                         "(--allow-auto-truncate)", rid or "", len(input_ids), self.context_len, self.context_len - 1)
             input_ids = list(input_ids[:self.context_len - 1])
         if len(input_ids) >= self.context_len:
-            raise RequestError(f"the prompt has {len(input_ids)} tokens; the context length is {self.context_len}")
+            raise RequestError(f"the prompt has {len(input_ids)} tokens; the context length is {self.context_len}",
+                               "input_ids")
         if not all(type(t) is int and 0 <= t < vocab for t in input_ids):
-            raise RequestError(f"input_ids must be a list of token ids in [0, {vocab})")
+            raise RequestError(f"input_ids must be a list of token ids in [0, {vocab})", "input_ids")
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
-            raise RequestError("top_logprobs_num must be an integer >= 0")
+            raise RequestError("top_logprobs_num must be an integer >= 0", "top_logprobs_num")
         if type(logprob_start_len) is not int or not -1 <= logprob_start_len < len(input_ids):
             raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or a position in the prompt "
-                               f"[0, {len(input_ids)})")
+                               f"[0, {len(input_ids)})", "logprob_start_len")
         # Leave room in the context for the generated tokens.
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(input_ids))
         req = Req(rid=rid or new_rid(), prompt_ids=list(input_ids), params=params,

@@ -29,7 +29,11 @@ MAX_N = 1024
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter out of range; the message names it."""
+    """A sampling parameter out of range; the message names it, `field` too (None: no one field)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -107,7 +111,7 @@ class SamplingParams:
             if not ok:
                 shown = repr(getattr(self, name))
                 shown = shown if len(shown) <= 80 else shown[:77] + "..."
-                raise SamplingParamsError(f"{name}={shown} is invalid: expected {expected}")
+                raise SamplingParamsError(f"{name}={shown} is invalid: expected {expected}", name)
 
         def int_in(name: str, lo: int, hi: int) -> None:
             v = getattr(self, name)
@@ -159,7 +163,7 @@ class SamplingParams:
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise SamplingParamsError(f"{' and '.join(given)} are both given: a request takes at most one "
-                                      f"structured-output constraint ({', '.join(GRAMMAR_FIELDS)})")
+                                      f"structured-output constraint ({', '.join(GRAMMAR_FIELDS)})", given[1])
         bias = self.logit_bias
         ok = bias is None or (isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS_ENTRIES and all(
             _token_key(k, id_end) and is_num(v) and (not isinstance(v, float) or math.isfinite(v))

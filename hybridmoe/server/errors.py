@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,26 +49,6 @@ def _printable(message: str) -> str:
 # ---------------------------------------------------------------- the engine's field names -> a route's `param`
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-# The engine's RequestError carries only a message; these say which of its fields a message is about.
-# SamplingParamsError names its field first ("top_k=99999 is invalid: ...", "json_schema and regex are both
-# given"); the request's own checks start with the field's name or are about the prompt (Engine.make_request,
-# lora/requests.py). tests/server/test_api_audit_round2.py runs every one of these through the engine, so a
-# reworded message fails there rather than silently losing its param.
-_NAMED_FIRST = re.compile(r"^(\w+)=")
-_BOTH_GIVEN = re.compile(r"^\w+ and (\w+) are both given")
-_PREFIXES = (("input_ids must be", "input_ids"), ("the prompt ", "input_ids"), ("give exactly one of", "input_ids"),
-             ("top_logprobs_num must be", "top_logprobs_num"), ("logprob_start_len must be", "logprob_start_len"),
-             ("lora_path must be", "lora_path"), ("LoRA adapter ", "lora_path"), ("unknown LoRA adapter", "lora_path"))
-
-
-def engine_field(message: str) -> str | None:
-    """The engine field (SGLang's name: `input_ids` for the prompt, a sampling parameter, `top_logprobs_num`,
-    `logprob_start_len`, `lora_path`) an engine RequestError message is about; None when it names none."""
-    for pattern in (_NAMED_FIRST, _BOTH_GIVEN):
-        m = pattern.match(message)
-        if m and m.group(1) in SAMPLING_FIELDS:
-            return m.group(1)
-    return next((name for prefix, name in _PREFIXES if message.startswith(prefix)), None)
 
 
 @dataclass(frozen=True)
@@ -94,7 +73,7 @@ class ParamNames:
     def error(self, e: Exception) -> APIError:
         """APIError(400) for an engine RequestError, naming the field its message is about: in `param`, and in the
         message where the route spells it otherwise (`min_tokens=5 is invalid`, `prompt.1: input_ids must be...`)."""
-        message, name = str(e), engine_field(str(e))
+        message, name = str(e), getattr(e, "field", None)  # the engine's RequestError names its field
         param = self(name)
         if name in SAMPLING_FIELDS and name in self.renames and message.startswith(name):
             message = self.renames[name] + message[len(name):]

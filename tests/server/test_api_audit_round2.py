@@ -26,7 +26,6 @@ import pytest
 
 from hybridmoe.config import EngineArgs
 from hybridmoe.engine.engine import Engine, RequestError
-from hybridmoe.server.errors import engine_field
 from hybridmoe.server.limits import ServerLimits
 from hybridmoe.server.openai_api import _abort_error
 from hybridmoe.server.workers import BATCH_ITEMS, TokenizerPool, batch_chunks
@@ -166,7 +165,7 @@ def test_engine_errors_name_the_field_as_the_route_spells_it(c, path, body, para
 
 
 def test_every_engine_message_is_mapped_to_its_field(engine):
-    """engine_field reads the engine's messages: a reworded one fails here rather than losing its param."""
+    """Every engine refusal of a request names its field (RequestError.field), which the routes spell as `param`."""
     cases = [
         (dict(input_ids=[99999]), "input_ids"), (dict(input_ids=[]), "input_ids"),
         (dict(input_ids=[1] * (engine.context_len + 1)), "input_ids"), (dict(prompt="a", input_ids=[1]), "input_ids"),
@@ -182,7 +181,7 @@ def test_every_engine_message_is_mapped_to_its_field(engine):
     for kwargs, field in cases:
         with pytest.raises(RequestError) as e:
             engine.make_request(**kwargs)
-        assert engine_field(str(e.value)) == field, (kwargs, str(e.value))
+        assert e.value.field == field, (kwargs, str(e.value))
 
 
 # ---------------------------------------------------------------- 3. grammars that accept nothing
