@@ -80,3 +80,26 @@ def test_a_large_body_that_is_not_json_is_reported_as_before(url, threads):
                    timeout=120)
     assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
     assert threads == []
+
+
+def test_a_long_chat_is_made_template_messages_off_the_loop(url, monkeypatch):
+    from hybridmoe.server import openai_api
+
+    seen: list[str] = []
+    real = openai_api._template_messages
+
+    def spy(body):
+        try:
+            asyncio.get_running_loop()
+            seen.append("loop")
+        except RuntimeError:
+            seen.append("worker")
+        return real(body)
+
+    monkeypatch.setattr(openai_api, "_template_messages", spy)
+    short = [{"role": "user", "content": "hi"}]
+    assert _post(url, "/v1/chat/completions", {"messages": short, "max_tokens": 1}).status_code == 200
+    long = [{"role": "user", "content": "a"}] * (openai_api.OFF_LOOP_MESSAGES + 1)
+    r = _post(url, "/v1/chat/completions", {"messages": long, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text  # longer than the context
+    assert seen == ["loop", "worker"], seen
