@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hybridmoe.config import ConfigError, EngineArgs, check_kt_method, check_kv_cache_dtype
 from hybridmoe.engine.model_files import TOKENIZER_FILES, has_tokenizer_files
+from hybridmoe.engine.request import RequestError
 from hybridmoe.model_check import (
     chat_templates_of,
     check_chat_templates,
@@ -38,7 +39,7 @@ def report_failure(prog: str, e: BaseException, debug: bool = False) -> int:
     """Print `e` as one line on stderr (the traceback first with --log-level debug); exit code 2."""
     if debug:
         traceback.print_exception(e, file=sys.stderr)
-    known = isinstance(e, (ConfigError, CheckpointError))
+    known = isinstance(e, (ConfigError, CheckpointError, RequestError))  # their messages name what is wrong
     msg = one_line(str(e)) if known else f"{type(e).__name__}: {one_line(str(e))}"
     print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
     return 2

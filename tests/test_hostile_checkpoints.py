@@ -340,3 +340,12 @@ def test_check_room_counts_parameters_and_buffers_exactly(tiny_model_dir, monkey
     assert str(e.value).startswith("m/config.json: the model's weights on cpu need ") and "\n" not in str(e.value)
     monkeypatch.setattr(loader, "_free_bytes", lambda device: None)  # unknown: left to the allocator
     loader.check_room(model, torch.device("cpu"), "m/config.json")
+
+
+def test_generate_with_a_prompt_past_the_context_is_one_line_without_a_class_name(tmp_path):
+    """The engine's refusal of a request is reported as the flag errors are: its message names what is wrong (it
+    was "RequestError: the prompt has ...")."""
+    r = _generate(REPO / "hybridmoe" / "demo_model", "--context-length", "64", "--prompt", "hello world " * 100)
+    errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]  # (after the load's log lines)
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith("hybridmoe generate: error: the prompt has ") and "context length is 64" in errors[0]

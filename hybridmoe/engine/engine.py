@@ -30,6 +30,7 @@ from hybridmoe.engine.outputs import output_dict
 from hybridmoe.engine.pipeline import StepPipeline, overlap_enabled
 from hybridmoe.engine.request import (
     Req,
+    RequestError,
     SamplingParams,
     SamplingParamsError,
     finish_abort,
@@ -46,16 +47,6 @@ from hybridmoe.models.config import model_config
 from hybridmoe.weights.loader import load_hf_config
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request that cannot be served as given (the server answers 400). `field`: the request field at fault,
-    by the engine's (SGLang's native) name (`input_ids` for the prompt, a sampling parameter, `top_logprobs_num`,
-    `logprob_start_len`, `lora_path`); None when no one field is."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 class Engine:

@@ -28,6 +28,17 @@ GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # structured output: at most 
 MAX_N = 1024
 
 
+class RequestError(ValueError):
+    """A request that cannot be served as given (the server answers 400). `field`: the request field at fault,
+    by the engine's (SGLang's native) name (`input_ids` for the prompt, a sampling parameter, `top_logprobs_num`,
+    `logprob_start_len`, `lora_path`); None when no one field is. (Here, not in engine.py, so that the command
+    line's error report knows it without importing torch.)"""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter out of range; the message names it, `field` too (None: no one field)."""
 
