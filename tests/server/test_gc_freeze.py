@@ -5,8 +5,6 @@ stream and the engine's step whenever the oldest generation filled up."""
 from __future__ import annotations
 
 import gc
-import socket
-import threading
 import time
 
 import httpx
@@ -14,10 +12,10 @@ import pytest
 
 from hybridmoe.config import EngineArgs
 from hybridmoe.engine.engine import Engine
-from hybridmoe.server.app import create_app, freeze_loaded_objects
+from hybridmoe.server.app import freeze_loaded_objects
 from hybridmoe.server.limits import ServerLimits
-from hybridmoe.server.run import build_server
 from tests.server.conftest import DEMO
+from tests.server.inproc import serve_in_thread
 
 
 @pytest.fixture()
@@ -45,31 +43,11 @@ def test_freeze_makes_a_full_collection_walk_none_of_the_loaded_objects(unfrozen
 def test_the_app_freezes_once_the_model_has_loaded_only_when_asked(unfrozen):
     if not (DEMO / "config.json").is_file():
         pytest.skip("the demo model is not built")
-    args = EngineArgs(model_path=str(DEMO), device="cpu", log_level="warning")
-    limits = ServerLimits(tokenizer_workers=1)
     for freeze in (False, True):
-        app = create_app(args, limits=limits, freeze_gc=freeze)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        server = build_server(app, args, limits, graceful_shutdown_timeout=1.0, port=0)
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        try:
-            deadline = time.time() + 120
-            while time.time() < deadline:
-                try:
-                    r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}},
-                                   timeout=30)
-                    if r.status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.05)
+        with serve_in_thread(model_path=str(DEMO), limits=ServerLimits(tokenizer_workers=1), freeze_gc=freeze) as url:
+            r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
             assert r.status_code == 200, r.text
+            deadline = time.time() + 60
             while freeze and gc.get_freeze_count() == 0 and time.time() < deadline:
                 time.sleep(0.05)  # the freeze runs beside the first requests
             assert (gc.get_freeze_count() > 0) == freeze
-        finally:
-            server.should_exit = True
-            thread.join(30)
