@@ -90,8 +90,8 @@ def threads_for_tests(default: int = 2) -> int:
 
 
 def hugepages() -> bool:
-    """$HYBRIDMOE_HUGEPAGES: False when "0" (CPU weights stay on 4 KB pages)."""
-    return _get(HUGEPAGES) != "0"
+    """$HYBRIDMOE_HUGEPAGES: False when "0" (CPU weights stay on 4 KB pages); default 1."""
+    return _switch(HUGEPAGES, True)
 
 
 def pin_caller() -> bool | None:
@@ -120,13 +120,13 @@ def moe_direct() -> bool:
 
 
 def amx_inline() -> bool:
-    """HYBRIDMOE_AMX_INLINE=1: new CPU pools run AMX layers' synchronous tasks on the caller too."""
-    return _get(AMX_INLINE) == "1"
+    """$HYBRIDMOE_AMX_INLINE=1: new CPU pools run AMX layers' synchronous tasks on the caller too (default 0)."""
+    return _switch(AMX_INLINE, False)
 
 
 def lora_fused() -> bool:
-    """$HYBRIDMOE_LORA_FUSED: False when "0" (LoRA linears never take the fused form)."""
-    return _get(LORA_FUSED) != "0"
+    """$HYBRIDMOE_LORA_FUSED: False when "0" (LoRA linears never take the fused form); default 1."""
+    return _switch(LORA_FUSED, True)
 
 
 def router_fused() -> bool:

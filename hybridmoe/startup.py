@@ -241,6 +241,7 @@ def check_environment() -> None:
         raise ConfigError(f"${envs.CPU_LIB}={str(lib)!r}: not a file (the native CPU library to load; or leave it unset)")
     try:  # each raises ValueError naming its variable
         envs.pin_caller(), envs.align_large("grid"), envs.moe_direct(), envs.router_fused(), envs.handoff_fused()
+        envs.hugepages(), envs.amx_inline(), envs.lora_fused()
     except ValueError as e:
         raise ConfigError(f"${e}") from None
     overlap = os.environ.get(OVERLAP_ENV, "")

@@ -188,10 +188,13 @@ def test_record_expert_distribution_onto_a_device_is_refused(capsys, never_start
 
 # ---- environment -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("var", "value"), [("HYBRIDMOE_CPU_ISA", "bogus"), ("HYBRIDMOE_CPU_LIB", "/dev/zero"),
-                                            ("HYBRIDMOE_OVERLAP_SCHEDULE", "yes"), ("HYBRIDMOE_PIN_CALLER", "2")])
+                                            ("HYBRIDMOE_OVERLAP_SCHEDULE", "yes"), ("HYBRIDMOE_PIN_CALLER", "2"),
+                                            ("HYBRIDMOE_HUGEPAGES", "off"), ("HYBRIDMOE_AMX_INLINE", "true"),
+                                            ("HYBRIDMOE_LORA_FUSED", "no")])
 def test_bad_environment_variable_is_named_before_loading(var, value, monkeypatch, capsys, never_start):
     """They were errors from inside the load naming no variable (CpuIsaError, OSError: invalid ELF header), or
-    silently ignored (HYBRIDMOE_OVERLAP_SCHEDULE=yes)."""
+    silently ignored (HYBRIDMOE_OVERLAP_SCHEDULE=yes; HYBRIDMOE_HUGEPAGES=off kept huge pages, AMX_INLINE=true
+    stayed off, LORA_FUSED=no stayed fused)."""
     monkeypatch.setenv(var, value)
     _one_line(*_run(cli_main, GENERATE, capsys), "hybridmoe generate", f"${var}={value!r}")
 
