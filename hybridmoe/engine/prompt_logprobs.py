@@ -110,16 +110,26 @@ def compute(hidden: torch.Tensor, wanted: list[tuple[Req, int, int, int]],
     return out
 
 
-def meta(req: Req, text: Callable[[int], str | None]) -> dict:
-    """The meta_info fields of a request's prompt logprobs (SGLang's shapes)."""
+def meta(req: Req, text: Callable[[int], str | None], texts: bool = False) -> dict:
+    """The meta_info fields of a request's prompt logprobs (SGLang's shapes); each entry formatted once over the
+    request's life (outputs.formatted; `texts`: whether `text` decodes, part of the cache key)."""
+    from hybridmoe.engine.outputs import formatted  # outputs.py imports this module
+
     entries = req.input_logprobs
-    scored = [lp for lp, _, _ in entries if lp is not None]
+    cache = req.output_cache
+    done, total, count = cache.get("in_sum", (0, 0.0, 0))
+    if done > len(entries):  # a new list (a fork's copy is as long): start over
+        done, total, count = 0, 0.0, 0
+    for lp, _, _ in entries[done:]:
+        if lp is not None:
+            total, count = total + lp, count + 1
+    cache["in_sum"] = (len(entries), total, count)
     out: dict = {
-        "input_token_logprobs": [[lp, t, text(t)] for lp, t, _ in entries],
+        "input_token_logprobs": formatted(req, f"in{texts:d}", entries, lambda e: [e[0], e[1], text(e[1])]),
         # SGLang's older field (sgl.select read it): the mean over the scored prompt tokens
-        "normalized_prompt_logprob": sum(scored) / len(scored) if scored else 0.0,
+        "normalized_prompt_logprob": total / count if count else 0.0,
     }
     if req.top_logprobs_num:
-        out["input_top_logprobs"] = [None if top is None else [[v, t, text(t)] for v, t in top]
-                                     for _, _, top in entries]
+        out["input_top_logprobs"] = formatted(req, f"in_top{texts:d}", entries,
+                                              lambda e: None if e[2] is None else [[v, t, text(t)] for v, t in e[2]])
     return out
