@@ -50,16 +50,19 @@ def _accepts(demo, machine: tuple, **flags) -> None:
 
 
 # ---- 1. --max-running-requests and the buffers it sizes ------------------------------------------------------------
-def test_future_ring_grows_with_the_rows_a_step_samples():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_future_ring_grows_with_the_rows_a_step_samples(device):
     """The overlap ring is sized by the rows steps really sample, not by --max-running-requests (which made it
-    a 51 GB torch.zeros after the load at 2147483647); growing keeps the slots of the steps in flight."""
+    a 51 GB torch.zeros after the load at 2147483647); growing keeps the slots of the steps in flight (on CUDA
+    also the pinned host copies: a copy in flight keeps its old buffer)."""
     from hybridmoe.engine.future import INITIAL_ROWS
 
-    f = FutureTokens(max_rows=10**6, device=torch.device("cpu"))
+    f = FutureTokens(max_rows=10**6, device=torch.device(device))
     assert f.ring.numel() == 3 * INITIAL_ROWS + 2
-    prev_slot, prev = f.publish(torch.arange(5))[0], torch.arange(5)
+    prev_slot, prev = f.publish(torch.arange(5, device=device))[0], torch.arange(5, device=device)
+    pending = f.publish(torch.arange(7, 10, device=device))[1]  # read only after the ring has grown twice
     for n in (300, 301, 2000, 7):  # grows at 300 (to 512 rows) and 2000; never onto the previous step's slots
-        ids = torch.arange(1000, 1000 + n)
+        ids = torch.arange(1000, 1000 + n, device=device)
         slot, host = f.publish(ids)
         assert host.read() == ids.tolist()
         assert slot >= prev_slot + len(prev) or slot + n <= prev_slot
@@ -69,8 +72,9 @@ def test_future_ring_grows_with_the_rows_a_step_samples():
         assert f.resolve(torch.tensor(mine), mine).tolist() == ids.tolist()
         prev_slot, prev = slot, ids
     assert f.rows == 2000 and f.ring.numel() == 3 * 2000 + 2
+    assert pending.read() == [7, 8, 9]
     with pytest.raises(ValueError):
-        f.publish(torch.zeros(10**6 + 1, dtype=torch.int64))
+        f.publish(torch.zeros(10**6 + 1, dtype=torch.int64, device=device))
 
 
 def test_max_running_requests_alone_is_accepted(demo):
