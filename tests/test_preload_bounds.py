@@ -94,6 +94,21 @@ def test_cuda_graph_batch_refused_naming_the_flag(demo):
     _accepts(demo, H100, cuda_graph_max_bs=512, max_running_requests=512)
 
 
+@pytest.mark.gpu
+def test_the_machine_is_read_from_the_gpu_in_use(demo):
+    """Machine.of on a real GPU (the other tests describe one): its total memory, and the graph check against it."""
+    from hybridmoe.sizing import Machine, check_preload_bounds
+
+    cfg, spec = demo
+    args = EngineArgs.from_kwargs(device="cuda", cuda_graph_max_bs=INT_MAX, max_running_requests=INT_MAX)
+    m = Machine.of(args, cfg)
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert m.device == "cuda" and m.gpu_bytes == total and m.dtype_bytes == 2
+    with pytest.raises(ConfigError, match=f"GiB of GPU memory, the GPU has {total / GiB:.1f} GiB"):
+        check_preload_bounds(args, cfg, spec)
+    check_preload_bounds(EngineArgs.from_kwargs(device="cuda"), cfg, spec)  # the defaults fit any GPU
+
+
 def test_hybrid_plan_rows_refused_naming_the_flag(demo):
     """The hybrid memory plan's per-row items: was "the plan needs 4096.0 GiB of host memory for CPU experts ...
     use more GPU experts or a smaller --kt-method"."""
