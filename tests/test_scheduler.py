@@ -124,6 +124,25 @@ def test_kv_eviction_is_lru_and_leaf_first():
     assert kv.match_prefix([9, 9, 8, 8, 0]) == b
 
 
+def test_shared_pages_of_a_duplicate_prefix_leave_every_idle_page_evictable():
+    """A request that computed a cached prefix again (it started before the cache had it) releases under the
+    cached copy's nodes. A page of its that a fork still holds was cached there too: the copy's nodes went idle
+    with a held child, counted available yet never a leaf, and allocate raised "prefix cache accounting error:
+    nothing to evict" (found by tests/test_engine_stress.py's workload)."""
+    kv = KVCacheManager(num_pages=9, page_size=1)  # 8 usable pages
+    b = kv.allocate(3)  # tokens [1, 2, 5], computed before the cache held [1, 2]
+    x = kv.allocate(2)
+    kv.release(x, [1, 2])  # the cached copy: idle nodes x0 -> x1
+    fork = kv.share(b)  # n > 1: the fork holds all of b's prompt pages
+    kv.release(b, [1, 2, 5])  # follows x0 -> x1; b's pages are freed or stay the fork's
+    assert kv.num_available() == 5  # 3 free + x0, x1 idle
+    got = kv.allocate(kv.num_available())
+    assert got is not None and len(got) == 5
+    kv.release(got, [])
+    kv.release(fork, [1, 2, 5, 6])
+    assert kv.num_used() == 0 and kv.allocate(8) is not None
+
+
 def test_release_more_than_taken_is_an_error():
     kv = KVCacheManager(num_pages=4, page_size=2)
     p = kv.allocate(1)

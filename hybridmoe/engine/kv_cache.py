@@ -122,15 +122,24 @@ class KVCacheManager:
         s = self.page_size
         num_full = min(len(pages), len(token_ids) // s) if self.enable_prefix_cache else 0
         node, now = self._root, next(self._clock)
+        diverged = False  # the walk follows cached nodes of other pages (the same tokens computed twice)
         for i, page in enumerate(pages):
             if node is not None and i < num_full:
                 key = _key(token_ids, i, s, namespace)
                 child = node.children.get(key)
-                if child is None and page not in self._node_of:
+                if child is not None:
+                    diverged = diverged or child.page != page  # a duplicate page is just freed below
+                elif diverged and self._ref[page] > 1:
+                    # Under another copy's nodes, a page someone still holds (a fork's shared prompt page) is not
+                    # cached: its holders hold none of the nodes above it, which could then go idle with a held
+                    # child, counted evictable (num_available) yet never a leaf ("nothing to evict" in allocate).
+                    # The holders' pages are a prefix (parallel.fork), so nothing after it is cached either.
+                    pass
+                elif page not in self._node_of:
                     child = _Node(page=page, key=key, parent=node, last_access=now)
                     node.children[key] = child
                     self._node_of[page] = child
-                node = child  # a duplicate page (same tokens cached already) is just freed below
+                node = child
                 if node is not None:
                     node.last_access = now
             self._decref(page)
