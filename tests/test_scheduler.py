@@ -82,6 +82,25 @@ def test_request_too_large_for_pool_is_refused_not_stuck():
     assert small.finish_reason["type"] == "length"
 
 
+def test_the_oldest_request_takes_the_pages_of_waiting_forks_before_an_abort():
+    """A running request that cannot grow with no newer one to preempt was aborted "KV cache too small" even
+    when the pages it lacked were held by forked sequences waiting with their prompt's pages (n > 1); they give
+    them back (to the prefix cache) first, as admission does. Found by tests/test_engine_stress.py's workload."""
+    kv = KVCacheManager(num_pages=9, page_size=1)  # 8 usable pages
+    sched = Scheduler(kv, max_running_requests=1, chunked_prefill_size=64, max_context_len=64)
+    a = _req("a", 4, 4)
+    sched.add(a)
+    batch = sched.schedule()  # a's prompt: 4 pages
+    sched.on_step_done(batch)
+    a.output_ids.append(7)
+    fork = _req("f", 3, 2, 1)
+    fork.pages, fork.num_computed = kv.allocate(2), 2  # parallel.fork: the prompt's full pages but the last token
+    _run(sched, [fork])  # a needs pages 5-7 while the fork waits (one running request at a time)
+    assert a.finish_reason == {"type": "length", "length": 4}
+    assert fork.finish_reason == {"type": "length", "length": 2}
+    assert kv.num_used() == 0
+
+
 def test_prefix_match_reports_cached_tokens_and_shares_pages():
     kv = KVCacheManager(num_pages=100, page_size=4)
     sched = Scheduler(kv, max_running_requests=8, chunked_prefill_size=64, max_context_len=200)

@@ -117,6 +117,8 @@ class Scheduler:
                 continue  # retry the same request with the freed pages
             elif i > 0:
                 self._preempt(req)  # the newest one that needs pages steps back itself
+            elif self._drop_waiting_pages():
+                continue  # forks waiting held prompt pages (aborting here refused requests that fit the pool)
             else:  # the oldest request alone exceeds the pool
                 self.running.pop(0)
                 self._release(req)
