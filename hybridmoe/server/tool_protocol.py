@@ -71,7 +71,8 @@ def _unique_names(tools: list[Tool]) -> list[Tool]:
     names = [t.function.name for t in tools]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
-        raise PydanticCustomError("bad_value", "two tools are named {name!r}", {"name": dup})
+        # (ctx key "name" is errors._param's: it would be appended to the param; pydantic fills only {key}, not {key!r})
+        raise PydanticCustomError("bad_value", "two tools are named {tool}", {"tool": repr(dup)})
     return tools
 
 

@@ -105,6 +105,16 @@ def test_bad_tool_requests_get_400(srv, body, word):
     assert word in r.json()["error"]["message"], r.text
 
 
+def test_two_tools_of_one_name_are_named_in_the_message_and_the_param_is_tools(srv):
+    """The message was "two tools are named {name!r}" (pydantic fills {key} only) and its ctx key made the param
+    "tools.get_weather"."""
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "tools": [WEATHER] * 2},
+                   timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "tools", r.text
+    assert f"two tools are named {WEATHER['function']['name']!r}" in err["message"], r.text
+
+
 @pytest.mark.parametrize("flag", ["--tool-call-parser", "--reasoning-parser"])
 def test_unknown_parser_names_are_refused_by_the_flags(flag, capsys):
     with pytest.raises(SystemExit) as e:
