@@ -1,6 +1,6 @@
 """The FastAPI application: SGLang's native routes, error handling, API-key check, lifespan.
 
-OpenAI routes live in openai_api.py; the engine thread bridge in async_engine.py.
+OpenAI routes live in openai_api.py (/v1/responses in responses_api.py); the engine thread bridge in async_engine.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from hybridmoe.config import EngineArgs, ServerConfig
 from hybridmoe.engine.engine import Engine, RequestError
-from hybridmoe.server import info_routes, lora_routes, openai_api
+from hybridmoe.server import info_routes, lora_routes, openai_api, responses_api
 from hybridmoe.server.async_engine import AsyncEngine, EngineFailed, RequestStream, Unavailable
 from hybridmoe.server.connections import RequestLimitsMiddleware
 from hybridmoe.server.errors import APIError, ParamNames, error_body, error_response, install_error_handlers
@@ -380,6 +380,7 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] 
     _install_error_handlers(app)
     _register_native_routes(app, state)
     openai_api.register_routes(app, state)
+    responses_api.register_routes(app, state)  # /v1/responses, on the chat routes' machinery
     info_routes.register_routes(app, state)
     lora_routes.register_routes(app, state)
     _answer_head(app)

@@ -1,10 +1,12 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (streamed or not)."""
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (streamed or not), and the chat
+machinery /v1/responses (responses_api.py) is built on."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from hybridmoe.engine.grammar import grammar_of
 from hybridmoe.engine.request import Req
 from hybridmoe.server.async_engine import EngineFailed, RequestStream
-from hybridmoe.server.chat_tools import plan_chat, prompt_tail, template_message, template_tools
+from hybridmoe.server.chat_tools import ChatPlan, plan_chat, prompt_tail, template_message, template_tools
 from hybridmoe.server.errors import APIError, ParamNames, error_body
 from hybridmoe.server.lora_routes import adapter_cards
 from hybridmoe.server.parsers.chat_output import ChatOutput
@@ -170,6 +172,52 @@ async def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> l
     return await state.chat_prompt_ids(messages, body.continue_final_message, kwargs or None)
 
 
+@dataclass(frozen=True)
+class ChatJob:
+    """A chat request made ready to submit: its template rendered, tools and reasoning planned, grammar compiled."""
+
+    req: Req
+    plan: ChatPlan  # how the answer is constrained and parsed
+    tail: str  # the prompt's last tokens as text (whether it opens a thinking part)
+    grammar: str | None  # the request field of its grammar, named by an error about it
+
+
+async def build_chat(state: ServerState, body: ChatCompletionRequest, lora: str | None, renames: dict[str, str],
+                     prompt_field: str = "messages") -> ChatJob:
+    """The request of a chat body (/v1/chat/completions, and /v1/responses translated into one). renames: the
+    engine's field -> the route's name of it, for an error's `param`; prompt_field: the route's field of the
+    conversation (APIError 400 naming it when the template refuses it or it is too long)."""
+    try:
+        ids = await _chat_prompt_ids(state, body)
+    except APIError as e:
+        if e.param == "messages":  # the route's own name for the conversation
+            e.param = prompt_field
+        raise
+    explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = _sampling(body, explicit if explicit is not None else state.core.context_len)
+    plan = await plan_chat(state.server_config, body, params)  # tools and reasoning: may add a grammar
+    tail = prompt_tail(state.core.tokenizer, ids) if plan.reasoning_format is not None else ""
+    top = body.top_logprobs or 0
+    renames = dict(renames)
+    if plan.forced:  # the grammar is tool_choice's (required or a named function)
+        renames["ebnf"] = "tool_choice"
+    names = ParamNames(prompt_field, renames=renames)
+    req = await state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
+                                top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None,
+                                lora_path=lora, names=names)
+    return ChatJob(req, plan, tail, _grammar_param(req, names))
+
+
+def answer_deltas(parser: ChatOutput, delta: str, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """A new piece of a chat answer as OpenAI deltas, reasoning and tool calls split out by the parser (its held
+    back pieces flushed when the answer ended: reason set), and the finish reason the parser makes of the
+    engine's ("tool_calls" after calls)."""
+    if not parser.active:
+        return ([{"content": delta}] if delta else []), reason
+    deltas = parser.feed(delta) + (parser.finish() if reason is not None else [])
+    return deltas, parser.finish_reason(reason)
+
+
 def register_routes(app: FastAPI, state: ServerState) -> None:
     """Add the OpenAI routes to app."""
 
@@ -239,22 +287,11 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
             if body.top_logprobs > 0 and not body.logprobs:  # OpenAI's rule (it was silently ignored)
                 raise APIError(400, "top_logprobs needs logprobs: true (top_logprobs is the number of most likely "
                                     "tokens returned with each token's logprob)", param="top_logprobs")
-        ids = await _chat_prompt_ids(state, body)
-        explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = _sampling(body, explicit if explicit is not None else state.core.context_len)
-        plan = await plan_chat(state.server_config, body, params)  # tools and reasoning: may add a grammar
-        tail = prompt_tail(state.core.tokenizer, ids) if plan.reasoning_format is not None else ""
-        top = body.top_logprobs or 0
         renames = dict(_OPENAI_RENAMES, top_logprobs_num="top_logprobs", **grammar_fields(body),
                        max_new_tokens="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        if plan.forced:  # the grammar is tool_choice's (required or a named function)
-            renames["ebnf"] = "tool_choice"
-        chat_names = ParamNames("messages", renames=renames)
-        req = await state.build_req(input_ids=ids, params=params, rid=body.rid, return_logprob=body.logprobs,
-                                    top_logprobs_num=top if body.logprobs else 0, check_max_tokens=explicit is not None,
-                                    lora_path=lora, names=chat_names)
+        job = await build_chat(state, body, lora, renames)
+        req, plan, tail, grammar = job.req, job.plan, job.tail, job.grammar
         names = _Tokens(state.core.tokenizer)
-        grammar = _grammar_param(req, chat_names)
         streams = state.submit([req])  # n > 1: n streams
         base = {"id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),
                 "model": state.model_name}
@@ -354,12 +391,7 @@ async def _chat_events(streams: list[RequestStream], req: Req, base: dict[str, A
             lp = _chat_logprobs(out["meta_info"], sent_tokens[i], names) if body.logprobs else None
             sent_tokens[i] = out["meta_info"]["completion_tokens"]
             delta, sent_text[i] = text[len(sent_text[i]):], text
-            parser = parsers[i]
-            if parser.active:  # reasoning and tool calls split out (parsers/chat_output.py)
-                deltas = parser.feed(delta) + (parser.finish() if reason is not None else [])
-                reason = parser.finish_reason(reason)
-            else:
-                deltas = [{"content": delta}] if delta else []
+            deltas, reason = answer_deltas(parsers[i], delta, reason)
             if reason is not None or lp is not None:
                 deltas = deltas or [{}]
             for j, d in enumerate(deltas):  # logprobs on the first, finish_reason on the last
