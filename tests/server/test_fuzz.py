@@ -99,10 +99,25 @@ TOKENIZE = body({"prompt": st.one_of(WORDS, st.lists(WORDS, max_size=3))},
                 {"add_special_tokens": st.booleans(), "model": st.just("demo")})
 DETOKENIZE = body({"tokens": st.one_of(IDS, st.lists(IDS, max_size=2))}, {"skip_special_tokens": st.booleans()})
 ABORT = body({}, {"rid": WORDS, "abort_all": st.booleans()})
+TEXT_PART = body({"type": st.sampled_from(["input_text", "output_text"]), "text": WORDS}, {})
+ITEM = st.one_of(
+    body({"role": st.sampled_from(["system", "developer", "user", "assistant"]),
+          "content": st.one_of(WORDS, st.lists(TEXT_PART, max_size=2))}, {"type": st.just("message")}),
+    body({"type": st.just("function_call"), "call_id": WORD, "name": WORD, "arguments": st.just("{}")}, {}),
+    body({"type": st.just("function_call_output"), "call_id": WORD, "output": WORDS}, {}))
+FUNCTION_TOOL = body({"type": st.just("function"), "name": st.sampled_from(["get_weather", "f"])},
+                     {"parameters": st.just({"type": "object", "properties": {}}), "description": WORDS})
+RESPONSES = body({"max_output_tokens": MAX_TOKENS, "input": st.one_of(WORD, st.lists(ITEM, min_size=1, max_size=3))},
+                 {"model": st.just("demo"), "instructions": WORDS, "temperature": st.floats(0, 2),
+                  "top_p": st.floats(0.01, 1), "stream": st.booleans(), "store": st.booleans(), "user": WORDS,
+                  "metadata": st.dictionaries(WORD, WORDS, max_size=2), "tools": st.lists(FUNCTION_TOOL, max_size=2),
+                  "tool_choice": st.sampled_from(["auto", "none"]), "parallel_tool_calls": st.booleans(),
+                  "text": st.just({"format": {"type": "text"}}), "reasoning": st.just({"effort": "low"})},
+                 keep=("max_output_tokens",))
 
 # (path, strategy, cases): ~50 s on a 2-core machine shared with other work
 ROUTES = [("/generate", GENERATE, 250), ("/v1/completions", COMPLETIONS, 180), ("/v1/chat/completions", CHAT, 180),
-          ("/tokenize", TOKENIZE, 80), ("/detokenize", DETOKENIZE, 80), ("/abort_request", ABORT, 40)]
+          ("/v1/responses", RESPONSES, 120), ("/tokenize", TOKENIZE, 80), ("/detokenize", DETOKENIZE, 80), ("/abort_request", ABORT, 40)]
 
 
 def _check(path: str, body: object, r: httpx.Response) -> str:
@@ -112,6 +127,16 @@ def _check(path: str, body: object, r: httpx.Response) -> str:
         err = r.json()
         assert err["error"]["code"] == r.status_code and err["message"] == err["error"]["message"], (body, r.text)
         return str(r.status_code)
+    if path == "/v1/responses":  # OpenAI's named events, no [DONE]; the last one ends the response
+        if r.headers.get("content-type", "").startswith("text/event-stream"):
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events and not any(e["type"] in ("error", "response.failed") for e in events), (body, r.text)
+            final = events[-1]["response"]
+            assert events[-1]["type"] in ("response.completed", "response.incomplete"), (body, r.text)
+        else:
+            final = r.json()
+        assert final["status"] in ("completed", "incomplete"), (body, final)  # cancelled: an abort inside
+        return "200"
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", (body, r.text)
