@@ -1,4 +1,4 @@
-"""A request's output, built after every engine step, formats each logprob entry once (engine/outputs.py).
+"""A request's output, built after every engine step, formats each logprob entry once (engine/formatted.py).
 
 It rebuilt every entry of the output and prompt logprobs (and decoded each one's token for
 return_text_in_logprobs) at every step: quadratic in the tokens, 58 ms a step for one request at 8000

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from hybridmoe.engine.formatted import formatted
 from hybridmoe.engine.request import Req
 
 # Rows whose full-vocabulary logits exist at once: bounds the memory of a long prompt's scoring
@@ -112,9 +113,7 @@ def compute(hidden: torch.Tensor, wanted: list[tuple[Req, int, int, int]],
 
 def meta(req: Req, text: Callable[[int], str | None], texts: bool = False) -> dict:
     """The meta_info fields of a request's prompt logprobs (SGLang's shapes); each entry formatted once over the
-    request's life (outputs.formatted; `texts`: whether `text` decodes, part of the cache key)."""
-    from hybridmoe.engine.outputs import formatted  # outputs.py imports this module
-
+    request's life (formatted.py; `texts`: whether `text` decodes, part of the cache key)."""
     entries = req.input_logprobs
     cache = req.output_cache
     done, total, count = cache.get("in_sum", (0, 0.0, 0))

@@ -267,7 +267,7 @@ class Req:
     # not read yet, as placeholders -slot (engine/future.py); they follow output_ids in the sequence,
     # so the scheduler schedules the next step before the host knows them. At most one step's worth.
     pending: list[int] = field(default_factory=list)
-    # Output entries already formatted (engine/outputs.py formatted): engine-thread only, each fork its own.
+    # Output entries already formatted (engine/formatted.py): engine-thread only, each fork its own.
     output_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
