@@ -119,3 +119,54 @@ def test_random_workload_gives_each_request_its_tokens_alone(path, alone, case):
     assert checked > len(reqs) // 2
     assert eng.kv.num_used() == 0 and not eng.has_work()
     assert eng.flush_cache() and eng.kv.num_cached() == 0 and eng.kv.num_available() == eng.kv.num_pages - 1
+
+
+SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}}, ' \
+         '"required": ["a", "b"]}'
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+def test_constrained_and_penalized_requests_under_preemption_give_their_text_alone(overlap):
+    """The same with the demo model (a tokenizer: text, stop strings, grammars): regex and JSON-schema grammars,
+    penalties, stop strings with min_new_tokens and logit biases, whose state (the grammar matcher, the counts)
+    must survive preemption and overlap scheduling; each request's tokens and text equal its run alone."""
+    from hybridmoe.config import DEMO_MODEL_PATH
+
+    rng = random.Random(22 + overlap)
+    ref = LLM(DEMO_MODEL_PATH, device="cpu", progress=False, disable_radix_cache=True, page_size=4)
+    llm = LLM(DEMO_MODEL_PATH, device="cpu", progress=False, page_size=2, chunked_prefill_size=7, max_total_tokens=64,
+              max_running_requests=5, **({"enable_overlap_schedule": True} if overlap else {}))
+    eng, vocab = llm.engine, 4096
+    stems = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
+    work = []
+    for _ in range(24):
+        prompt = rng.choice(stems)[:rng.randrange(0, 20)] + [rng.randrange(vocab) for _ in range(rng.randrange(1, 15))]
+        sp: dict = {"temperature": 0.0, "max_new_tokens": rng.randrange(1, 30)}
+        k = rng.random()
+        if k < 0.25:
+            sp["regex"] = "[a-z]{2,8}( [a-z]{2,8}){0,3}"
+        elif k < 0.45:
+            sp.update(json_schema=SCHEMA, max_new_tokens=40)
+        elif k < 0.6:
+            sp.update(frequency_penalty=0.7, presence_penalty=0.3)
+        elif k < 0.7:
+            sp.update(min_new_tokens=min(3, sp["max_new_tokens"]), stop=["e"])
+        elif k < 0.8:
+            sp["logit_bias"] = {str(rng.randrange(vocab)): 5.0}
+        sp["max_new_tokens"] = min(sp["max_new_tokens"], eng.context_len - len(prompt))
+        sp["min_new_tokens"] = min(sp.get("min_new_tokens", 0), sp["max_new_tokens"])
+        work.append((prompt, sp))
+    want = [ref.generate(input_ids=p, sampling_params=sp) for p, sp in work]
+    reqs, pending = [], list(enumerate(work))
+    while pending or eng.has_work():
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                i, (prompt, sp) = pending.pop(0)
+                reqs.append((i, eng.make_request(input_ids=prompt, sampling_params=sp, rid=f"g{i}")))
+                eng.submit(reqs[-1][1])
+        eng.step()
+    eng.run_until_done([])
+    assert eng.stats()["num_preemptions"] > 0
+    for i, r in reqs:
+        assert (list(r.output_ids), r.text) == (want[i]["output_ids"], want[i]["text"]), (i, work[i][1])
+    assert eng.kv.num_used() == 0 and not eng.has_work()
