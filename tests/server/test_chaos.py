@@ -20,7 +20,7 @@ ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses
 
 @pytest.fixture(scope="module")
 def srv(start_server):
-    return start_server("--served-model-name", "demo", "--page-size", "4", "--max-total-tokens", "384",
+    return start_server("--served-model-name", "demo", "--page-size", "4", "--max-total-tokens", "256",
                         "--max-running-requests", "6", "--chunked-prefill-size", "32")
 
 
