@@ -165,6 +165,8 @@ async def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> l
     else:
         messages = _template_messages(body)
     kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     tools = template_tools(body)
     if tools is not None:  # the template's `tools` variable (tool_protocol.py keeps clients from setting it)
         kwargs["tools"] = tools

@@ -353,6 +353,9 @@ class ChatMessage(StrictModel):
         return self.content
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's values
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -360,7 +363,7 @@ class ChatCompletionRequest(SamplingFields):
         "functions": ("function calling (functions)", ([],)),
         "function_call": ("function calling (function_call)", ("none", "auto")),
         "audio": ("audio output", ()), "modalities": ("output modalities other than text", (["text"],)),
-        "prediction": ("predicted outputs", ()), "reasoning_effort": ("reasoning effort control", ()),
+        "prediction": ("predicted outputs", ()),
         "web_search_options": ("web search", ()),
     }
 
@@ -372,6 +375,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: NonNegInt | None = None
     chat_template_kwargs: TemplateKwargs | None = None
+    # the chat template's `reasoning_effort` variable (templates that read it, gpt-oss-style, choose their reasoning
+    # by it; the others render as without it); chat_template_kwargs' own reasoning_effort wins
+    reasoning_effort: ReasoningEffort | None = None
     continue_final_message: bool = False
     # tool calling and reasoning (tool_protocol.py, parsers/)
     tools: Tools | None = None

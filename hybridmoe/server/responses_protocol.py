@@ -21,6 +21,7 @@ from hybridmoe.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     JsonSchemaFormat,
+    ReasoningEffort,
     ResponseFormat,
     Temperature,
     TopP,
@@ -275,10 +276,10 @@ class TextConfig(StrictModel):
 
 
 class ReasoningConfig(StrictModel):
-    """Accepted and echoed: the reasoning a model does is its own (its template and --reasoning-parser); these
-    do not change it."""
+    """`effort` reaches the chat template as `reasoning_effort` (as the chat route's field does: templates that read
+    it choose their reasoning by it); the summaries are accepted and echoed (the reasoning is returned as text)."""
 
-    effort: Annotated[str, Field(max_length=32)] | None = None
+    effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
@@ -402,4 +403,5 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         model=body.model, messages=chat_messages(body), max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, stream=body.stream, tools=tools or None, tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        response_format=fmt.response_format() if fmt is not None else None, user=body.user, metadata=body.metadata)
+        response_format=fmt.response_format() if fmt is not None else None, user=body.user, metadata=body.metadata,
+        reasoning_effort=body.reasoning.effort if body.reasoning is not None else None)

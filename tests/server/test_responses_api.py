@@ -393,3 +393,18 @@ def test_a_failure_mid_stream_ends_with_an_error_and_response_failed(how, code):
     assert failed["status"] == "failed" and failed["error"]["code"] == code
     assert failed["output"][0]["content"][0]["text"] == "Hello"  # the output so far
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_reasoning_effort_goes_to_the_chat_requests_template_variable():
+    """reasoning.effort becomes the chat request's reasoning_effort (the template's variable); a value OpenAI does not
+    define is refused."""
+    from pydantic import ValidationError
+
+    from hybridmoe.server.responses_protocol import ResponsesRequest, chat_request
+
+    body = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "high"}})
+    assert chat_request(body).reasoning_effort == "high"
+    assert chat_request(ResponsesRequest.model_validate({"input": "hi"})).reasoning_effort is None
+    with pytest.raises(ValidationError):
+        ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "extreme"}})
+

@@ -65,6 +65,26 @@ def test_chat_template_kwargs_reach_the_template(client):
     assert r.choices[0].message.content is not None
 
 
+def test_reasoning_effort_reaches_the_template_as_its_variable(client):
+    """reasoning_effort was refused ("not implemented"); it is the template's `reasoning_effort` variable now (the
+    templates that read it, gpt-oss-style, choose their reasoning by it), and chat_template_kwargs' own wins."""
+    show = "{{ messages[-1]['content'] }}{% if reasoning_effort is defined %} EFFORT {{ reasoning_effort }}" \
+           " a b c d e f{% endif %} assistant:"
+
+    def prompt_tokens(**kw) -> int:
+        extra = {"chat_template_kwargs": {"chat_template": show, **kw.pop("kwargs", {})}, **kw}
+        return client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
+                                              extra_body=extra).usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(reasoning_effort="high") > plain + 3
+    assert prompt_tokens(reasoning_effort="high", kwargs={"reasoning_effort": "low " * 8}) > prompt_tokens(
+        reasoning_effort="high") + 5  # the client's own kwarg is kept
+    r = httpx.post(client.base_url.join("chat/completions").__str__(), json={
+        "model": "demo", "messages": USER, "max_tokens": 1, "reasoning_effort": "extreme"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+
+
 def test_tool_history_is_accepted(client):
     messages = USER + [
         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
