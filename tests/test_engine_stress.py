@@ -68,6 +68,11 @@ CASES = {
 
 
 SEEDS = {"page1-forks-overlap": 18}  # a case's workload seed where 0 would not do (18: the kv_cache.release case)
+# engine flags of a case beside the table's, for the engine and its reference alike: hybrid CPU experts (BF16, the
+# "GPU" side the torch backend) with deferral, whose deferred experts land in the next layer of the same token
+EXTRA = {"hybrid-deferral-overlap": {"kt_method": "BF16", "kt_num_gpu_experts": 2,
+                                     "kt_max_deferred_experts_per_token": 2}}
+CASES["hybrid-deferral-overlap"] = (64, 2, 7, 5, 30, 0.2, True)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -75,9 +80,14 @@ def test_random_workload_gives_each_request_its_tokens_alone(path, alone, case):
     total, page, chunk, running, max_new, n3, overlap = CASES[case]
     rng = random.Random(SEEDS.get(case, 0))
     flags = {"enable_overlap_schedule": True} if overlap else {}
+    extra = EXTRA.get(case, {})
+    if extra:
+        alone = LLM(path, device="cpu", progress=False, disable_radix_cache=True, page_size=4, **extra)
     llm = LLM(path, device="cpu", progress=False, page_size=page, chunked_prefill_size=chunk, max_total_tokens=total,
-              max_running_requests=running, **flags)
+              max_running_requests=running, **flags, **extra)
     eng = llm.engine
+    if extra:
+        assert {b.experts.name for b in eng.runner.model.moe_blocks()} == {"hybrid"}
     ctx = eng.context_len  # at most the pool: a request longer than it is refused, not aborted "too small"
     work = [(p, min(new, ctx - len(p)), n) for p, new, n in _workload(rng, 32, max_new, n3) if len(p) < ctx]
     greedy = {"temperature": 0.0, "ignore_eos": True}
