@@ -246,6 +246,12 @@ class ResponseFormat(StrictModel):
         return self
 
 
+# OpenAI's bounds on `metadata`: 16 pairs, keys of 64 characters, values of 512 (informational here; /v1/responses
+# echoes it, so an unbounded one made a 20,000-key body a 2 MB answer)
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
+
+
 class SamplingFields(RequestModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI + SGLang extras).
 
@@ -271,7 +277,7 @@ class SamplingFields(RequestModel):
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     # SGLang extras
     top_k: TopK | None = None
     min_p: MinP | None = None

@@ -21,6 +21,7 @@ from hybridmoe.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     JsonSchemaFormat,
+    Metadata,
     ReasoningEffort,
     ResponseFormat,
     Temperature,
@@ -324,7 +325,7 @@ class ResponsesRequest(RequestModel):
     include: Annotated[list[str], AfterValidator(_includable)] | None = None
     store: bool | None = None  # accepted; nothing is stored either way
     # informational, as on the chat route (echoed in the response)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     prompt_cache_key: str | None = None  # the prefix cache needs no key: it finds shared prefixes itself
     safety_identifier: str | None = None

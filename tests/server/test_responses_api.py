@@ -327,6 +327,8 @@ def test_text_format_json_schema_gives_valid_json(oai, server):
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 3}}}}, 400, "text.format"),
     ({"input": [{"role": "user", "content": "x", "extra": 1}]}, 400, "input.0.extra"),
     ({"no_such_field": 1}, 400, "no_such_field"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),  # OpenAI's 16 pairs (was echoed unbounded)
+    ({"metadata": {"k": "v" * 513}}, 400, "metadata.k"),
     ({"model": "demo:no-such-adapter"}, 404, "model"),
 ])
 def test_bad_requests_name_the_param(server, extra, status, param):
