@@ -37,7 +37,7 @@ from hybridmoe.server.protocol import (
     max_top_logprobs_num,
 )
 from hybridmoe.server.state import ReqSpec, ServerState
-from hybridmoe.server.streaming import DONE, guarded_all, merged, results, sse, visible_text
+from hybridmoe.server.streaming import DONE, CumulativeEvents, guarded_all, merged, results, sse, visible_text
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +199,11 @@ def _pick(value: Any, i: int, n: int, name: str) -> Any:
 
 
 async def _generate_events(streams: list[RequestStream], stops: list[str]) -> AsyncIterator[bytes]:
+    events = [CumulativeEvents() for _ in streams]  # each logprob entry encoded once per stream
     try:
         async for i, out in merged(streams):  # n > 1: each event carries its sequence's index
-            yield sse(dict(out, text=visible_text(out, stops), index=i) if len(streams) > 1 else
-                      dict(out, text=visible_text(out, stops)))
+            yield events[i].event(dict(out, text=visible_text(out, stops), index=i) if len(streams) > 1 else
+                                  dict(out, text=visible_text(out, stops)))
     except EngineFailed as e:
         yield sse(error_body(500, str(e)))
     yield DONE

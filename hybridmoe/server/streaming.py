@@ -26,6 +26,49 @@ def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS).encode() + b"\n\n"
 
 
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False).translate(_LINE_BREAKS)
+
+
+class CumulativeEvents:
+    """The SSE events of one streamed /generate request, byte for byte what sse() makes of each output.
+
+    SGLang's stream repeats every logprob entry so far in each event (its cumulative format): json.dumps of the
+    whole output took 73 ms an event at 8000 tokens with 5 top logprobs (2-core Zen 4), on the event loop, so
+    quadratic in the tokens and stalling every other client. Here each entry of a meta_info logprob list is
+    encoded once; an event joins the text kept. The lists hold the engine's formatted entries
+    (engine/formatted.py), the same objects from one output to the next, new ones appended: a list whose first
+    or last entry kept is not the same object as before (or that got shorter) is encoded anew."""
+
+    def __init__(self) -> None:
+        # key -> (entries encoded, the first and last of them, their encodings joined by ", ")
+        self._kept: dict[str, tuple[int, Any, Any, str]] = {}
+
+    def event(self, data: dict[str, Any]) -> bytes:
+        """One event of `data` (the output of this request, possibly with `text` and `index` replaced)."""
+        meta = data.get("meta_info")
+        if not isinstance(meta, dict):
+            return sse(data)
+        fields = [f"{_dumps(k)}: {self._list(k, v) if k.endswith('_logprobs') and isinstance(v, list) else _dumps(v)}"
+                  for k, v in meta.items()]
+        meta_json = "{" + ", ".join(fields) + "}"
+        body = ", ".join(f"{_dumps(k)}: {meta_json if k == 'meta_info' else _dumps(v)}" for k, v in data.items())
+        return b"data: {" + body.encode() + b"}\n\n"
+
+    def _list(self, key: str, entries: list) -> str:
+        kept = self._kept.get(key)
+        if kept is None or kept[0] > len(entries) or (
+                kept[0] and (entries[0] is not kept[1] or entries[kept[0] - 1] is not kept[2])):
+            kept = (0, None, None, "")
+        done, _, _, joined = kept
+        if done < len(entries):
+            new = ", ".join(_dumps(e) for e in entries[done:])
+            joined = f"{joined}, {new}" if done else new
+            kept = (len(entries), entries[0], entries[-1], joined)
+            self._kept[key] = kept
+        return f"[{joined}]"
+
+
 def holdback(text: str, stops: list[str]) -> int:
     """Length of the longest tail of `text` that could be the start of a stop string.
 
