@@ -35,6 +35,35 @@ from hybridmoe.server.structured import grammar_fields, structured_params
 _OPENAI_RENAMES = {"min_new_tokens": "min_tokens", "sampling_seed": "seed", "lora_path": "model"}
 
 
+def request_adapters(from_model: str | None, body: SamplingFields,
+                     prompts: int | None = None) -> list[tuple[str | None, str]]:
+    """The LoRA adapter of each prompt (one: prompts None) and the field that named it, for an error's `param`
+    (`model`, `lora_path`, `lora_path.<i>`). from_model: the adapter `model` names ("<served>:<adapter>", checked
+    by ServerState.check_model: 404 naming `model`); SGLang's `lora_path` names one as /generate's does (checked by the engine: 400 naming
+    `lora_path`), on /v1/completions possibly a list of one per prompt (null: the base model). Both given must
+    agree: a 400 naming both where they do not (SGLang lets `model` win silently; a request that asks for two
+    adapters is answered, not guessed)."""
+    lora = body.lora_path
+    if lora is None:
+        return [(from_model, "model")] * (prompts or 1)
+    if isinstance(lora, list):
+        if prompts is None:
+            raise APIError(400, "lora_path is a list; one prompt takes one adapter name", param="lora_path")
+        if len(lora) != prompts:
+            raise APIError(400, f"lora_path has {len(lora)} entries for {prompts} prompts", param="lora_path")
+        named = [(name, f"lora_path.{i}") for i, name in enumerate(lora)]
+    else:
+        named = [(lora, "lora_path")] * (prompts or 1)
+    if from_model is not None:
+        for name, param in named:
+            if name != from_model:
+                asked = "the base model" if name is None else f"the LoRA adapter {name[:200]!r}"
+                raise APIError(400, f"model {body.model!r} asks for the LoRA adapter {from_model!r} but {param} "
+                                    f"asks for {asked}; name the adapter in one of them, or the same in both",
+                               param=param)
+    return named
+
+
 def _sampling(body: SamplingFields, max_new_tokens: int) -> dict[str, Any]:
     """OpenAI fields -> SGLang sampling parameters (the engine validates them again, against the
     vocabulary); a field left out or null keeps SamplingParams' default."""
@@ -232,7 +261,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        lora = state.check_model(body.model)
+        from_model = state.check_model(body.model)
         if body.logprobs is not None:
             check_top_logprobs(body.logprobs, "logprobs", max_top_logprobs_num(state))
         prompts: list[Any]
@@ -241,6 +270,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         prompts = list(p) if batch else [p]  # type: ignore[arg-type]
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
+        adapters = request_adapters(from_model, body, len(prompts) if batch else None)
         if body.stream and len(prompts) > 1:
             raise APIError(400, "stream=true takes one prompt", param="prompt")
         state.check_sequences([body.n] * len(prompts))
@@ -254,8 +284,9 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
                          params=dict(params), rid=body.rid if len(prompts) == 1 else None,
                          return_logprob=k is not None, top_logprobs_num=k or 0,
                          logprob_start_len=0 if body.echo and k is not None else -1,  # echo: prompt logprobs
-                         check_max_tokens=body.max_tokens is not None, lora_path=lora,
-                         names=ParamNames(f"prompt.{i}" if batch else "prompt", renames=renames))
+                         check_max_tokens=body.max_tokens is not None, lora_path=adapters[i][0],
+                         names=ParamNames(f"prompt.{i}" if batch else "prompt",
+                                          renames=dict(renames, lora_path=adapters[i][1])))
                  for i, x in enumerate(prompts)]
         reqs = await state.build_reqs(specs, "prompt")
         names = _Tokens(state.core.tokenizer)
@@ -283,13 +314,14 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        lora = state.check_model(body.model)
+        [(lora, lora_param)] = request_adapters(state.check_model(body.model), body)
         if body.top_logprobs is not None:
             check_top_logprobs(body.top_logprobs, "top_logprobs", max_top_logprobs_num(state))
             if body.top_logprobs > 0 and not body.logprobs:  # OpenAI's rule (it was silently ignored)
                 raise APIError(400, "top_logprobs needs logprobs: true (top_logprobs is the number of most likely "
                                     "tokens returned with each token's logprob)", param="top_logprobs")
-        renames = dict(_OPENAI_RENAMES, top_logprobs_num="top_logprobs", **grammar_fields(body),
+        renames = dict(_OPENAI_RENAMES, top_logprobs_num="top_logprobs", lora_path=lora_param,
+                       **grammar_fields(body),
                        max_new_tokens="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         job = await build_chat(state, body, lora, renames)
         req, plan, tail, grammar = job.req, job.plan, job.tail, job.grammar

@@ -260,7 +260,6 @@ class SamplingFields(RequestModel):
     """
 
     not_implemented = {
-        "lora_path": ("LoRA adapters (lora_path)", ()),
         "store": ("stored completions", (False,)), "service_tier": ("service tiers", ("auto", "default")),
         "return_hidden_states": ("hidden-state output", (False,)),
     }
@@ -288,6 +287,9 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     rid: Rid | None = None
+    # a loaded LoRA adapter's name, as /generate's lora_path (SGLang's field; openai_api.request_adapters): one
+    # name, or on /v1/completions a list of one per prompt (null entries: the base model)
+    lora_path: one_or_list(str, str | None) | None = None
     # structured output and logit bias (server/structured.py turns them into sampling parameters)
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
