@@ -284,8 +284,10 @@ class EngineArgs:
              "a non-negative integer")
         need(self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,
              "kt-gpu-prefill-token-threshold", "a positive integer")
-        need(self.kt_expert_placement_strategy != "frequency" or self.init_expert_location is not None,
-             "kt-expert-placement-strategy", "--init-expert-location FILE with 'frequency' (the statistics file)")
+        # (SGLang's kt wrapper falls back to a uniform placement with a warning; asked for by name, not silently)
+        need(self.kt_expert_placement_strategy != "frequency" or self.init_expert_location not in (None, "trivial"),
+             "kt-expert-placement-strategy", "--init-expert-location FILE with 'frequency' (the statistics file; "
+             "'trivial' holds none: --kt-expert-placement-strategy uniform places the first experts of each layer)")
         need(isinstance(self.cpu_engine, CPUEngineSettings), "cpu-engine", "a CPUEngineSettings")
         need(self.hybrid_stream_wait in ("auto", "memop", "hostfn"), "hybrid-stream-wait", "auto, memop or hostfn")
         # cross-flag rules

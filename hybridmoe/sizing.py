@@ -190,7 +190,8 @@ def hybrid_plan_applies(args: Any, spec: Any, device: str) -> bool:
 
     if args.kt_num_gpu_experts is None and args.kt_gpu_experts_ratio is None:
         return False
-    n_gpu = gpu_experts_per_layer(spec.num_experts, args.kt_num_gpu_experts, args.kt_gpu_experts_ratio)
+    n_gpu = gpu_experts_per_layer(spec.num_experts, args.kt_num_gpu_experts, args.kt_gpu_experts_ratio,
+                                  len(spec.moe_layers))
     return not (n_gpu == 0 and not args.kt_max_deferred_experts_per_token
                 and args.kt_gpu_prefill_token_threshold is None and device != "cuda")
 

@@ -93,7 +93,8 @@ def gpu_experts_oversubscription(args: EngineArgs, hf_config) -> tuple[EngineArg
     from hybridmoe.models.registry import arch_spec
 
     n = arch_spec(hf_config).num_experts
-    if args.kt_num_gpu_experts is None or args.kt_num_gpu_experts <= n:
+    # (with --kt-gpu-experts-ratio the count is ignored: moe/placement.py says so when it places the experts)
+    if args.kt_num_gpu_experts is None or args.kt_num_gpu_experts <= n or args.kt_gpu_experts_ratio is not None:
         return args, None
     return (dataclasses.replace(args, kt_num_gpu_experts=n),
             f"--kt-num-gpu-experts {args.kt_num_gpu_experts} is above the {n} routed experts per MoE layer of "
@@ -126,7 +127,8 @@ def check_flags_against_model(args: EngineArgs, hf_config) -> None:
             raise ConfigError("--device cuda: no CUDA GPU is visible to PyTorch; use --device cpu")
     check_kv_cache_dtype(args, hf_config)
     check_host_kv_cache(args, hf_config)
-    if args.init_expert_location is not None and not Path(args.init_expert_location).is_file():
+    if args.init_expert_location is not None and not Path(args.init_expert_location).is_file() \
+            and not is_expert_location_value(args.init_expert_location):
         raise ConfigError(f"--init-expert-location {args.init_expert_location}: no such file")
     if args.kt_weight_path is not None and args.kt_method != "LLAMAFILE" and not Path(args.kt_weight_path).is_dir():
         raise ConfigError(f"--kt-weight-path {args.kt_weight_path}: no such directory")
@@ -173,15 +175,23 @@ def check_host_kv_cache(args: EngineArgs, hf_config) -> None:
                           f"{ram / 2**30:.1f} GiB of RAM")
 
 
-def check_expert_location(args: EngineArgs, spec) -> None:
-    """--init-expert-location, the statistics file the `frequency` placement reads, against the model's MoE layers
-    and experts (it was read after the whole load, and a malformed one failed with an error from deep inside)."""
+def is_expert_location_value(value: str) -> bool:
+    """--init-expert-location values that name no file, as SGLang takes them: trivial, an inline JSON object."""
+    from hybridmoe.moe.expert_stats import TRIVIAL
+
+    return value == TRIVIAL or (value.lstrip().startswith("{") and not Path(value).exists())
+
+
+def check_expert_location(args: EngineArgs, spec, num_layers: int | None = None) -> None:
+    """--init-expert-location, the statistics the `frequency` placement reads, against the model's layers
+    (`num_layers`, num_hidden_layers: the rows of an SGLang record), MoE layers and experts (it was read after
+    the whole load, and a malformed one failed with an error from deep inside)."""
     if args.kt_expert_placement_strategy != "frequency" or args.init_expert_location is None:
         return
-    from hybridmoe.moe.placement import load_expert_counts
+    from hybridmoe.moe.expert_stats import load_expert_counts
 
     try:
-        load_expert_counts(args.init_expert_location, list(spec.moe_layers), spec.num_experts)
+        load_expert_counts(args.init_expert_location, list(spec.moe_layers), spec.num_experts, num_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -256,7 +266,7 @@ def prepare(args: EngineArgs) -> EngineArgs:
     config, spec = load_checked_config(args.model_path, args.trust_remote_code)
     check_flags_against_model(args, config)
     check_preload_bounds(args, config, spec)  # after it: it refuses --device cuda without a GPU first
-    check_expert_location(args, spec)
+    check_expert_location(args, spec, getattr(config, "num_hidden_layers", None))
     size = None
     tok_path = args.tokenizer_path or args.model_path
     if not args.skip_tokenizer_init:

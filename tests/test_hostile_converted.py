@@ -28,7 +28,7 @@ from hybridmoe.cli import main as cli_main
 from hybridmoe.config import ConfigError, EngineArgs
 from hybridmoe.convert import main as convert_main
 from hybridmoe.engine.llm import LLM
-from hybridmoe.moe.placement import STATS_FORMAT, load_expert_counts
+from hybridmoe.moe.expert_stats import STATS_FORMAT, load_expert_counts
 from hybridmoe.moe.recorder import ExpertDistributionRecorder
 from hybridmoe.startup import prepare
 from hybridmoe.weights.cpu_format import CPUWeightDir, CPUWeightsError
@@ -478,3 +478,192 @@ def test_record_expert_distribution_into_a_directory_is_refused(tmp_path):
     with pytest.raises(ConfigError) as e:
         prepare(EngineArgs(model_path=str(DEMO), device="cpu", record_expert_distribution=str(tmp_path)))
     one_line(e, f"--record-expert-distribution {tmp_path}: is a directory")
+
+
+# ---- --init-expert-location: SGLang's expert distribution records (and its "trivial") ---------------------------
+# SGLang's /dump_expert_distribution_record (--expert-distribution-recorder-mode stat) writes torch.save(dict(rank=,
+# logical_count=[forward passes, layers, experts] int32, average_utilization_rate_over_window=)); a .json (or inline
+# JSON) holds logical_count as nested lists. The demo model: 4 layers, all MoE, of 8 experts.
+COUNTS = [[8 - e for e in range(8)], [0, 5, 5, 1, 0, 9, 2, 2], [3] * 8, [1, 0, 0, 2, 0, 0, 0, 1]]  # ties included
+
+
+class _Unpickled:
+    """An arbitrary object in a pickle: unpickling it would create the directory `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (str(self.marker),))
+
+
+def _sglang_record(torch, passes: int = 3, dtype=None) -> dict:
+    """What SGLang's stat accumulator dumps: COUNTS split over `passes` forward passes."""
+    total = torch.tensor(COUNTS, dtype=dtype or torch.int32)
+    steps = torch.zeros(passes, 4, 8, dtype=total.dtype)
+    steps[0] = total - (total // 2) * (passes > 1)
+    if passes > 1:
+        steps[-1] = total // 2
+    return {"rank": 0, "logical_count": steps, "average_utilization_rate_over_window": None}
+
+
+def _hybridmoe_file(tmp_path: Path) -> Path:
+    path = tmp_path / "own.json"
+    path.write_text(json.dumps(_stats(counts={str(layer): row for layer, row in enumerate(COUNTS)})))
+    return path
+
+
+def test_sglang_records_give_the_counts_and_placement_of_the_same_hybridmoe_file(tmp_path):
+    import torch
+
+    from hybridmoe.moe.placement import place_experts
+
+    own = _hybridmoe_file(tmp_path)
+    steps = _sglang_record(torch)["logical_count"]
+    files = {"stat.pt": _sglang_record(torch), "two_dims.pt": {"logical_count": torch.tensor(COUNTS)},
+             "float.pt": _sglang_record(torch, dtype=torch.float32), "bare_tensor.pt": steps,
+             "int64_one_pass.pt": _sglang_record(torch, 1, torch.int64),
+             "stat.json": {"logical_count": steps.tolist()}, "two_dims.json": {"logical_count": COUNTS}}
+    sources = [str(own), json.dumps({"logical_count": COUNTS})]  # SGLang takes an inline JSON object too
+    for name, contents in files.items():
+        path = tmp_path / name
+        torch.save(contents, path) if name.endswith(".pt") else path.write_text(json.dumps(contents))
+        sources.append(str(path))
+    want = load_expert_counts(str(own), [0, 1, 2, 3], 8)
+    assert want == {layer: row for layer, row in enumerate(COUNTS)}
+    for source in sources:
+        assert load_expert_counts(source, [0, 1, 2, 3], 8, num_layers=4) == want, source
+        prepare(_frequency(Path(source)) if not source.startswith("{") else _frequency(source))  # type: ignore[arg-type]
+        for n in (0, 1, 3, 8, [2, 3, 1, 0]):
+            got = place_experts("frequency", [0, 1, 2, 3], 8, n, source, num_layers=4)
+            ref = place_experts("frequency", [0, 1, 2, 3], 8, n, str(own))
+            assert all(torch.equal(got[layer], ref[layer]) for layer in range(4)), (source, n)
+    top3 = place_experts("frequency", [0, 1, 2, 3], 8, 3, sources[2], num_layers=4)
+    assert [top3[layer].nonzero().flatten().tolist() for layer in range(4)] == [[0, 1, 2], [1, 2, 5], [0, 1, 2],
+                                                                                [0, 3, 7]]
+
+
+def _pt_truncated(torch, path: Path) -> None:
+    torch.save(_sglang_record(torch), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+SGLANG_CASES: list[tuple[str, str, object, str]] = [
+    # (id, file name, contents: a callable(torch, path) writes the file, a str or bytes is written as is, an object is
+    #  torch.save'd (.pt) or json.dumps'd (.json); words the error line must hold)
+    ("pt_experts", "r.pt", lambda t: {"logical_count": t.ones(2, 4, 7, dtype=t.int32)},
+     "'logical_count' has shape [2, 4, 7], expected [layers, experts] or [forward passes, layers, experts] counts "
+     "with 4 layers (the model's num_hidden_layers) and 8 experts"),
+    ("pt_layers", "r.pt", lambda t: {"logical_count": t.ones(5, 8, dtype=t.int32)}, "has shape [5, 8], expected"),
+    ("pt_one_dim", "r.pt", lambda t: {"logical_count": t.ones(8)}, "has shape [8], expected"),
+    ("pt_four_dims", "r.pt", lambda t: {"logical_count": t.ones(1, 2, 4, 8)}, "has shape [1, 2, 4, 8], expected"),
+    ("pt_negative", "r.pt", lambda t: {"logical_count": t.tensor([COUNTS]) - 1}, "not non-negative finite numbers"),
+    ("pt_nan", "r.pt", lambda t: {"logical_count": t.full((4, 8), float("nan"))}, "not non-negative finite numbers"),
+    ("pt_inf", "r.pt", lambda t: {"logical_count": t.tensor(COUNTS, dtype=t.float32).index_fill(1, t.tensor([3]),
+                                                                                                float("inf"))},
+     "not non-negative finite numbers"),
+    ("pt_bool", "r.pt", lambda t: {"logical_count": t.ones(4, 8, dtype=t.bool)},
+     "'logical_count' is a bool strided tensor, expected integer or floating counts"),
+    ("pt_complex", "r.pt", lambda t: {"logical_count": t.ones(4, 8, dtype=t.complex64)}, "is a complex64"),
+    ("pt_sparse", "r.pt", lambda t: {"logical_count": t.ones(4, 8).to_sparse()}, "sparse_coo tensor"),
+    # a strided view of a one-element storage names 320M entries in a 2 kB file
+    ("pt_huge_view", "r.pt", lambda t: {"logical_count": t.zeros(1).expand(10**7, 4, 8)},
+     "has 320000000 entries, more than a record can hold"),
+    ("pt_sum_overflow", "r.pt", lambda t: {"logical_count": t.full((3, 4, 8), 2**62)},
+     "the sums of its counts over the forward passes overflow"),  # int64 sums wrapped to negative counts
+    ("pt_no_counts", "r.pt", lambda t: {"rank": 0, "average_utilization_rate_over_window": None},
+     "not an expert distribution file", "keys ['average_utilization_rate_over_window', 'rank']"),
+    ("pt_physical_map", "r.pt", lambda t: {"physical_to_logical_map": t.arange(8).repeat(4, 1)},
+     "holds SGLang's physical_to_logical_map", "not activation counts"),
+    ("pt_counts_text", "r.pt", lambda t: {"logical_count": "abc"}, "'logical_count' is str"),
+    ("pt_a_list", "r.pt", lambda t: [1, 2], "not an expert distribution file", "got list"),
+    ("pt_truncated", "r.pt", _pt_truncated, "cannot be read as a torch file (torch.save output): RuntimeError"),
+    ("pt_empty", "r.pt", "", "cannot be read as a torch file (torch.save output): not a zip archive or pickle "
+     "(empty)"),
+    ("pt_json_text", "r.pt", json.dumps({"logical_count": COUNTS}),
+     "cannot be read as a torch file (torch.save output): not a zip archive or pickle"),
+    ("pt_cut_pickle", "r.pt", b"\x80\x02}q\x00", "cannot be read as a torch file (torch.save output): "),
+    ("json_shape", "r.json", {"logical_count": COUNTS[:3]}, "'logical_count' has shape [3, 8], expected"),
+    ("json_ragged", "r.json", {"logical_count": [*COUNTS[:3], [1] * 7]}, "'logical_count' is ragged"),
+    ("json_empty", "r.json", {"logical_count": []}, "'logical_count' has shape [0], expected"),
+    ("json_negative", "r.json", {"logical_count": [*COUNTS[:3], [-1] * 8]}, "expected non-negative finite numbers"),
+    ("json_nan", "r.json", '{"logical_count": [[NaN, 1, 1, 1, 1, 1, 1, 1]' + ", [1, 1, 1, 1, 1, 1, 1, 1]" * 3 + "]}",
+     "expected non-negative finite numbers"),
+    ("json_bools", "r.json", {"logical_count": [[True] * 8] * 4}, "expected non-negative finite numbers"),
+    ("json_text_counts", "r.json", {"logical_count": [["a"] * 8] * 4}, "expected non-negative finite numbers"),
+    ("json_null", "r.json", {"logical_count": None}, "'logical_count' is NoneType"),
+    ("json_physical_map", "r.json", {"physical_to_logical_map": [list(range(8))] * 4}, "physical_to_logical_map"),
+    ("json_other_object", "r.json", {"format": "other"}, "not an expert distribution file", "keys ['format']"),
+]
+
+
+@pytest.mark.parametrize(("name", "contents", "words"), [(c[1], c[2], c[3:]) for c in SGLANG_CASES],
+                         ids=[c[0] for c in SGLANG_CASES])
+def test_malformed_sglang_record_is_refused_before_loading(tmp_path, name, contents, words):
+    import torch
+
+    path = tmp_path / name
+    if isinstance(contents, (str, bytes)):
+        path.write_text(contents) if isinstance(contents, str) else path.write_bytes(contents)
+    elif getattr(contents, "__name__", "") == "<lambda>":
+        obj = contents(torch)
+        torch.save(obj, path) if name.endswith(".pt") else path.write_text(json.dumps(obj))
+    elif callable(contents):
+        contents(torch, path)
+    else:
+        path.write_text(json.dumps(contents))
+    with pytest.raises(ConfigError) as e:
+        prepare(_frequency(path))
+    one_line(e, f"--init-expert-location {path}: ", *words)
+
+
+def test_a_pickled_object_is_refused_never_built(tmp_path):
+    """torch.load(weights_only=True): a .pt file is read for tensors and plain data; an object's pickle (here one
+    that would create a directory) is refused without running it."""
+    import torch
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "record.pt"
+    torch.save({"logical_count": _Unpickled(marker)}, path)
+    with pytest.raises(ConfigError) as e:
+        prepare(_frequency(path))
+    one_line(e, f"--init-expert-location {path}: refused by torch.load(weights_only=True), which reads only "
+                "tensors and plain data")
+    assert not marker.exists()
+
+
+def test_huge_sglang_record_is_not_read(tmp_path):
+    path = tmp_path / "record.pt"
+    with open(path, "wb") as f:  # sparse: 2 GB on no disk
+        f.truncate(2 << 30)
+    with pytest.raises(ConfigError) as e:
+        prepare(_frequency(path))
+    one_line(e, f"--init-expert-location {path}: {2 << 30} bytes", "1024 MiB")
+
+
+def test_malformed_inline_json_is_one_line():
+    with pytest.raises(ConfigError) as e:
+        prepare(_frequency('{"logical_count": [1, 2]}'))  # type: ignore[arg-type]
+    one_line(e, "--init-expert-location <inline JSON>: 'logical_count' has shape [2], expected")
+    with pytest.raises(ConfigError) as e:
+        prepare(_frequency('{"logical_count": '))  # type: ignore[arg-type]
+    one_line(e, "--init-expert-location <inline JSON>: cannot be read as JSON")
+
+
+def test_trivial_is_sglang_default_and_frequency_refuses_it():
+    """`--init-expert-location trivial` (SGLang's default: experts where they are) is accepted; it holds no
+    statistics, so the frequency placement refuses it by name (it failed as "trivial: no such file")."""
+    from hybridmoe.moe.placement import place_experts
+
+    prepare(EngineArgs(model_path=str(DEMO), device="cpu", init_expert_location="trivial"))
+    prepare(EngineArgs(model_path=str(DEMO), device="cpu", kt_num_gpu_experts=2, init_expert_location="trivial"))
+    with pytest.raises(ConfigError) as e:
+        EngineArgs.from_kwargs(model_path=str(DEMO), device="cpu", kt_num_gpu_experts=2,
+                               kt_expert_placement_strategy="frequency", init_expert_location="trivial")
+    one_line(e, "--kt-expert-placement-strategy: got 'frequency', expected --init-expert-location FILE",
+             "'trivial' holds none", "uniform")
+    with pytest.raises(ValueError, match="trivial holds none"):
+        place_experts("frequency", [0, 1], 8, 2, "trivial")
+    with pytest.raises(ValueError, match="--init-expert-location trivial: holds no activation statistics"):
+        load_expert_counts("trivial", [0, 1], 8)

@@ -128,17 +128,18 @@ def _target_paths(model: nn.Module, args: Any, adapters: list[CheckedAdapter]) -
 
 
 def _gpu_side_experts(args: Any, spec: Any, device_type: str) -> int:
-    """Routed experts per MoE layer whose LoRA slots sit on --device (ExpertsSetup's backend choice: the GPU
-    share of a hybrid placement, none on the CPU engine, all of them otherwise)."""
-    from hybridmoe.moe.placement import gpu_experts_per_layer
+    """Routed experts of all MoE layers together whose LoRA slots sit on --device (ExpertsSetup's backend
+    choice: the GPU share of a hybrid placement, none on the CPU engine, all of them otherwise)."""
+    from hybridmoe.moe.placement import gpu_expert_counts
 
     cfg = args.hybrid_config()
+    layers = len(spec.moe_layers)
     if cfg.split_requested:
-        n_gpu = gpu_experts_per_layer(spec.num_experts, cfg.num_gpu_experts, cfg.gpu_experts_ratio)
+        n_gpu = sum(gpu_expert_counts(spec.num_experts, layers, cfg.num_gpu_experts, cfg.gpu_experts_ratio))
         placed = not (n_gpu == 0 and not cfg.max_deferred_experts_per_token
                       and cfg.gpu_prefill_token_threshold is None and device_type != "cuda")
         return n_gpu if placed else 0
-    return 0 if cfg.weight_path is not None else spec.num_experts
+    return 0 if cfg.weight_path is not None else spec.num_experts * layers
 
 
 def slot_buffers(args: Any, hf_config: Any, spec: Any, device_type: str, dtype_bytes: int) -> SlotBuffers | None:
@@ -158,11 +159,11 @@ def slot_buffers(args: Any, hf_config: Any, spec: Any, device_type: str, dtype_b
     if any(a.has_experts for a in adapters):  # attach_experts: slots for every routed expert of every MoE layer
         cfg = args.hybrid_config()
         hidden, inter, n_exp = int(hf_config.hidden_size), spec.moe_intermediate, spec.num_experts
-        n_gpu = _gpu_side_experts(args, spec, device_type)
+        n_gpu = _gpu_side_experts(args, spec, device_type)  # all MoE layers together
         layers = len(spec.moe_layers)
         hp, ip = ((-(-hidden // 16) * 16, -(-inter // 16) * 16) if cfg.method.upper() == "LLAMAFILE"
                   else pad_sizes(hidden, inter, cfg.method, cfg.group_size))
         host_elem = 4 if dtype_bytes == 4 else 2  # lora/cpu_bridge.py slot_dtype
-        device += layers * n_gpu * slots * 3 * rank * (hidden + inter) * dtype_bytes
-        host += layers * (n_exp - n_gpu) * slots * 3 * rank * (hp + ip) * host_elem
+        device += n_gpu * slots * 3 * rank * (hidden + inter) * dtype_bytes
+        host += (layers * n_exp - n_gpu) * slots * 3 * rank * (hp + ip) * host_elem
     return SlotBuffers(slots, rank, len(paths), layers, device, host)

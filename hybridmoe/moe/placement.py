@@ -4,29 +4,30 @@ reads (`--record-expert-distribution` writes them: moe/recorder.py).
 
 Legend: L MoE layers (by model layer index), E experts per layer, N GPU experts per layer.
 
-Statistics file (JSON): {"format": "hybridmoe-expert-distribution", "version": 1,
-"num_experts": E, "counts": {"<layer index>": [count of expert 0, ...], ...}}.
+Statistics (`--init-expert-location`): moe/expert_stats.py reads them.
+
+GPU experts per layer: --kt-num-gpu-experts N per MoE layer, or --kt-gpu-experts-ratio R, which wins
+when both are given and means what SGLang's kt wrapper makes of it: floor(R * E * L) GPU experts in all,
+split evenly over the MoE layers, the first layers taking one more each for the remainder.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from hybridmoe.config import ConfigError, HybridConfig, ModelConfig
+from hybridmoe.moe.expert_stats import TRIVIAL, load_expert_counts
 
 log = logging.getLogger(__name__)
 
-STATS_FORMAT = "hybridmoe-expert-distribution"
-STATS_VERSION = 1
-# a statistics file holds a count per expert per MoE layer: a few MB for the largest models
-MAX_STATS_BYTES = 64 << 20
+# a ratio product within this of an integer counts as that integer (0.29 * 100 is 28.999999999999996)
+_RATIO_EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -58,20 +59,24 @@ def build_placement(cfg: HybridConfig, model: ModelConfig, device: torch.device,
     if not cfg.split_requested:
         return None
     spec = model.spec
-    asked = cfg.num_gpu_experts
-    n_gpu = gpu_experts_per_layer(spec.num_experts, cfg.num_gpu_experts, cfg.gpu_experts_ratio)
-    if asked is not None and asked > spec.num_experts:
+    asked, ratio = cfg.num_gpu_experts, cfg.gpu_experts_ratio
+    n_gpu = gpu_expert_counts(spec.num_experts, len(spec.moe_layers), asked, ratio)
+    if ratio is not None and asked is not None:
+        log.warning("--kt-gpu-experts-ratio %s is set: --kt-num-gpu-experts %d is ignored (as in SGLang's kt "
+                    "wrapper); %d GPU experts in all (%s x %d MoE layers x %d experts, rounded down)", ratio, asked,
+                    sum(n_gpu), ratio, len(spec.moe_layers), spec.num_experts)
+    elif asked is not None and asked > spec.num_experts:
         log.warning("--kt-num-gpu-experts %d is more than the %d routed experts per MoE layer of %s: using %d "
                     "(every routed expert on the GPU side, none on the CPU engine)", asked, spec.num_experts,
-                    model.source, n_gpu)
+                    model.source, max(n_gpu, default=0))
     threshold = cfg.gpu_prefill_token_threshold
     # every expert on the CPU: the plain "cpu" backend, except on CUDA, where the hybrid layer
     # (empty GPU side) drives the CPU from the CUDA stream and CUDA graphs stay on
-    if n_gpu == 0 and not cfg.max_deferred_experts_per_token and threshold is None and device.type != "cuda":
+    if not any(n_gpu) and not cfg.max_deferred_experts_per_token and threshold is None and device.type != "cuda":
         return None
     try:
         masks = place_experts(cfg.placement_strategy, list(spec.moe_layers), spec.num_experts, n_gpu,
-                              cfg.init_expert_location, cfg.seed)
+                              cfg.init_expert_location, cfg.seed, num_layers=model.num_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     gpu_backend = moe_backend if moe_backend in ("torch", "triton") else (
@@ -89,25 +94,44 @@ def build_placement(cfg: HybridConfig, model: ModelConfig, device: torch.device,
                            prefill_threshold=threshold, dynamic_update=cfg.dynamic_expert_update)
 
 
-def gpu_experts_per_layer(num_experts: int, num_gpu_experts: int | None, ratio: float | None) -> int:
-    n = num_gpu_experts if num_gpu_experts is not None else round((ratio or 0.0) * num_experts)
-    return max(0, min(n, num_experts))
+def gpu_expert_counts(num_experts: int, num_moe_layers: int, num_gpu_experts: int | None,
+                      ratio: float | None) -> list[int]:
+    """GPU experts of each MoE layer, in layer order. --kt-gpu-experts-ratio R (which wins over
+    --kt-num-gpu-experts, as in SGLang's kt wrapper): floor(R * E * L) in all, split evenly, the first layers
+    taking one more each for the remainder; else --kt-num-gpu-experts N (within 0..E) in every layer."""
+    if ratio is not None:
+        total = math.floor(min(max(ratio, 0.0), 1.0) * num_experts * num_moe_layers + _RATIO_EPS)
+        base, extra = divmod(total, num_moe_layers) if num_moe_layers else (0, 0)
+        return [base + (i < extra) for i in range(num_moe_layers)]
+    return [max(0, min(num_gpu_experts or 0, num_experts))] * num_moe_layers
+
+
+def gpu_experts_per_layer(num_experts: int, num_gpu_experts: int | None, ratio: float | None,
+                          num_moe_layers: int = 1) -> int:
+    """The most GPU experts of any MoE layer (gpu_expert_counts); 0: none on the GPU side."""
+    return max(gpu_expert_counts(num_experts, max(num_moe_layers, 1), num_gpu_experts, ratio))
 
 
 def place_experts(
     strategy: str,
     moe_layers: list[int],
     num_experts: int,
-    n_gpu: int,
+    n_gpu: int | Sequence[int],
     stats_path: str | None = None,
     seed: int = 0,
+    num_layers: int | None = None,
 ) -> dict[int, torch.Tensor]:
-    """layer -> bool mask [E] of GPU-resident experts; the GPU holds n_gpu * len(layers) in all."""
+    """layer -> bool mask [E] of GPU-resident experts. `n_gpu`: GPU experts per MoE layer, one count for
+    every layer or one per layer in order (gpu_expert_counts); the GPU holds their sum in all. `num_layers`:
+    the model's layers (num_hidden_layers), against which an SGLang statistics file's rows are checked."""
+    per_layer = [n_gpu] * len(moe_layers) if isinstance(n_gpu, int) else list(n_gpu)
+    if len(per_layer) != len(moe_layers):
+        raise ValueError(f"{len(per_layer)} GPU expert counts for {len(moe_layers)} MoE layers")
     if strategy == "uniform":
-        return {layer: _mask(num_experts, range(n_gpu)) for layer in moe_layers}
+        return {layer: _mask(num_experts, range(n)) for layer, n in zip(moe_layers, per_layer)}
     if strategy == "front-loading":
         # The same total budget, filled from the first MoE layer on.
-        left = n_gpu * len(moe_layers)
+        left = sum(per_layer)
         masks = {}
         for layer in moe_layers:
             take = min(num_experts, left)
@@ -116,15 +140,16 @@ def place_experts(
         return masks
     if strategy == "random":
         rng = random.Random(seed)
-        return {layer: _mask(num_experts, rng.sample(range(num_experts), n_gpu)) for layer in moe_layers}
+        return {layer: _mask(num_experts, rng.sample(range(num_experts), n)) for layer, n in zip(moe_layers, per_layer)}
     if strategy == "frequency":
-        if not stats_path:
-            raise ValueError("--kt-expert-placement-strategy frequency needs --init-expert-location FILE "
-                             "(written by --record-expert-distribution)")
-        counts = load_expert_counts(stats_path, moe_layers, num_experts)
+        if not stats_path or stats_path == TRIVIAL:
+            raise ValueError("--kt-expert-placement-strategy frequency needs --init-expert-location FILE, the "
+                             "activation statistics (from --record-expert-distribution, or SGLang's "
+                             f"/dump_expert_distribution_record){'; trivial holds none' if stats_path else ''}")
+        counts = load_expert_counts(stats_path, moe_layers, num_experts, num_layers)
         # Most used first; ties by expert id so the choice is deterministic.
-        return {layer: _mask(num_experts, sorted(range(num_experts), key=lambda e, c=counts[layer]: (-c[e], e))[:n_gpu])
-                for layer in moe_layers}
+        return {layer: _mask(num_experts, sorted(range(num_experts), key=lambda e, c=counts[layer]: (-c[e], e))[:n])
+                for layer, n in zip(moe_layers, per_layer)}
     raise ValueError(f"unknown placement strategy {strategy!r}")
 
 
@@ -132,53 +157,3 @@ def _mask(num_experts: int, ids) -> torch.Tensor:
     m = torch.zeros(num_experts, dtype=torch.bool)
     m[list(ids)] = True
     return m
-
-
-def load_expert_counts(path: str, moe_layers: list[int], num_experts: int) -> dict[int, list[float]]:
-    """Per-layer expert activation counts from a statistics file: one non-negative finite count per expert of
-    every MoE layer of the model, and no other layer; errors (ValueError) name the file and what was expected."""
-    p = Path(path)
-    where = f"--init-expert-location {p}"
-    try:
-        size = p.stat().st_size
-        data = json.loads(p.read_text()) if size <= MAX_STATS_BYTES else None
-    except OSError as e:
-        raise ValueError(f"{where}: cannot be read: {e}") from None
-    except ValueError as e:  # UnicodeDecodeError included
-        raise ValueError(f"{where}: cannot be read as JSON: {e}") from None
-    except RecursionError:  # json's parser recurses per nesting level: [[[...]]] 100000 deep
-        raise ValueError(f"{where}: cannot be read as JSON: nested too deeply") from None
-    if size > MAX_STATS_BYTES:  # read whole: a huge (or sparse) file took its size in memory
-        raise ValueError(f"{where}: {size} bytes, more than a statistics file can be ({MAX_STATS_BYTES >> 20} MiB)")
-    if not isinstance(data, dict) or data.get("format") != STATS_FORMAT:
-        raise ValueError(f"{where}: not an expert distribution file (expected a JSON object with format "
-                         f"{STATS_FORMAT!r}, written by --record-expert-distribution)")
-    if data.get("version", STATS_VERSION) != STATS_VERSION:
-        raise ValueError(f"{where}: version {data.get('version')!r}, this hybridmoe reads version {STATS_VERSION}")
-    if data.get("num_experts") != num_experts or isinstance(data.get("num_experts"), bool):
-        raise ValueError(f"{where}: recorded for {data.get('num_experts')!r} experts per layer, the model has "
-                         f"{num_experts}")
-    raw = data.get("counts")
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: field 'counts' is {type(raw).__name__}, expected an object of MoE layer index "
-                         f"-> {num_experts} counts")
-    counts: dict[int, list[float]] = {}
-    for key, row in raw.items():
-        try:
-            layer = int(key)
-        except ValueError:
-            layer = None
-        if layer not in moe_layers:  # recorded for another model (or not by the recorder)
-            raise ValueError(f"{where}: counts for layer {key!r}, which is not a MoE layer of the model (expected "
-                             f"the MoE layers {moe_layers})")
-        ok = isinstance(row, list) and len(row) == num_experts and all(
-            isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0
-            and (isinstance(c, int) or math.isfinite(c)) for c in row)
-        if not ok:
-            raise ValueError(f"{where}: counts of layer {key}: expected a list of {num_experts} non-negative finite "
-                             f"numbers, got {str(row)[:80]}")
-        counts[layer] = row
-    missing = [layer for layer in moe_layers if layer not in counts]
-    if missing:
-        raise ValueError(f"{where}: no counts for MoE layer(s) {missing}")
-    return counts

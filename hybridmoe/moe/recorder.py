@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe.moe.expert_stats import STATS_FORMAT
 from hybridmoe.moe.experts import MoEExperts
-from hybridmoe.moe.placement import STATS_FORMAT
 
 
 class ExpertDistributionRecorder:

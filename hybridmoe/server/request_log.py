@@ -2,6 +2,11 @@
 as `--log-requests-level` says (SGLang's levels):
 0 metadata (rid, token counts, finish reason, latency); 1 + sampling parameters; 2 + the first and
 last characters of the output text and the first and last prompt token ids; 3 + all of them.
+
+Receive and Finish lines pair up by rid: a request with n > 1 sequences finishes each under its own rid
+(X, X-1, ..., engine/parallel.py), so each gets its own Receive line too. The first one (rid=X) says n=K;
+a fork's (rid=X-i) names the request it was forked from (fork_of=X) and, from level 1, its own sampling
+parameters (its seed differs); its prompt is that request's, logged once on the first line.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ def _partial(seq: Any, n: int) -> str:
 
 
 def received_line(req: Req, level: int) -> str:
-    parts = [f"rid={req.rid}", f"prompt_tokens={len(req.prompt_ids)}"]
+    parts = [f"rid={req.rid}"]
+    if req.forks:  # n > 1: the forks' lines follow (received_lines); params.n is 1 once they are made
+        parts.append(f"n={1 + len(req.forks)}")
+    parts.append(f"prompt_tokens={len(req.prompt_ids)}")
     if level >= 1:
         parts.append(f"sampling_params={dataclasses.asdict(req.params)}")
     if level == 2:
@@ -50,8 +58,21 @@ def finished_line(out: dict[str, Any], level: int) -> str:
     return "Finish: " + ", ".join(parts)
 
 
+def fork_received_line(fork: Req, parent: Req, level: int) -> str:
+    parts = [f"rid={fork.rid}", f"fork_of={parent.rid}", f"prompt_tokens={len(fork.prompt_ids)}"]
+    if level >= 1:
+        parts.append(f"sampling_params={dataclasses.asdict(fork.params)}")
+    return "Receive: " + ", ".join(parts)
+
+
+def received_lines(req: Req, level: int) -> list[str]:
+    """One line per sequence of the request: its own, then each fork's (n > 1), in rid order."""
+    return [received_line(req, level)] + [fork_received_line(f, req, level) for f in req.forks]
+
+
 def log_received(req: Req, level: int) -> None:
-    log.info("%s", received_line(req, level))
+    for line in received_lines(req, level):
+        log.info("%s", line)
 
 
 def log_finished(out: dict[str, Any], level: int) -> None:

@@ -4,16 +4,18 @@ the same layer code as on a GPU machine. Placement, deferral, the expert distrib
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from stream_emulation import emulate_stream
 
 from hybridmoe import LLM
-from hybridmoe.config import ConfigError
-from hybridmoe.moe.placement import place_experts
+from hybridmoe.config import ConfigError, EngineArgs
+from hybridmoe.moe.placement import gpu_expert_counts, gpu_experts_per_layer, place_experts
 
 from tiny_models import hf_model, make_tiny_model
 
@@ -81,6 +83,86 @@ def test_frequency_uses_the_recorded_counts(stats_file):
     masks = place_experts("frequency", [0, 2], 10, 3, str(stats_file))
     top = sorted(range(10), key=lambda e: (-counts[e], e))[:3]
     assert masks[2].nonzero().flatten().tolist() == sorted(top)
+
+
+def _gpu_experts(llm) -> dict[int, list[int]]:
+    """The GPU side's experts of each MoE layer, as placed at startup."""
+    return {layer: m.nonzero().flatten().tolist() for layer, m in llm.engine.runner.moe.placement.masks.items()}
+
+
+def test_frequency_from_an_sglang_record(model, stats_file, tmp_path):
+    """SGLang's stat-mode record (/dump_expert_distribution_record: a .pt of logical_count [forward passes, every
+    layer, experts], the dense layer 1's row all zeros) places the experts that hybridmoe's file of the same counts
+    places; a count in the dense layer is another model's record."""
+    counts = json.loads(stats_file.read_text())["counts"]
+    rows = torch.zeros(2, 3, 10, dtype=torch.int32)  # two forward passes, 3 layers
+    rows[0, 0], rows[1, 2] = torch.tensor(counts["0"]), torch.tensor(counts["2"])
+    record = tmp_path / "expert_distribution_recorder_1.pt"
+    torch.save({"rank": 0, "logical_count": rows, "average_utilization_rate_over_window": None}, record)
+    opts = dict(device="cpu", progress=False, kt_method="BF16", kt_num_gpu_experts=3,
+                kt_expert_placement_strategy="frequency")
+    ours = _gpu_experts(LLM(str(model), init_expert_location=str(stats_file), **opts))
+    assert _gpu_experts(LLM(str(model), init_expert_location=str(record), **opts)) == ours
+    assert [len(ours[layer]) for layer in (0, 2)] == [3, 3]
+    rows[0, 1, 4] = 1
+    torch.save({"logical_count": rows}, record)
+    with pytest.raises(ConfigError, match="counts for layer 1, which is not a MoE layer of the model"):
+        LLM(str(model), init_expert_location=str(record), **opts)
+
+
+@pytest.mark.parametrize(("experts", "layers", "count", "ratio", "want"), [
+    (10, 2, None, 0.0, [0, 0]),
+    (10, 2, None, 1.0, [10, 10]),
+    (10, 2, None, 0.3, [3, 3]),
+    (10, 2, None, 0.25, [3, 2]),  # 5 in all: the first layer takes the remainder
+    (8, 4, None, 0.3, [3, 2, 2, 2]),  # 9.6 in all: 9 (rounded down, as SGLang's kt wrapper does)
+    (10, 2, None, 0.04, [0, 0]),  # 0.8 in all: none
+    (10, 2, None, 0.05, [1, 0]),  # 1 in all (per layer it was round(0.5) = 0: none)
+    (8, 1, None, 0.4375, [3]),  # 3.5: 3 (round() gave 4 here but 2 for 2.5)
+    (100, 1, None, 0.29, [29]),  # 0.29 * 100 is 28.999999999999996 in floats
+    (10, 2, 7, None, [7, 7]),
+    (10, 2, 0, None, [0, 0]),
+    (10, 2, 12, None, [10, 10]),  # above the experts: all of them
+    (10, 2, 7, 0.25, [3, 2]),  # both: the ratio wins, as in SGLang's kt wrapper (the count used to win)
+    (10, 2, 0, 1.0, [10, 10]),
+])
+def test_gpu_experts_ratio_counts(experts, layers, count, ratio, want):
+    assert gpu_expert_counts(experts, layers, count, ratio) == want
+    assert gpu_experts_per_layer(experts, count, ratio, layers) == max(want)
+    for strategy in ("uniform", "random", "front-loading"):
+        masks = place_experts(strategy, list(range(layers)), experts, want)
+        assert sum(int(m.sum()) for m in masks.values()) == sum(want)
+        if strategy != "front-loading":
+            assert [int(m.sum()) for m in masks.values()] == want
+
+
+def test_gpu_experts_ratio_in_the_model(model, reference, caplog):
+    prompt, ref_logits, ref_tokens = reference
+    opts = dict(device="cpu", progress=False, kt_method="BF16")
+    with caplog.at_level(logging.WARNING, logger="hybridmoe.moe.placement"):
+        llm = LLM(str(model), kt_gpu_experts_ratio=0.25, kt_num_gpu_experts=7, **opts)
+    assert _gpu_experts(llm) == {0: [0, 1, 2], 2: [0, 1]}  # 5 of the 2 x 10 (uniform)
+    assert "--kt-gpu-experts-ratio 0.25 is set: --kt-num-gpu-experts 7 is ignored" in caplog.text
+    assert _rel(llm.prompt_logits(prompt), ref_logits) < 1e-5
+    one = LLM(str(model), kt_gpu_experts_ratio=1.0, **opts)
+    assert _gpu_experts(one) == {0: list(range(10)), 2: list(range(10))}
+    zero = LLM(str(model), kt_gpu_experts_ratio=0.0, **opts)  # every expert on the CPU engine
+    assert zero.engine.runner.moe.placement is None
+    assert {b.experts.name for b in zero.engine.runner.model.moe_blocks()} == {"cpu"}
+    assert zero.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == ref_tokens
+
+
+def test_plans_count_the_ratio_as_the_placement_does(model):
+    """The memory plans before the load (sizing.py: whether there is a hybrid plan; lora/plan.py: the GPU side's
+    LoRA slots) count the experts the placement puts on the GPU."""
+    from hybridmoe.lora.plan import _gpu_side_experts
+    from hybridmoe.sizing import hybrid_plan_applies
+
+    spec = SimpleNamespace(num_experts=10, moe_layers=(0, 2))
+    for ratio, n in ((0.04, 0), (0.05, 1), (0.25, 5), (1.0, 20)):
+        args = EngineArgs(model_path=str(model), device="cpu", kt_gpu_experts_ratio=ratio, kt_num_gpu_experts=7)
+        assert hybrid_plan_applies(args, spec, "cpu") == (n > 0)
+        assert _gpu_side_experts(args, spec, "cpu") == n
 
 
 def test_deferral_in_the_model(model, reference):
