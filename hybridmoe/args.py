@@ -36,6 +36,13 @@ def _count_or_auto(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or auto, got {value!r}") from None
 
 
+class _JoinNodes(argparse.Action):
+    """--kt-numa-nodes as one list (`0,1`, `0-3`) or as KTransformers' separate values (`0 1`): one string."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, ",".join(values))
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine flags (EngineArgs fields), each with help; shared by `serve` and `generate`."""
     d = EngineArgs()
@@ -91,16 +98,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--moe-backend", default=None, choices=["torch", "triton", "cpu"],
                    help="routed experts' kernels; unset: from --device and the --kt-* flags")
     r.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
-    r.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest captured batch size")
+    r.add_argument("--cuda-graph-max-bs", "--cuda-graph-max-bs-decode", type=int, dest="cuda_graph_max_bs",
+                   default=d.cuda_graph_max_bs,
+                   help="largest captured batch size (SGLang 0.5.23's --cuda-graph-max-bs-decode is the same flag)")
     r.add_argument("--cuda-graph-max-prefill-tokens", "--piecewise-cuda-graph-max-tokens", type=int,
                    dest="cuda_graph_max_prefill_tokens", default=d.cuda_graph_max_prefill_tokens,
                    help="batches with prompt tokens, up to this many new tokens in up to --cuda-graph-max-bs "
                         "sequences, replay a captured graph (every expert on the GPU, non-MLA attention, no LoRA); "
                         "0: prefill eagerly "
                         "(SGLang's --piecewise-cuda-graph-max-tokens is the same flag here)")
-    r.add_argument("--disable-piecewise-cuda-graph", action="store_const", const=0,
+    r.add_argument("--disable-piecewise-cuda-graph", "--disable-prefill-cuda-graph", action="store_const", const=0,
                    dest="cuda_graph_max_prefill_tokens",
-                   help="SGLang's name for --cuda-graph-max-prefill-tokens 0: prompt batches run eagerly")
+                   help="SGLang's names for --cuda-graph-max-prefill-tokens 0: prompt batches run eagerly")
     r.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's sampled tokens before scheduling the next step (default with CUDA: the "
                         "next step is scheduled and launched while the GPU runs this one, its tokens read after)")
@@ -124,24 +133,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--enable-cache-report", action="store_true",
                    help="OpenAI responses carry usage.prompt_tokens_details.cached_tokens")
     k = p.add_argument_group("hybrid CPU/GPU experts (KTransformers-compatible)")
-    k.add_argument("--kt-weight-path", default=None,
-                   help="CPU expert weights written by `hybridmoe convert`; unset: quantized from the checkpoint")
-    k.add_argument("--kt-method", default=d.kt_method, type=str.upper, choices=KT_METHODS, help=KT_METHOD_HELP)
+    k.add_argument("--kt-weight-path", "--kt-amx-weight-path", dest="kt_weight_path", default=None,
+                   help="CPU expert weights written by `hybridmoe convert`; unset: quantized from the checkpoint "
+                        "(--kt-amx-weight-path: KTransformers' older name)")
+    k.add_argument("--kt-method", "--kt-amx-method", dest="kt_method", default=d.kt_method, type=str.upper,
+                   choices=KT_METHODS, help=KT_METHOD_HELP + " (--kt-amx-method: KTransformers' older name)")
     k.add_argument("--kt-cpuinfer", type=int, default=None, help="CPU expert threads; unset: physical cores - 1")
     k.add_argument("--kt-threadpool-count", type=int, default=d.kt_threadpool_count,
                    help="CPU thread sub-pools (one per NUMA node)")
-    k.add_argument("--kt-numa-nodes", default=None,
-                   help="NUMA nodes whose cores run the CPU experts, e.g. 0,1 (one sub-pool per node); unset: all")
+    k.add_argument("--kt-numa-nodes", nargs="+", action=_JoinNodes, default=None, metavar="NODES",
+                   help="NUMA nodes whose cores run the CPU experts, e.g. 0,1 or 0 1 (KTransformers' form) (one "
+                        "sub-pool per node); unset: all")
     k.add_argument("--kt-num-gpu-experts", type=_count_or_auto, default=None,
                    help="GPU-resident routed experts per MoE layer; auto: the most that fit the GPU for "
                         "--context-length (and --max-total-tokens), sized at startup; unset (and no ratio): no "
                         "GPU/CPU split, every expert on --device")
     k.add_argument("--kt-gpu-experts-ratio", type=float, default=None,
-                   help="GPU-resident share of the routed experts per MoE layer (instead of a count)")
+                   help="GPU-resident share of the routed experts (0 to 1): floor(ratio x experts x MoE layers) in "
+                        "all, split evenly over the MoE layers (the first ones take the remainder); wins over "
+                        "--kt-num-gpu-experts, as in SGLang's kt wrapper")
     k.add_argument("--kt-expert-placement-strategy", default=d.kt_expert_placement_strategy,
                    choices=PLACEMENT_STRATEGIES, help="which experts go to the GPU")
     k.add_argument("--init-expert-location", default=None,
-                   help="activation statistics file of the `frequency` strategy (from --record-expert-distribution)")
+                   help="activation statistics of the `frequency` strategy: a file from --record-expert-distribution, "
+                        "or SGLang's expert distribution record (/dump_expert_distribution_record, stat mode: a .pt "
+                        "file, or a .json file or inline JSON object with logical_count); 'trivial' (SGLang's "
+                        "default) holds none, which `frequency` refuses (use uniform)")
     k.add_argument("--kt-max-deferred-experts-per-token", type=int, default=d.kt_max_deferred_experts_per_token,
                    help="CPU experts per token whose result may join the next layer (overlap)")
     k.add_argument("--kt-gpu-prefill-token-threshold", type=int, default=None,

@@ -30,13 +30,14 @@ def _check_generate_flags(ns: argparse.Namespace) -> None:
 def _generate(ns: argparse.Namespace) -> int:
     from hybridmoe.engine.llm import LLM
     from hybridmoe.hub import resolve_hub_paths
-    from hybridmoe.sglang_compat import refused
+    from hybridmoe.sglang_compat import log_ignored, refused
     from hybridmoe.startup import check_text_input, prepare
 
     _check_generate_flags(ns)
     bad = refused(ns)
     if bad:
         raise ConfigError("; ".join(bad))
+    log_ignored(ns)
     args = prepare(resolve_hub_paths(engine_args_from(ns)))  # config, tokenizer, shards and flags: before loading anything
     check_text_input(args, "hybridmoe generate", chat=ns.chat)  # --prompt is text: a tokenizer (and --chat's template)
     llm = LLM.from_prepared(args)  # (not LLM(...): that would run the checks again)
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="hybridmoe", description="Serve MoE LLMs on one GPU plus a large CPU.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion offline (no server)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       usage="%(prog)s [--model-path PATH] [--prompt TEXT] [OPTIONS]  (the options are listed below)")
     add_engine_args(g)
     g.add_argument("--prompt", default="The module provides", help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

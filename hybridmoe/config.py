@@ -21,6 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from hybridmoe.cpu.settings import CPUEngineSettings
 from hybridmoe.sglang_compat import ATTENTION_BACKEND_ALIASES, KV_CACHE_DTYPES, SCHEDULE_POLICIES
+from hybridmoe.sglang_flags import (
+    REASONING_PARSER_ALIASES,
+    SGLANG_REASONING_PARSERS,
+    SGLANG_TOOL_CALL_PARSERS,
+    TOOL_CALL_PARSER_ALIASES,
+)
 
 if TYPE_CHECKING:
     from hybridmoe.models.base import ArchSpec
@@ -33,9 +39,10 @@ CPU_DENSE_WEIGHTS = ("bf16", "int8")
 KT_METHODS = ("AMXINT8", "AMXINT4", "BF16", "LLAMAFILE", "FP8")
 PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
-# --tool-call-parser / --reasoning-parser names (SGLang's); the formats are in server/parsers/
+# --tool-call-parser / --reasoning-parser names (SGLang's); the formats are in server/parsers/. SGLang's other
+# names for the same formats (sglang_flags.py) are accepted too, as these.
 TOOL_CALL_PARSERS = ("qwen25", "deepseekv3", "kimi_k2")
-REASONING_PARSERS = ("qwen3", "deepseek-r1", "kimi", "kimi_k2")
+REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1", "kimi", "kimi_k2")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 INT_MAX = 2**31 - 1  # counts and sizes beyond this are typos, and overflow int32 kernel arguments
 MAX_NUMA_NODES = 1024  # Linux's MAX_NUMNODES at its largest (CONFIG_NODES_SHIFT 10): node ids are below it
@@ -48,6 +55,35 @@ _INT_FIELDS = ("context_length", "max_total_tokens", "page_size", "chunked_prefi
 
 class ConfigError(ValueError):
     """A bad option value; the message names the option and what was expected."""
+
+
+def parser_names(ours: tuple[str, ...], aliases: dict[str, str]) -> str:
+    """The accepted parser names as a message lists them: `qwen25 (also qwen, hermes), deepseekv3, ...`."""
+    also = {n: [a for a, to in aliases.items() if to == n] for n in ours}
+    return ", ".join(n + (f" (also {', '.join(also[n])})" if also[n] else "") for n in ours)
+
+
+def _parser_name(kind: str, name: str, ours: tuple[str, ...], aliases: dict[str, str],
+                 sglangs: tuple[str, ...]) -> str:
+    if name in ours:
+        return name
+    if name in aliases:
+        return aliases[name]
+    accepted = parser_names(ours, aliases)
+    what = (f"{name!r} is SGLang's parser for a {kind} format that hybridmoe does not implement" if name in sglangs
+            else f"{name!r} is not a {kind} parser")
+    raise ConfigError(f"{what}; accepted: {accepted}")
+
+
+def tool_call_parser_name(name: str) -> str:
+    """hybridmoe's name of the tool-call format `name` (one of SGLang's names); ConfigError naming the value and
+    what is accepted."""
+    return _parser_name("tool-call", name, TOOL_CALL_PARSERS, TOOL_CALL_PARSER_ALIASES, SGLANG_TOOL_CALL_PARSERS)
+
+
+def reasoning_parser_name(name: str) -> str:
+    """hybridmoe's name of the reasoning format `name` (one of SGLang's names); ConfigError as above."""
+    return _parser_name("reasoning", name, REASONING_PARSERS, REASONING_PARSER_ALIASES, SGLANG_REASONING_PARSERS)
 
 
 def checkpoint_quant_method(hf_config: Any) -> str | None:
@@ -386,10 +422,19 @@ class ServerConfig:
         q = self.max_queued_requests
         need(q is None or (isinstance(q, int) and not isinstance(q, bool) and 0 <= q <= INT_MAX),
              "max-queued-requests", f"an integer in [0, {INT_MAX}]")
-        need(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS, "tool-call-parser",
-             f"one of {', '.join(TOOL_CALL_PARSERS)}")
-        need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning-parser",
-             f"one of {', '.join(REASONING_PARSERS)}")
+        # SGLang's other names of the same formats are stored as ours (what chat_tools.py looks up)
+        for field_name, canonical in (("tool_call_parser", tool_call_parser_name),
+                                      ("reasoning_parser", reasoning_parser_name)):
+            value = getattr(self, field_name)
+            if value is None:
+                continue
+            flag = "--" + field_name.replace("_", "-")
+            if not isinstance(value, str):
+                raise ConfigError(f"{flag}: got {value!r}, expected a parser name")
+            try:
+                object.__setattr__(self, field_name, canonical(value))
+            except ConfigError as e:
+                raise ConfigError(f"{flag}: {e}") from None
 
     @classmethod
     def from_namespace(cls, ns: Any) -> ServerConfig:

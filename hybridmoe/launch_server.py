@@ -7,10 +7,19 @@ import math
 import sys
 
 from hybridmoe.args import OneLineParser, add_engine_args, engine_args_from
-from hybridmoe.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ConfigError, ServerConfig
+from hybridmoe.config import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    ConfigError,
+    ServerConfig,
+    parser_names,
+    reasoning_parser_name,
+    tool_call_parser_name,
+)
 from hybridmoe.hub import resolve_hub_paths
 from hybridmoe.server.limits import ServerLimits, add_server_limit_args
-from hybridmoe.sglang_compat import refused
+from hybridmoe.sglang_compat import log_ignored, refused
+from hybridmoe.sglang_flags import REASONING_PARSER_ALIASES, TOOL_CALL_PARSER_ALIASES
 
 # Hybrid CPU/GPU options whose feature is not in this version yet: accepted by the parser (so a
 # KTransformers command line parses) and refused at startup with exit code 2, never ignored.
@@ -26,9 +35,32 @@ def _have(p: argparse.ArgumentParser, flag: str) -> bool:
     return flag in p._option_string_actions
 
 
+def _checked(check):
+    """An argparse type of a check that raises ConfigError: argparse's one-line error naming the flag."""
+    def convert(value: str) -> str:
+        try:
+            return check(value)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = check.__name__
+    return convert
+
+
+def grammar_backend(value: str) -> str:
+    """--grammar-backend: xgrammar is the one backend; SGLang's others, and `none` (structured output off),
+    are refused."""
+    if value == "xgrammar":
+        return value
+    if value == "none":
+        raise ConfigError("'none' (structured output off) is not implemented: xgrammar is always on, and requests "
+                          "without a constraint never use it; leave the flag out")
+    raise ConfigError(f"{value!r} is not implemented: structured output runs on xgrammar only; leave the flag out")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The serve parser: the engine flags of args.py plus the server's own."""
     p = OneLineParser(prog="hybridmoe serve", allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                      usage="%(prog)s [--model-path PATH] [OPTIONS]  (the options are listed below)",
                       description="HTTP server with SGLang's native API and the OpenAI API; takes the flags of "
                                   "`python -m sglang.launch_server` (those it cannot honour are refused, saying why).")
     add_engine_args(p)
@@ -47,21 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--max-queued-requests", type=int, default=None,
                        help="requests waiting for their first token beyond this get 503")
     if not _have(p, "--grammar-backend"):  # SGLang's flag; xgrammar is the one backend here
-        s.add_argument("--grammar-backend", choices=["xgrammar"], default="xgrammar",
-                       help="structured output's grammar backend")
+        s.add_argument("--grammar-backend", type=_checked(grammar_backend), default="xgrammar",
+                       help="structured output's grammar backend: xgrammar only (SGLang's outlines, llguidance and "
+                            "none are refused)")
     if not _have(p, "--allowed-origins"):
         s.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                        help="allow cross-origin (CORS) requests from these origins, `*` for any (default: none)")
     if not _have(p, "--tool-call-parser"):
-        s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+        s.add_argument("--tool-call-parser", default=None, type=_checked(tool_call_parser_name),
                        help="the model's tool-call format, parsed into OpenAI tool_calls on /v1/chat/completions "
                             "(qwen25: Qwen2.5/Qwen3 <tool_call> JSON; deepseekv3: DeepSeek-V3; kimi_k2: Kimi-K2); "
-                            "also what tool_choice required or a named function enforces with a grammar")
+                            "also what tool_choice required or a named function enforces with a grammar; one of "
+                            f"{parser_names(TOOL_CALL_PARSERS, TOOL_CALL_PARSER_ALIASES)}")
     if not _have(p, "--reasoning-parser"):
-        s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+        s.add_argument("--reasoning-parser", default=None, type=_checked(reasoning_parser_name),
                        help="split the model's thinking part into reasoning_content (qwen3: <think>...</think>; "
+                            "qwen3-thinking: the same, the output starting inside the thinking part; "
                             "deepseek-r1: the output starts inside the thinking part; kimi: ◁think▷...◁/think▷; "
-                            "kimi_k2: <think> ended by </think> or a tool-call section)")
+                            "kimi_k2: <think> ended by </think> or a tool-call section); one of "
+                            f"{parser_names(REASONING_PARSERS, REASONING_PARSER_ALIASES)}")
     s.add_argument("--graceful-shutdown-timeout", type=float, default=DEFAULT_GRACE_S,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     add_server_limit_args(p.add_argument_group("server limits"))
@@ -104,6 +140,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         for line in bad:
             print(f"hybridmoe serve: error: {line}", file=sys.stderr)
         return 2
+    log_ignored(ns)  # SGLang flags accepted with no effect: one line each
     from hybridmoe.startup import prepare, report_failure
 
     debug = ns.log_level == "debug"

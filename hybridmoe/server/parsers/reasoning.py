@@ -4,6 +4,9 @@ answer, as a whole or streamed in chunks of any size.
 Formats (the models' own tags):
   qwen3        `<think>` reasoning `</think>` answer; `<think>` optional (Qwen3 with enable_thinking
                false answers without it). A `<tool_call>` before `</think>` also ends the reasoning.
+  qwen3-thinking  qwen3's tags, but the output starts inside the thinking part (Qwen3 thinking-only
+               models, whose template opens it in the prompt): everything before `</think>` (or a
+               `<tool_call>`) is reasoning; a leading `<think>` is dropped. SGLang's force_reasoning.
   deepseek-r1  DeepSeek-R1's template opens the thinking part in the prompt, so the output starts
                inside it: everything before `</think>` is reasoning (a leading `<think>`, as
                R1-0528 may emit, is dropped). SGLang's force_reasoning.
@@ -30,6 +33,7 @@ class ReasoningFormat:
 
 REASONING_FORMATS: dict[str, ReasoningFormat] = {
     "qwen3": ReasoningFormat("<think>", "</think>", tool_start="<tool_call>"),
+    "qwen3-thinking": ReasoningFormat("<think>", "</think>", force=True, tool_start="<tool_call>"),
     "deepseek-r1": ReasoningFormat("<think>", "</think>", force=True),
     "kimi": ReasoningFormat("◁think▷", "◁/think▷"),
     "kimi_k2": ReasoningFormat("<think>", "</think>", tool_start="<|tool_calls_section_begin|>"),
