@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 
 from hybridmoe.engine.outputs import output_dict
-from hybridmoe.engine.request import Req, SamplingParams
 from hybridmoe.server import streaming
 from hybridmoe.server.streaming import CumulativeEvents, sse
+from tests.test_output_cache import _entry, _req  # a request's logprob entries, random
 
 
 class Tokenizer:
@@ -19,16 +19,6 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return ["a", "\u2028", "\"q\"", "\x85x", "é\n", "\u2029", "\\"][ids[0] % 7]
-
-
-def _entry(rng: random.Random, top: int) -> tuple[float, int, list[tuple[float, int]]]:
-    return rng.uniform(-9, 0), rng.randrange(1000), [(rng.uniform(-9, 0), rng.randrange(1000)) for _ in range(top)]
-
-
-def _req(rng: random.Random, top: int, texts: bool, prompt: bool) -> Req:
-    return Req(rid="r", prompt_ids=[rng.randrange(1000) for _ in range(7)], params=SamplingParams(),
-               return_logprob=True, top_logprobs_num=top, return_text_in_logprobs=texts,
-               logprob_start_len=0 if prompt else -1)
 
 
 def test_events_over_a_request_equal_sse_of_each_output():
