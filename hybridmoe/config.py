@@ -397,6 +397,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] | None = None  # CORS origins (`*`: any); None: no CORS headers
     tool_call_parser: str | None = None  # --tool-call-parser: server/parsers/tool_formats.py's names
     reasoning_parser: str | None = None  # --reasoning-parser: server/parsers/reasoning.py's names
+    # server/sampling_defaults.py: where a request's unset sampling values come from (read at startup)
+    sampling_defaults: str = "model"  # model: generation_config.json on the chat routes; openai: built-in
+    preferred_sampling_params: str | None = None  # JSON object: defaults for every request
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, expected: str) -> None:

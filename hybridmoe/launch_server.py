@@ -18,6 +18,7 @@ from hybridmoe.config import (
 )
 from hybridmoe.hub import resolve_hub_paths
 from hybridmoe.server.limits import ServerLimits, add_server_limit_args
+from hybridmoe.server.sampling_defaults import SAMPLING_DEFAULTS, load_sampling_defaults
 from hybridmoe.sglang_compat import log_ignored, refused
 from hybridmoe.sglang_flags import REASONING_PARSER_ALIASES, TOOL_CALL_PARSER_ALIASES
 
@@ -98,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "deepseek-r1: the output starts inside the thinking part; kimi: ◁think▷...◁/think▷; "
                             "kimi_k2: <think> ended by </think> or a tool-call section); one of "
                             f"{parser_names(REASONING_PARSERS, REASONING_PARSER_ALIASES)}")
+    s.add_argument("--sampling-defaults", choices=SAMPLING_DEFAULTS, default="model",
+                   help="where a chat request's unset temperature, top_p, top_k, min_p and repetition_penalty come "
+                        "from (/v1/chat/completions, /v1/responses): model: the model's generation_config.json, as "
+                        "SGLang does; openai: the built-in defaults (temperature 1, top_p 1, top_k -1)")
+    s.add_argument("--preferred-sampling-params", default=None, metavar="JSON",
+                   help="default sampling parameters of every request on every route, under the request's own values "
+                        "(and the chat routes' model values), e.g. '{\"temperature\": 0.6, \"top_p\": 0.95}'")
     s.add_argument("--graceful-shutdown-timeout", type=float, default=DEFAULT_GRACE_S,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     add_server_limit_args(p.add_argument_group("server limits"))
@@ -152,6 +160,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         server_config = ServerConfig.from_namespace(ns)
         # every check that needs no model load runs before the port is bound: nothing says ready
         args = prepare(resolve_hub_paths(engine_args_from(ns)))
+        load_sampling_defaults(args.model_path, server_config.sampling_defaults, server_config.preferred_sampling_params)
         from hybridmoe.server.run import run_server
 
         rc = run_server(args, server_config, graceful_shutdown_timeout=grace, limits=limits)

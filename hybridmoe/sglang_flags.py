@@ -61,6 +61,8 @@ def _value(spellings: str, takes: str, accepted: tuple[str, ...], reason: str) -
 
 # ---- hybridmoe's own flags of the same names ---------------------------------------------------------------
 IMPLEMENTED = _block(OURS, "", """
+    --sampling-defaults 1
+    --preferred-sampling-params 1
     --model-path|--model 1
     --tokenizer-path 1
     --skip-tokenizer-init 0
@@ -187,9 +189,6 @@ VALUES: tuple[SGLangFlag, ...] = (
     _value("--lora-eviction-policy", "1", ("lru",),
            "adapters are evicted least recently used first; no other policy is implemented"),
     _value("--lora-drain-wait-threshold", "1", ("0",), "draining adapters for waiting requests is not implemented"),
-    _value("--sampling-defaults", "1", ("openai",),
-           "generation_config.json's sampling values are not applied: unset sampling parameters take SGLang's "
-           "built-in defaults (temperature 1, top_p 1, top_k -1), as with openai"),
     _value("--expert-distribution-recorder-mode", "1", ("stat",), _RECORDER + " (stat)"),
     _value("--expert-distribution-recorder-buffer-size", "1", ("-1",), _RECORDER + " (no ring buffer)"),
     _value("--expert-balancedness-report-mode", "1", ("off",), "expert balancedness reports are not implemented"),
@@ -806,8 +805,6 @@ REFUSALS: tuple[SGLangFlag, ...] = (
         --strip-thinking-cache 0
         --enable-strict-thinking 0
     """),
-    *_block(REFUSED, "default sampling parameters set by the server are not implemented: requests carry their own",
-            "--preferred-sampling-params 1"),
     *_block(REFUSED, "this response option is not implemented: responses carry the fields of SGLang's defaults", """
         --return-input-ids 0
         --return-output-ids 0

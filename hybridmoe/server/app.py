@@ -36,6 +36,7 @@ from hybridmoe.server.protocol import (
     check_top_logprobs,
     max_top_logprobs_num,
 )
+from hybridmoe.server.sampling_defaults import GENERATION_CONFIG, load_sampling_defaults
 from hybridmoe.server.state import ReqSpec, ServerState
 from hybridmoe.server.streaming import DONE, CumulativeEvents, guarded_all, merged, results, sse, visible_text
 
@@ -352,8 +353,12 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], Engine] 
     model_name = args.served_model_name or args.model_path
     metrics = ServerMetrics(model_name)  # cheap; exposed at /metrics only with --enable-metrics
     engine = AsyncEngine(args, metrics, engine_factory, max_queued_requests=server.max_queued_requests)
+    sampling = load_sampling_defaults(args.model_path, server.sampling_defaults, server.preferred_sampling_params)
+    if sampling.chat:
+        log.info("chat routes' default sampling values, from the model's %s: %s (--sampling-defaults openai: "
+                 "the built-in ones)", GENERATION_CONFIG, sampling.chat)
     state = ServerState(args=args, engine=engine, metrics=metrics, model_name=model_name,
-                        limits=limits or ServerLimits(), server_config=server, freeze_gc=freeze_gc)
+                        limits=limits or ServerLimits(), server_config=server, freeze_gc=freeze_gc, sampling=sampling)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -225,7 +225,8 @@ async def build_chat(state: ServerState, body: ChatCompletionRequest, lora: str 
             e.param = prompt_field
         raise
     explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = _sampling(body, explicit if explicit is not None else state.core.context_len)
+    # the model's recommended values under the request's (--sampling-defaults model, SGLang's default)
+    params = state.sampling.for_chat(_sampling(body, explicit if explicit is not None else state.core.context_len))
     plan = await plan_chat(state.server_config, body, params)  # tools and reasoning: may add a grammar
     tail = prompt_tail(state.core.tokenizer, ids) if plan.reasoning_format is not None else ""
     top = body.top_logprobs or 0

@@ -16,6 +16,7 @@ from hybridmoe.server.async_engine import AsyncEngine, RequestStream
 from hybridmoe.server.errors import NATIVE_TEXT, APIError, ParamNames
 from hybridmoe.server.limits import ServerLimits
 from hybridmoe.server.metrics import ServerMetrics
+from hybridmoe.server.sampling_defaults import SamplingDefaults
 from hybridmoe.server.structured import attach_grammar
 from hybridmoe.server.templates import model_template
 from hybridmoe.server.workers import BatchItemError, PromptTooLong, TokenizerPool
@@ -53,6 +54,7 @@ class ServerState:
     server_config: ServerConfig = field(default_factory=ServerConfig)
     pool: TokenizerPool = None  # type: ignore[assignment]  # made from limits
     freeze_gc: bool = False  # app.create_app's: gc.freeze once the model has loaded
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # put under each request's own values
 
     def __post_init__(self) -> None:
         if self.pool is None:
@@ -191,6 +193,7 @@ class ServerState:
         The first bad prompt (in order) is the 400, named by its spec's names. batch_field: the batch's prompt field."""
         engine = self.core
         for spec in specs:
+            spec.params = self.sampling.for_request(spec.params)  # --preferred-sampling-params under its own
             self._check_spec(spec)
         texts = [i for i, spec in enumerate(specs) if spec.prompt is not None]
         if len(specs) == 1 and texts:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 
-from hybridmoe.config import EngineArgs
+from hybridmoe.config import EngineArgs, ServerConfig
 from hybridmoe.engine.engine import Engine
 from hybridmoe.server.app import create_app
 from hybridmoe.server.limits import ServerLimits
@@ -20,11 +20,11 @@ from hybridmoe.server.run import build_server
 
 @contextlib.contextmanager
 def serve_in_thread(engine_factory: Callable[[EngineArgs], Engine] | None = None, limits: ServerLimits | None = None,
-                    freeze_gc: bool = False, **options: object) -> Iterator[str]:
+                    freeze_gc: bool = False, server: ServerConfig | None = None, **options: object) -> Iterator[str]:
     """Serve create_app(...) until the block ends; yields the base URL once /health answers 200."""
     args = EngineArgs(device="cpu", log_level="warning", **options)  # type: ignore[arg-type]
     limits = limits or ServerLimits()
-    app = create_app(args, engine_factory=engine_factory, limits=limits, freeze_gc=freeze_gc)
+    app = create_app(args, engine_factory=engine_factory, limits=limits, server=server, freeze_gc=freeze_gc)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = build_server(app, args, limits, graceful_shutdown_timeout=1.0, port=0)

@@ -56,7 +56,8 @@ def test_a_request_not_streamed_has_two_outputs_built_and_the_same_answer(engine
             "ignore_eos": True}).json()
     assert quiet["output_ids"] == events[-1]["output_ids"] and len(quiet["output_ids"]) == 48
     assert quiet["meta_info"]["finish_reason"] == {"type": "length", "length": 48}
-    assert built["loud"] >= 48 and len(events) >= 48  # a streamed request: one a step
+    # a streamed request: one a step (its events may be fewer: a stream sends only the newest it has)
+    assert built["loud"] >= 48 and len(events) >= 2
     # the first token's, the last; one more where a step ended before the event loop had taken the first
     assert 2 <= built["quiet"] <= 4, built
     chat_rids = [rid for rid in built if rid not in ("quiet", "loud")]
