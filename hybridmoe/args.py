@@ -9,7 +9,16 @@ import sys
 from typing import NoReturn
 
 from hybridmoe.chat_templates import BUILTIN_TEMPLATES
-from hybridmoe.config import CPU_DENSE_WEIGHTS, DEMO_MODEL_PATH, DTYPES, KT_METHODS, PLACEMENT_STRATEGIES, EngineArgs
+from hybridmoe.config import (
+    CPU_DENSE_WEIGHTS,
+    DEMO_MODEL_PATH,
+    DTYPES,
+    KT_METHODS,
+    PLACEMENT_STRATEGIES,
+    ConfigError,
+    EngineArgs,
+    kt_method_name,
+)
 from hybridmoe.sglang_compat import ATTENTION_BACKEND_ALIASES, KV_CACHE_DTYPES, SCHEDULE_POLICIES, add_compat_args
 
 
@@ -27,6 +36,14 @@ KT_METHOD_HELP = (
     "hybridmoe's default is AMXINT8 for accuracy; KTransformers' kt-sglang stack defaults to AMXINT4, which "
     "halves the CPU expert memory and bandwidth at some accuracy: pass --kt-method AMXINT4 for its behaviour. "
     "None needs AMX: the fastest ISA present (AMX, AVX-512, AVX2) is chosen at run time")
+def kt_method_arg(value: str) -> str:
+    """argparse type of --kt-method (config.kt_method_name): argparse's one-line error naming the flag."""
+    try:
+        return kt_method_name(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _count_or_auto(value: str) -> int | str:
     if value.strip().lower() == "auto":
         return "auto"
@@ -136,8 +153,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kt-weight-path", "--kt-amx-weight-path", dest="kt_weight_path", default=None,
                    help="CPU expert weights written by `hybridmoe convert`; unset: quantized from the checkpoint "
                         "(--kt-amx-weight-path: KTransformers' older name)")
-    k.add_argument("--kt-method", "--kt-amx-method", dest="kt_method", default=d.kt_method, type=str.upper,
-                   choices=KT_METHODS, help=KT_METHOD_HELP + " (--kt-amx-method: KTransformers' older name)")
+    k.add_argument("--kt-method", "--kt-amx-method", dest="kt_method", default=d.kt_method, type=kt_method_arg,
+                   metavar="{" + ",".join(KT_METHODS) + "}",
+                   help=KT_METHOD_HELP + " (--kt-amx-method: KTransformers' older name; its AMXBF16 is BF16)")
     k.add_argument("--kt-cpuinfer", type=int, default=None, help="CPU expert threads; unset: physical cores - 1")
     k.add_argument("--kt-threadpool-count", type=int, default=d.kt_threadpool_count,
                    help="CPU thread sub-pools (one per NUMA node)")

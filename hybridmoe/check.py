@@ -280,7 +280,7 @@ def check_flag_values(ns: argparse.Namespace) -> str | None:
 
 def check_main(argv: list[str] | None = None) -> int:
     """`hybridmoe check [--json] [--model DIR ...]`: print the report; 0 when the server can run here, else 1."""
-    from hybridmoe.args import OneLineParser
+    from hybridmoe.args import OneLineParser, kt_method_arg
     from hybridmoe.config import KT_METHODS
     from hybridmoe.model_check import one_line
 
@@ -297,7 +297,7 @@ def check_main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-fraction-static", type=float, default=None, help="with --model: GPU share (default 0.85)")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="with --model: size for a GPU of this many GiB instead of the one here")
-    p.add_argument("--kt-method", default=None, type=str.upper, choices=KT_METHODS,
+    p.add_argument("--kt-method", default=None, type=kt_method_arg, metavar="{" + ",".join(KT_METHODS) + "}",
                    help="with --model: size for this method instead of the recommended")
     ns = p.parse_args(argv)
     problem = check_flag_values(ns)

@@ -37,6 +37,24 @@ DEMO_MODEL_PATH = str(Path(__file__).parent / "demo_model")
 
 CPU_DENSE_WEIGHTS = ("bf16", "int8")
 KT_METHODS = ("AMXINT8", "AMXINT4", "BF16", "LLAMAFILE", "FP8")
+# KTransformers' other names of the same methods (its kt-sglang fork maps AMXBF16 and BF16 to one kernel)
+KT_METHOD_ALIASES = {"AMXBF16": "BF16"}
+# its methods whose formats hybridmoe does not compute (native int4 and fp4/fp8 checkpoints, its non-AMX int paths)
+KT_METHODS_NOT_IMPLEMENTED = ("RAWINT4", "FP8_PERCHANNEL", "GPTQ_INT4", "MXFP4", "NVFP4", "MXFP8", "MOE_INT4",
+                              "MOE_INT8")
+
+
+def kt_method_name(value: str) -> str:
+    """--kt-method: hybridmoe's name of a method (KTransformers' names taken, case-insensitive); ConfigError
+    naming the value and what is accepted."""
+    name = value.strip().upper()
+    name = KT_METHOD_ALIASES.get(name, name)
+    if name in KT_METHODS:
+        return name
+    what = (f"{value!r} is a KTransformers method whose weight format hybridmoe does not compute"
+            if name in KT_METHODS_NOT_IMPLEMENTED else f"{value!r} is not a CPU expert method")
+    also = ", ".join(f"{a} = {to}" for a, to in KT_METHOD_ALIASES.items())
+    raise ConfigError(f"{what}; accepted: {', '.join(KT_METHODS)} (also {also})")
 PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 # --tool-call-parser / --reasoning-parser names (SGLang's); the formats are in server/parsers/. SGLang's other

@@ -16,6 +16,7 @@ from hybridmoe.config import (
     reasoning_parser_name,
     tool_call_parser_name,
 )
+from hybridmoe.config_file import expand_config_file
 from hybridmoe.hub import resolve_hub_paths
 from hybridmoe.server.limits import ServerLimits, add_server_limit_args
 from hybridmoe.server.sampling_defaults import SAMPLING_DEFAULTS, load_sampling_defaults
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "deepseek-r1: the output starts inside the thinking part; kimi: ◁think▷...◁/think▷; "
                             "kimi_k2: <think> ended by </think> or a tool-call section); one of "
                             f"{parser_names(REASONING_PARSERS, REASONING_PARSER_ALIASES)}")
+    s.add_argument("--config", metavar="FILE.yaml", default=None,
+                   help="read options from a YAML file of option names and values (`model-path: /models/x`, a switch "
+                        "true or false, several values as a list), as SGLang's --config; the command line's win")
     s.add_argument("--sampling-defaults", choices=SAMPLING_DEFAULTS, default="model",
                    help="where a chat request's unset temperature, top_p, top_k, min_p and repetition_penalty come "
                         "from (/v1/chat/completions, /v1/responses): model: the model's generation_config.json, as "
@@ -139,6 +143,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     """Parse serve flags and run the server until SIGTERM/SIGINT; the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    try:
+        argv = expand_config_file(argv, parser)
+    except ConfigError as e:
+        parser.error(str(e))
     ns = parser.parse_args(argv)
     from hybridmoe.log import configure
 

@@ -61,6 +61,7 @@ def _value(spellings: str, takes: str, accepted: tuple[str, ...], reason: str) -
 
 # ---- hybridmoe's own flags of the same names ---------------------------------------------------------------
 IMPLEMENTED = _block(OURS, "", """
+    --config 1
     --sampling-defaults 1
     --preferred-sampling-params 1
     --model-path|--model 1
@@ -792,8 +793,6 @@ REFUSALS: tuple[SGLangFlag, ...] = (
     *_block(REFUSED, "a separate admin key is not implemented: --api-key guards every route but /health",
             "--admin-api-key 1"),
     *_block(REFUSED, "serving under a path prefix is not implemented", "--fastapi-root-path 1"),
-    *_block(REFUSED, "reading options from a config file is not implemented: give them on the command line",
-            "--config 1"),
     *_block(REFUSED, "this chat-template option is not implemented: --chat-template sets the template, requests "
                      "pass chat_template_kwargs (a client's own template: --allow-client-chat-template)", """
         --trust-request-chat-template 0

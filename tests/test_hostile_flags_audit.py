@@ -68,7 +68,7 @@ def _one_line(rc: int, lines: list[str], prog: str, *want: str) -> str:
     (["--model", str(DEMO), "--context-length", "100000"], "expected at most the model's max_position_embeddings"),
     (["--model", str(DEMO), "--mem-fraction-static", "1.5"], "--mem-fraction-static: got 1.5"),
     (["--model", str(DEMO), "--max-total-tokens", "0"], "--max-total-tokens: got 0"),
-    (["--model", str(DEMO), "--kt-method", "garbage"], "argument --kt-method: invalid choice: 'GARBAGE'"),
+    (["--model", str(DEMO), "--kt-method", "garbage"], "argument --kt-method: 'garbage' is not a CPU expert method; accepted: AMXINT8"),
     (["--gpu-memory-gib", "24"], "--gpu-memory-gib: sizes the experts of --model"),  # was ignored without --model
     (["--model", ""], "--model: got ''"),
     (["--model", "/no/such\nmodel"], "--model /no/such model: no such directory"),  # was two lines

@@ -32,7 +32,8 @@ from hybridmoe.sglang_flags import (
 
 PARSER = build_parser()
 # a valid value of our own flags whose values are checked while parsing
-OUR_SAMPLES = {"--tool-call-parser": "qwen25", "--reasoning-parser": "qwen3", "--grammar-backend": "xgrammar"}
+OUR_SAMPLES = {"--tool-call-parser": "qwen25", "--reasoning-parser": "qwen3", "--grammar-backend": "xgrammar",
+               "--kt-method": "AMXINT8", "--kt-amx-method": "AMXINT8"}
 SPELLINGS = [(flag, spelling) for flag in FLAGS for spelling in flag.names]
 
 
@@ -121,7 +122,6 @@ def test_examples_that_are_accepted(argv, never_start, caplog, capsys):
 
 REFUSED_EXAMPLES = [
     (["--stream-output"], "--stream-output: incremental (disjoint) stream output is not implemented"),
-    (["--config", "x.yaml"], "--config: reading options from a config file is not implemented"),
     (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8: only 0 is accepted; SGLang's weight offloading is not "
                                 "implemented"),
     (["--tokenizer-mode", "slow"], "--tokenizer-mode slow: only auto is accepted"),
@@ -146,10 +146,10 @@ def test_examples_that_are_refused(argv, want, never_start, capsys):
 
 
 def test_refusals_and_no_ops_together(never_start, capsys):
-    assert serve_main(["--device", "cpu", "--show-time-cost", "--stream-output", "--enable-trace", "--config",
-                       "a.yaml", "--cpu-offload-gb", "0", "--log-level-http", "warning"]) == 2
+    assert serve_main(["--device", "cpu", "--show-time-cost", "--stream-output", "--enable-trace", "--tp-size",
+                       "2", "--cpu-offload-gb", "0", "--log-level-http", "warning"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert sorted(line.split(": ")[2] for line in err) == ["--config", "--enable-trace", "--stream-output"], err
+    assert sorted(line.split(": ")[2] for line in err) == ["--enable-trace", "--stream-output", "--tp-size 2"], err
 
 
 def test_kt_older_names_are_aliases():
@@ -273,3 +273,23 @@ def test_grammar_backend_other_than_xgrammar_is_refused(value, want, capsys):
     assert e.value.code == 2 and err.startswith(f"hybridmoe serve: error: argument --grammar-backend: {want}"), err
     assert _parse(["--grammar-backend", "xgrammar"]).grammar_backend == "xgrammar"
     assert _parse([]).grammar_backend == "xgrammar"
+
+
+@pytest.mark.parametrize("given, want", [("AMXBF16", "BF16"), ("amxbf16", "BF16"), ("amxint4", "AMXINT4"),
+                                         ("LLAMAFILE", "LLAMAFILE")])
+def test_ktransformers_method_names(given, want):
+    assert PARSER.parse_args(["--kt-method", given]).kt_method == want
+
+
+@pytest.mark.parametrize("given, want", [
+    ("RAWINT4", "'RAWINT4' is a KTransformers method whose weight format hybridmoe does not compute"),
+    ("mxfp4", "'mxfp4' is a KTransformers method"), ("int3", "'int3' is not a CPU expert method")])
+def test_other_methods_are_refused_naming_the_value_and_what_is_accepted(given, want, capsys):
+    from hybridmoe.check import check_main
+
+    for run in (lambda: PARSER.parse_args(["--kt-method", given]), lambda: check_main(["--kt-method", given])):
+        with pytest.raises(SystemExit) as e:
+            run()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and want in err and "accepted: AMXINT8, AMXINT4, BF16, LLAMAFILE, FP8" in err, err
+        assert len(err.strip().splitlines()) == 1
