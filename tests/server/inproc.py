@@ -45,3 +45,14 @@ def serve_in_thread(engine_factory: Callable[[EngineArgs], Engine] | None = None
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def demo_engine() -> Engine:
+    """An Engine on the demo model (CPU, 64-token prefill chunks), for a test module to serve; skips without it."""
+    import pytest
+
+    from tests.server.conftest import DEMO
+
+    if not (DEMO / "config.json").is_file():
+        pytest.skip("the demo model is not built")
+    return Engine(EngineArgs(model_path=str(DEMO), device="cpu", chunked_prefill_size=64), progress=False)

@@ -17,14 +17,12 @@ from hybridmoe.engine.engine import Engine
 from hybridmoe.engine.request import Req, SamplingParams
 from hybridmoe.server.async_engine import AsyncEngine
 from tests.server.conftest import DEMO
-from tests.server.inproc import serve_in_thread
+from tests.server.inproc import demo_engine, serve_in_thread
 
 
 @pytest.fixture(scope="module")
 def engine():
-    if not (DEMO / "config.json").is_file():
-        pytest.skip("the demo model is not built")
-    return Engine(EngineArgs(model_path=str(DEMO), device="cpu", chunked_prefill_size=64), progress=False)
+    return demo_engine()
 
 
 @pytest.fixture

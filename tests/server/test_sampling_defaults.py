@@ -13,12 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hybridmoe.config import ConfigError, EngineArgs, ServerConfig
-from hybridmoe.engine.engine import Engine
+from hybridmoe.config import ConfigError, ServerConfig
 from hybridmoe.launch_server import serve_main
 from hybridmoe.server.sampling_defaults import load_sampling_defaults
 from tests.server.conftest import DEMO
-from tests.server.inproc import serve_in_thread
+from tests.server.inproc import demo_engine, serve_in_thread
 
 # the demo model's generation_config.json (also: do_sample, max_new_tokens, eos ids: not sampling defaults)
 DEMO_VALUES = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.1}
@@ -53,6 +52,7 @@ def test_the_model_values_are_the_five_sglang_reads(tmp_path):
     ({"temperature": float("nan")}, "temperature=nan is invalid"),
     ({"repetition_penalty": -1}, "repetition_penalty=-1 is invalid"),
     ("{" + " " * (1 << 20) + "}", "larger than 1024 KiB"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
 ])
 def test_a_bad_generation_config_is_one_line_naming_it(tmp_path, config, words):
     d = _model_dir(tmp_path, config)
@@ -70,7 +70,8 @@ def test_preferred_values_are_checked():
                         ('{"json_schema": "{}", "seed": 1}', "json_schema, seed: a request's own"),
                         ('{"temperature": -1}', "temperature=-1 is invalid"), ('{"top_p": NaN}', "NaN is not"),
                         ('{"colour": 1}', "unknown sampling parameter(s) ['colour']"),
-                        ("{" + " " * 70000 + "}", "more than 65536")]:
+                        ("{" + " " * 70000 + "}", "more than 65536"),
+                        ("[" * 30000 + "]" * 30000, "nested too deeply")]:
         with pytest.raises(ConfigError) as e:
             load_sampling_defaults(None, "openai", text)
         assert str(e.value).startswith("--preferred-sampling-params: ") and words in str(e.value), (text, e.value)
@@ -80,9 +81,7 @@ def test_preferred_values_are_checked():
 
 @pytest.fixture(scope="module")
 def engine():
-    if not (DEMO / "config.json").is_file():
-        pytest.skip("the demo model is not built")
-    return Engine(EngineArgs(model_path=str(DEMO), device="cpu", chunked_prefill_size=64), progress=False)
+    return demo_engine()
 
 
 @pytest.fixture
