@@ -57,6 +57,8 @@ def _options(path: Path, parser: argparse.ArgumentParser) -> list[str]:
         raise ConfigError(f"{where}: cannot be read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: not YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to be a config file") from None
     if data is None:
         return []
     if not isinstance(data, dict):

@@ -127,9 +127,14 @@ def check_flags_against_model(args: EngineArgs, hf_config) -> None:
             raise ConfigError("--device cuda: no CUDA GPU is visible to PyTorch; use --device cpu")
     check_kv_cache_dtype(args, hf_config)
     check_host_kv_cache(args, hf_config)
-    if args.init_expert_location is not None and not Path(args.init_expert_location).is_file() \
-            and not is_expert_location_value(args.init_expert_location):
-        raise ConfigError(f"--init-expert-location {args.init_expert_location}: no such file")
+    location = args.init_expert_location
+    if location is not None and not is_expert_location_value(location):
+        try:
+            found = Path(location).is_file()
+        except OSError as e:  # e.g. a name longer than the file system takes
+            raise ConfigError(f"--init-expert-location {location[:200]!r}: {e.strerror or e}") from None
+        if not found:
+            raise ConfigError(f"--init-expert-location {location}: no such file")
     if args.kt_weight_path is not None and args.kt_method != "LLAMAFILE" and not Path(args.kt_weight_path).is_dir():
         raise ConfigError(f"--kt-weight-path {args.kt_weight_path}: no such directory")
     check_lora_flags(args)
@@ -177,9 +182,9 @@ def check_host_kv_cache(args: EngineArgs, hf_config) -> None:
 
 def is_expert_location_value(value: str) -> bool:
     """--init-expert-location values that name no file, as SGLang takes them: trivial, an inline JSON object."""
-    from hybridmoe.moe.expert_stats import TRIVIAL
+    from hybridmoe.moe.expert_stats import TRIVIAL, is_inline_json
 
-    return value == TRIVIAL or (value.lstrip().startswith("{") and not Path(value).exists())
+    return value == TRIVIAL or is_inline_json(value)
 
 
 def check_expert_location(args: EngineArgs, spec, num_layers: int | None = None) -> None:

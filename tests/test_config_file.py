@@ -56,6 +56,7 @@ sampling-defaults: openai
     ("a: &x [1]\nb: *x", "aliases (*name) are not allowed"),
     ("a: !!python/object:os.system x", "not YAML"),  # safe: no Python objects
     ("x: " + "y" * (1 << 20), "larger than 1024 KiB"),
+    ("x: " + "[" * 100000 + "]" * 100000, "nested too deeply"),
 ])
 def test_a_bad_file_is_one_line_naming_it(tmp_path, text, words):
     path = tmp_path / "bad.yaml"

@@ -649,6 +649,14 @@ def test_malformed_inline_json_is_one_line():
     with pytest.raises(ConfigError) as e:
         prepare(_frequency('{"logical_count": '))  # type: ignore[arg-type]
     one_line(e, "--init-expert-location <inline JSON>: cannot be read as JSON")
+    # longer than a file name may be: still inline JSON (it was OSError "File name too long" from Path.exists)
+    with pytest.raises(ConfigError) as e:
+        prepare(_frequency('{"logical_count": [1, 2], "pad": "' + "x" * 5000 + '"}'))  # type: ignore[arg-type]
+    one_line(e, "--init-expert-location <inline JSON>: 'logical_count' has shape [2], expected")
+    with pytest.raises(ConfigError) as e:  # a file name too long: named, cut short, not an OSError
+        prepare(_frequency("x" * 5000))  # type: ignore[arg-type]
+    one_line(e, "--init-expert-location 'xxxx", "File name too long")
+    assert len(str(e.value)) < 400
 
 
 def test_trivial_is_sglang_default_and_frequency_refuses_it():

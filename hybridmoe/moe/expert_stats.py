@@ -62,9 +62,20 @@ def load_expert_counts(path: str, moe_layers: list[int], num_experts: int,
     return counts
 
 
+def is_inline_json(value: str) -> bool:
+    """An --init-expert-location value that is a JSON object, not a file's name (a name too long for the file
+    system, as a long inline object is, names no file)."""
+    if not value.lstrip().startswith("{"):
+        return False
+    try:
+        return not Path(value).exists()
+    except OSError:
+        return True
+
+
 def _read_stats(value: str) -> tuple[str, object, bool]:
     """(what errors name, the parsed contents, whether they came from a torch file)."""
-    if value.lstrip().startswith("{") and not Path(value).exists():  # SGLang takes an inline JSON object too
+    if is_inline_json(value):  # SGLang takes an inline JSON object too
         where = "--init-expert-location <inline JSON>"
         if len(value) > MAX_STATS_BYTES:
             raise ValueError(f"{where}: {len(value)} characters, more than a statistics file can be "

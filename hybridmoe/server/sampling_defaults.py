@@ -71,6 +71,8 @@ def _model_values(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_bytes())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: cannot be read as JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to be a generation config") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
     values = {k: data[k] for k in MODEL_KEYS if data.get(k) is not None}
@@ -88,6 +90,8 @@ def _preferred(text: str) -> dict[str, Any]:
         values = json.loads(text, parse_constant=_no_constant)
     except ValueError as e:
         raise ConfigError(f"{flag}: not JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{flag}: nested too deeply to be sampling parameters") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{flag}: expected a JSON object of sampling parameters, e.g. "
                           f"'{{\"temperature\": 0.6, \"top_p\": 0.95}}', got {type(values).__name__}")
