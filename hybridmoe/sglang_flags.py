@@ -893,7 +893,7 @@ SGLANG_REASONING_PARSERS = (
 
 # SGLang's names whose format one of ours is exactly: name -> ours. Tool calls: SGLang maps `qwen` to the
 # same detector as `qwen25`; `hermes` is the same <tool_call>{"name", "arguments"}</tool_call> blocks (a block
-# holding a JSON array of several calls is not split here). Reasoning: SGLang's `deepseek-v3`, `glm45`, `dots`,
+# holding a JSON array gives one call per element, as SGLang's does). Reasoning: SGLang's `deepseek-v3`, `glm45`, `dots`,
 # `nanbeige`, `interns1`, `mimo`, `poolside_v1` are Qwen3's <think>...</think> (a <tool_call> also ends it; whether
 # the output starts inside the thinking part is read from the prompt's end, as for qwen3); `minimax` is
 # `qwen3-thinking` (the output starts inside it); `step3`, `step3p5`, `gigachat35` are DeepSeek-R1's.

@@ -10,11 +10,16 @@ JSON object) is not a call: its whole text is content. With eager=False (a whole
 emitted only once complete, so a malformed one is always left as content; with eager=True (streaming)
 its name and arguments go out as they come, and a call found malformed after it began is closed as it
 stands (its remaining text dropped): the client already holds its start.
+Where the format allows it (`arrays`: hermes/qwen25), a block whose body is a JSON array gives one call
+per element, in order, with the indices running on; the block is read once it closes (eager or not),
+and all or nothing: an element that is not a well-formed call (read as a block's body is) leaves the
+whole block as content, as a malformed call is; `[]` gives no call and no content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -34,6 +39,37 @@ def json_object(text: str) -> bool:
         return isinstance(json.loads(text), dict)
     except (ValueError, RecursionError):
         return False
+
+
+_DECODER = json.JSONDecoder()
+_JSON_WS = re.compile(r"[ \t\n\r]*")
+
+
+def json_array_items(text: str) -> list[str] | None:
+    """The texts of the elements when `text` is one JSON array (whitespace around it allowed), else None.
+
+    The array's own level is walked here (no recursion); each element is read by json's parser, which
+    recurses per nesting level: [[[...]]] too deep is a RecursionError, so not an array."""
+    s = text.strip()
+    if not s.startswith("["):
+        return None
+    i = _JSON_WS.match(s, 1).end()
+    if i == len(s) - 1 and s[i] == "]":
+        return []
+    items: list[str] = []
+    while True:
+        try:
+            _, end = _DECODER.raw_decode(s, i)
+        except (ValueError, RecursionError):
+            return None
+        items.append(s[i:end])
+        i = _JSON_WS.match(s, end).end()
+        if s[i:i + 1] == ",":
+            i = _JSON_WS.match(s, i + 1).end()
+        elif i == len(s) - 1 and s[i] == "]":
+            return items
+        else:
+            return None
 
 
 class ToolCallParser:
@@ -56,15 +92,44 @@ class ToolCallParser:
 
     # ---------------------------------------------------------------- helpers
 
-    def _header(self) -> tuple[str, str] | None:
-        """(name, arguments so far) once the body's header is complete and names a known function."""
-        m = self.fmt.header.match(self.body)
+    def _header(self, body: str | None = None) -> tuple[str, str] | None:
+        """(name, arguments so far) once the body's header is complete and names a known function
+        (body: the current call's, unless given)."""
+        body = self.body if body is None else body
+        m = self.fmt.header.match(body)
         if m is None:
             return None
         name = m.group("name")
         if self.names is not None and name not in self.names:
             return None
-        return name, self.body[m.end():].lstrip()
+        return name, body[m.end():].lstrip()
+
+    def _call(self, body: str) -> tuple[str, str] | None:
+        """(name, arguments) of a complete call body that is well-formed, else None."""
+        head = self._header(body)
+        if head is None:
+            return None
+        name, rest = head
+        if not self.fmt.trailer.search(rest):
+            return None
+        rest = self.fmt.trailer.sub("", rest).strip()
+        return (name, rest) if json_object(rest) else None
+
+    def _array_calls(self) -> list[tuple[str, str]] | None:
+        """The calls of a closed block whose body is a JSON array of call bodies (formats with `arrays`);
+        None: not an array, or an element is not a well-formed call (then the block is malformed)."""
+        if not self.fmt.arrays:
+            return None
+        items = json_array_items(self.body)
+        if items is None:
+            return None
+        calls: list[tuple[str, str]] = []
+        for item in items:
+            call = self._call(item)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
 
     def _begin(self, name: str) -> list[Event]:
         index = self.count
@@ -98,21 +163,19 @@ class ToolCallParser:
     def _complete(self, closed: bool = True) -> list[Event]:
         """The current call's end tag arrived (closed), or the output ended inside it."""
         raw = self.fmt.call_begin + self.body + (self.fmt.call_end if closed else "")
-        head = self._header()
-        args = None
-        if head is not None:
-            name, rest = head
-            rest = self.fmt.trailer.sub("", rest).strip() if self.fmt.trailer.search(rest) else None
-            if rest is not None and json_object(rest):
-                args = rest
+        call = self._call(self.body)
         events: list[Event] = []
         if self.started:
+            args = call[1] if call is not None else None
             if args is not None and not self.broken and args.startswith(self.sent):
                 if len(args) > len(self.sent):
                     events.append(("args", self.count - 1, args[len(self.sent):]))
             # else: malformed after it began: closed as it stands
-        elif args is not None:
-            events = self._begin(name) + [("args", self.count - 1, args)]
+        elif call is not None:
+            events = self._begin(call[0]) + [("args", self.count - 1, call[1])]
+        elif closed and (calls := self._array_calls()) is not None:
+            for name, args in calls:  # [] : a well-formed block of no call
+                events += self._begin(name) + [("args", self.count - 1, args)]
         else:
             events = [self._raw(raw)]
         self.body, self.started, self.sent, self.broken = "", False, "", False

@@ -3,7 +3,9 @@ call's body splits into a function name and its JSON arguments.
 
   qwen25      Qwen2.5/Qwen3 (hermes style):
                 <tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>
-              one block per call, separated by newlines ("parameters" accepted for "arguments").
+              one block per call, separated by newlines ("parameters" accepted for "arguments");
+              a block may also hold a JSON array of such objects: one call per element, in order
+              (`[]`: no call). SGLang's `hermes` and `qwen` are this format.
   deepseekv3  DeepSeek-V3:
                 <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>
                 ...<｜tool▁calls▁end｜>
@@ -28,6 +30,9 @@ class ToolCallFormat:
     trailer_chars: str  # characters a trailer is made of: held back while streaming the arguments
     section_begin: str | None = None  # the calls' section, around all calls
     section_end: str | None = None
+    # a call block's body may be a JSON array of call bodies (each one as `header`...`trailer` reads a
+    # call): several calls in one block, read once the block closes (tool_calls.py)
+    arrays: bool = False
 
     @property
     def opening(self) -> str:
@@ -47,7 +52,7 @@ _NAME = r"(?P<name>[A-Za-z0-9_.\-]{1,64})"
 QWEN25 = ToolCallFormat(
     "qwen25", "<tool_call>", "</tool_call>",
     header=re.compile(r'\s*\{\s*"name"\s*:\s*"' + _NAME + r'"\s*,\s*"(?:arguments|parameters)"\s*:\s*'),
-    trailer=re.compile(r"\s*\}\s*\Z"), trailer_chars=" \t\r\n}")
+    trailer=re.compile(r"\s*\}\s*\Z"), trailer_chars=" \t\r\n}", arrays=True)
 
 DEEPSEEKV3 = ToolCallFormat(
     "deepseekv3", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
