@@ -95,9 +95,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--timing", choices=("task", "forward"), default="task",
                     help="task: submit -> done of prebuilt tasks (bench_cpu_moe.py's way); forward: layer.forward")
     ap.add_argument("--profile", action="store_true", help="print the native phase times (us per task)")
-    ap.add_argument("--prefetch", type=lambda s: [int(v) for v in s.split(",")], default=None,
-                    help="software prefetch distances (bytes) to compare, e.g. 0,1024,2048,4096: one pool, its "
-                         "distance switched between runs, the distances interleaved in every round")
+    ap.add_argument("--prefetch", default=None,
+                    help="software prefetch distances (bytes) to compare, e.g. default,0,2048,4096: one pool, its "
+                         "distance switched between runs, the distances interleaved in every round; `default` is "
+                         "this host's CPUEngineSettings.prefetch_bytes (4096 on Intel with AVX-512, else 2048 or 0), "
+                         "the distance the engine runs; list it first, the summary's `vs` ratios are to the first")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeats of the whole (distance x T x type) set, the distances' order rotated each round; "
                          "with several, the summary gives medians and each distance's per-round ratio to the first")
@@ -125,7 +127,11 @@ def main(argv=None) -> dict:
     if a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
     base = CPUEngineSettings()
-    prefetch = a.prefetch if a.prefetch is not None else [base.prefetch_bytes]
+    try:
+        prefetch = list(dict.fromkeys(base.prefetch_bytes if v.strip() == "default" else int(v)
+                                      for v in (a.prefetch or "default").split(",")))
+    except ValueError:
+        ap.error(f"--prefetch {a.prefetch}: a comma list of byte counts or `default`")
     for pf in prefetch:
         dataclasses.replace(base, prefetch_bytes=pf)  # validated here (a bad distance: its own error)
     packs = {}
@@ -178,7 +184,8 @@ def main(argv=None) -> dict:
                   f"{s['ratio_to_stream']:.2f} (adjacent {s['ratio_to_adjacent']:.2f})  vs pf={prefetch[0]}: "
                   f"{s['vs_first']:.3f}" + (f", vs bp 0: {s['vs_bp0']:.3f}" if s["vs_bp0"] is not None else "")
                   + f" (rounds {s['rounds']})")
-    res = {"kernel": kernel, "threads": threads, "timing": a.timing, "stream_read_gbps": best, "probes": probes, "rows": rows,
+    res = {"kernel": kernel, "threads": threads, "timing": a.timing, "prefetch_bytes_default": base.prefetch_bytes,
+           "stream_read_gbps": best, "probes": probes, "rows": rows,
            "summary": summary, "shape": {"E": a.E, "k": a.k, "H": a.H, "I": a.I}}
     if a.json:
         with open(a.json, "w") as f:

@@ -168,11 +168,15 @@ def issue16_ab_decode(d: dict, src: str) -> list[Row]:
 
 
 def issue18_gguf(d: dict, src: str) -> list[Row]:
-    """Decode sizes against the best probe (the first prefetch distance of the run: the default; `--fuse` rows
-    other than `on` and `--block-prefetch` rows other than the default 1 left out; files from before session 29
-    have no bp key: their rows ran without it); large T in TFLOP/s (median of the rounds), reported."""
+    """Decode sizes against the best probe (at the host's default prefetch distance, the file's
+    prefetch_bytes_default; files from before session 40 have none: the run's first distance; `--fuse` rows other
+    than `on` and `--block-prefetch` rows other than the default 1 left out; files from before session 29 have no bp
+    key: their rows ran without it); large T in TFLOP/s (median of the rounds), reported."""
     rows = []
     first_pf = d["summary"][0]["prefetch"] if d.get("summary") else None
+    if d.get("prefetch_bytes_default") is not None and any(
+            s["prefetch"] == d["prefetch_bytes_default"] for s in d.get("summary", [])):
+        first_pf = d["prefetch_bytes_default"]
     bps = {s.get("bp", 0) for s in d.get("summary", [])}
     want_bp = 1 if 1 in bps else 0
     for s in d.get("summary", []):

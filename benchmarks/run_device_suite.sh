@@ -167,10 +167,10 @@ if want cpu-attn; then
 fi
 if want gguf; then
   log bench-gguf-moe
-  # decode sizes: software prefetch distances interleaved in 3 rounds (session 12 saw Q4_K at 0.68 with 4096 against
-  # 0.57-0.61 with the default 2048, the two run one after the other); then large T at the default distance
+  # decode sizes: software prefetch distances interleaved in 3 rounds, the host's default first (`default`: 4096 on
+  # Intel with AVX-512 since session 34; issue_tables.py takes that distance's rows); then large T at the default
   timeout "${GGUF_MOE_TIMEOUT:-300}" $PY benchmarks/bench_gguf_moe.py --types Q4_K,Q8_0 --T 1,4,16 --profile \
-    --prefetch "${GGUF_PREFETCH:-2048,0,4096,8192}" --rounds "${GGUF_ROUNDS:-3}" --json "$out/gguf_moe.json" 2>&1 \
+    --prefetch "${GGUF_PREFETCH:-default,0,2048,4096,8192}" --rounds "${GGUF_ROUNDS:-3}" --json "$out/gguf_moe.json" 2>&1 \
     | grep -v Warning | tee "$out/bench_gguf_moe.log" | grep -E "^(kernel|median)"
   timeout "${GGUF_LARGE_TIMEOUT:-200}" $PY benchmarks/bench_gguf_moe.py --types Q4_K,Q8_0 --T 1024,4096 \
     --json "$out/gguf_moe_large.json" 2>&1 | grep -v Warning | tee -a "$out/bench_gguf_moe.log" | tail -6

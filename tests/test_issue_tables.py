@@ -117,6 +117,20 @@ def test_gguf_rows_of_the_default_block_prefetch(tmp_path: Path) -> None:
                                                        ("Q8_0 experts T 4 (prefetch 2048)", 60.0)]
 
 
+def test_gguf_rows_of_the_hosts_default_prefetch(tmp_path: Path) -> None:
+    """A file with prefetch_bytes_default: the table takes that distance's rows, wherever it ran in the list (a
+    run passing 2048 first on an Intel host, whose engine runs 4096, reported 2048 before session 40)."""
+    gguf = {"stream_read_gbps": 100.0, "prefetch_bytes_default": 4096, "summary": [
+        {"type": "Q4_K", "T": 1, "prefetch": 2048, "fuse": "on", "bp": 1, "GB/s": 70.0, "ratio_to_stream": 0.70},
+        {"type": "Q4_K", "T": 1, "prefetch": 4096, "fuse": "on", "bp": 1, "GB/s": 77.0, "ratio_to_stream": 0.77}]}
+    rows = [r for r in rows_of(tmp_path, {"gguf": gguf}).values() if r.issue == 18]
+    assert [(r.what, r.value, r.met) for r in rows] == [("Q4_K experts T 1 (prefetch 4096)", 77.0, True)]
+    # the default distance not among the rows: the run's first, as for older files
+    gguf["prefetch_bytes_default"] = 0
+    rows = [r for r in rows_of(tmp_path, {"gguf": gguf}).values() if r.issue == 18]
+    assert [(r.what, r.value) for r in rows] == [("Q4_K experts T 1 (prefetch 2048)", 70.0)]
+
+
 def test_missing_files_and_bad_flags(tmp_path: Path, capsys) -> None:
     assert it.tables(tmp_path) == []
     assert it.main([str(tmp_path)]) == 0

@@ -32,6 +32,15 @@ def test_bench_gguf_moe_smoke(tmp_path):
                                str(1 << 24), "--fuse", "on,nochain"])
     assert [(r["fuse"], r["T"]) for r in res["rows"]] == [("on", 1), ("nochain", 1)]
     assert sorted(s["fuse"] for s in res["summary"]) == ["nochain", "on"]
+    # `default` is the engine's own distance on this host, recorded in the file; duplicates run once
+    from hybridmoe.cpu.engine import CPUEngineSettings
+
+    pf = CPUEngineSettings().prefetch_bytes
+    res = bench_gguf_moe.main(["--types", "Q4_K", "--E", "8", "--H", "256", "--I", "256", "--T", "1", "--layers", "1",
+                               "--seconds", "0.05", "--min-iters", "2", "--threads", "1", "--stream-bytes",
+                               str(1 << 24), "--prefetch", f"default,{pf},1024"])
+    assert res["prefetch_bytes_default"] == pf
+    assert [r["prefetch"] for r in res["rows"]] == list(dict.fromkeys([pf, 1024]))
 
 
 def test_bench_gguf_moe_bad_rounds_is_a_usage_error(capsys):
@@ -41,3 +50,6 @@ def test_bench_gguf_moe_bad_rounds_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         bench_gguf_moe.main(["--rounds", "0"])
     assert e.value.code == 2 and "--rounds must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench_gguf_moe.main(["--prefetch", "default,4k"])
+    assert e.value.code == 2 and "--prefetch default,4k" in capsys.readouterr().err
