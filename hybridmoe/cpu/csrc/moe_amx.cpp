@@ -1,11 +1,11 @@
 // AMX kernels (tile + int8 + bf16) for many rows per expert; small row counts (and int4 with group 32) use
 // the AVX-512 kernels (same activation formats: u8 = q + 128 for int8, s8 q for int4, bf16 rows for BF16
 // and FP8).
-// FP8: each block pair is widened to bf16 once per item (fp8_to_bf16: the B-tile layout, exact) and
-// reused by all its rows; each K group's tile dots are scaled by the group's scale into fp32 sums.
-// INT4 the same way: each block pair is unpacked once per item to one nibble per byte (u8 0..15, the
-// int8 B-tile layout), its tile dots with the s8 activations (TDPBSUD) summed per K group in int32 and
-// scaled per group into fp32 sums.
+// FP8: each K group of a block pair is widened to bf16 once per item (fp8_to_bf16: the B-tile layout,
+// exact) and reused by all its rows; its tile dots are scaled by the group's scale into fp32 sums.
+// INT4 the same way: each K group of a block pair is unpacked once per item to one nibble per byte (the
+// int8 B-tile layout), its tile dots with the s8 activations summed in int32 and scaled per group into
+// fp32 sums (group_passes below).
 // Tiles: C0..C3 = 32 rows x 32 outputs (int32 / fp32), A4/A5 = 2 x 16 activation rows,
 // B6/B7 = two N-blocks; the packed block layout is exactly the AMX B-tile (VNNI) layout, so a B
 // tile is 1 KiB of contiguous weights. Rows past M are read from the workspace padding and dropped.
@@ -118,20 +118,50 @@ void amx_pair(const uint8_t* b0, const uint8_t* b1, int Kd, const ActView& A, in
     }
 }
 
-// The tile dots of K depths [kt0, kt1) (64 bytes of A, 1 KiB of each B block per depth) of a 32-row x
-// 32-output tile into C0..C3 (nq 4; C0, C1 for the first 16 rows only when nq is 2), zeroed first and
-// stored to cb after. DOT: 0 bf16 pairs (TDPBF16PS), 1 s8 A x u8 B (TDPBSUD), 2 s8 A x s8 B (TDPBSSD).
+// The widened (bf16) or unpacked (int4 -> s8 / u8) copy of one K group of a block pair, per thread.
+struct WideScratch {
+  uint8_t* p = nullptr;
+  size_t cap = 0;
+  ~WideScratch() { std::free(p); }
+  uint8_t* get(size_t bytes) {
+    if (bytes > cap) {
+      std::free(p);
+      p = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+      if (!p) throw std::bad_alloc();
+      cap = bytes;
+    }
+    return p;
+  }
+};
+thread_local WideScratch t_wide;
+thread_local WideScratch t_acc;  // the fp32 sums of every 32-row pass of one block pair ([passes][4][256])
+
+// FP8 and INT4 have a scale per K group (and output), so their tile dots are stored and scaled into fp32 sums
+// once per group. They share one loop, for each block pair of an item:
+//   for each K group g: prep(g) writes the group's two B blocks in the tile layout to `wide` (kpg tile depths of
+//     1 KiB each, block 0's then block 1's);
+//     for each 32-row pass: the tile dots of the group (A: a_gbytes of each row a group), then fold(...) adds
+//     them, scaled, to the pass's fp32 sums acc[pass].
+// - The group's B (2 kpg KiB: 4 KiB for INT4 at G 128, 8 KiB for FP8 at G 128) stays in L1 for all passes. (The
+//   loop before session 40 widened or unpacked the whole pair first, 32 Kd (INT4) or 64 Kd (FP8) bytes, and read it
+//   back from L2 on every pass: 64 / 128 KiB at Kd 2048, 229 / 458 KiB at DeepSeek-V3's 7168.)
+// - The fold of one (group, pass) runs on the vector units while the tile unit computes the next one's dots: the
+//   dots are issued first, then the previous (group, pass)'s stored dots are folded, then the tiles are stored
+//   (the stores wait for the dots).
+// Rows past M are read from the workspace padding and dropped.
+
+// Issue the tile dots of K depths [0, kpg) into C0..C3 (nq 4; C0, C1 when nq is 2), zeroed first; not stored.
+// DOT: 0 bf16 pairs (TDPBF16PS), 1 s8 A x u8 B (TDPBSUD), 2 s8 A x s8 B (TDPBSSD).
 template <int DOT>
-void group_dots(const uint8_t* a0, const uint8_t* a1, int64_t lda, const uint8_t* b0, const uint8_t* b1, int kt0,
-                int kt1, int nq, void* cb) {
-  auto* c = static_cast<uint8_t*>(cb);
+inline void issue_dots(const uint8_t* a0, const uint8_t* a1, int64_t lda, const uint8_t* b0, const uint8_t* b1,
+                       int kpg, int nq) {
   hm_tile_zero(0);
   hm_tile_zero(1);
   if (nq == 4) {
     hm_tile_zero(2);
     hm_tile_zero(3);
   }
-  for (int kt = kt0; kt < kt1; ++kt) {
+  for (int kt = 0; kt < kpg; ++kt) {
     hm_tile_loadd(4, a0 + kt * 64, lda);
     hm_tile_loadd(6, b0 + kt * 1024, 64);
     hm_tile_loadd(7, b1 + kt * 1024, 64);
@@ -159,111 +189,84 @@ void group_dots(const uint8_t* a0, const uint8_t* a1, int64_t lda, const uint8_t
       }
     }
   }
-  hm_tile_stored(0, c, 64);
-  hm_tile_stored(1, c + 1024, 64);
+}
+
+inline void store_dots(int nq, int32_t (*cb)[256]) {
+  hm_tile_stored(0, cb[0], 64);
+  hm_tile_stored(1, cb[1], 64);
   if (nq == 4) {
-    hm_tile_stored(2, c + 2048, 64);
-    hm_tile_stored(3, c + 3072, 64);
+    hm_tile_stored(2, cb[2], 64);
+    hm_tile_stored(3, cb[3], 64);
   }
 }
 
-// One 32-row x 32-output tile of FP8: b0/b1 two widened bf16 blocks, s0/s1 their scales [Kd/G].
-void amx_fp8_pair(const uint16_t* b0, const uint16_t* b1, int Kd, int G, const ActView& A, int m, int M,
-                  const float* s0, const float* s1, float* C, int64_t ldc) {
-  alignas(64) float cb[4][256];
-  alignas(64) float acc[4][256];
-  std::memset(acc, 0, sizeof(acc));  // (rows past M are read from the workspace padding, never stored)
-  const uint8_t* a0 = A.data + int64_t(m) * A.ld;
-  const uint8_t* a1 = a0 + 16 * A.ld;
-  const int kpg = G / 32;  // tile depths (32 bf16 values) per group
-  const int rows = imin(32, M - m);
-  const int nq = rows > 16 ? 4 : 2;  // rows 16..31 only when there are any
-  const int rows16 = rows > 16 ? 16 : rows;  // valid rows of the first tile row block
-  for (int g = 0; g < Kd / G; ++g) {
-    group_dots<0>(a0, a1, A.ld, reinterpret_cast<const uint8_t*>(b0), reinterpret_cast<const uint8_t*>(b1), g * kpg,
-                  (g + 1) * kpg, nq, cb);
-    const __m512 v0 = _mm512_set1_ps(s0[g]), v1 = _mm512_set1_ps(s1[g]);
-    for (int q = 0; q < nq; ++q) {
-      const __m512 vs = q & 1 ? v1 : v0;
-      for (int i = 0; i < (q < 2 ? rows16 : rows - 16) * 16; i += 16)
-        _mm512_store_ps(acc[q] + i, _mm512_fmadd_ps(_mm512_load_ps(cb[q] + i), vs, _mm512_load_ps(acc[q] + i)));
+// The loop above for one block pair. fold(cb, acc, rows, m, g): the stored dots cb of group g and the pass at row
+// m (rows of it) into acc [4][256].
+template <int DOT, class Prep, class Fold>
+inline void group_passes(const ActView& A, int M, int ng, int kpg, int64_t a_gbytes, const uint8_t* wide,
+                         float (*acc)[4][256], Prep&& prep, Fold&& fold) {
+  alignas(64) int32_t cb[2][4][256];
+  const int passes = (M + 31) / 32;
+  int prev_g = -1, prev_p = 0, buf = 0;  // the (group, pass) whose stored dots wait in cb[buf ^ 1]
+  for (int g = 0; g < ng; ++g) {
+    prep(g);
+    for (int p = 0; p < passes; ++p) {
+      const int m = p * 32, nq = M - m > 16 ? 4 : 2;
+      const uint8_t* a0 = A.data + int64_t(m) * A.ld + g * a_gbytes;
+      issue_dots<DOT>(a0, a0 + 16 * A.ld, A.ld, wide, wide + 1024 * kpg, kpg, nq);
+      if (prev_g >= 0) fold(cb[buf ^ 1], acc[prev_p], imin(32, M - prev_p * 32), prev_p * 32, prev_g);
+      store_dots(nq, cb[buf]);
+      prev_g = g, prev_p = p, buf ^= 1;
     }
   }
-  for (int r = 0; r < rows; ++r)
-    for (int j = 0; j < 2; ++j)
-      std::memcpy(C + int64_t(m + r) * ldc + j * 16, acc[(r / 16) * 2 + j] + (r % 16) * 16, 64);
+  if (prev_g >= 0) fold(cb[buf ^ 1], acc[prev_p], imin(32, M - prev_p * 32), prev_p * 32, prev_g);
 }
 
-// The widened (bf16) or unpacked (int4 -> u8) copy of one item's block pair, per thread.
-struct WideScratch {
-  uint8_t* p = nullptr;
-  size_t cap = 0;
-  ~WideScratch() { std::free(p); }
-  uint8_t* get(size_t bytes) {
-    if (bytes > cap) {
-      std::free(p);
-      p = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
-      if (!p) throw std::bad_alloc();
-      cap = bytes;
-    }
-    return p;
+// acc [passes][4][256] -> C rows [0, M) x 32 outputs, each row times its scale (sx: nullptr for none).
+inline void store_sums(const float (*acc)[4][256], int M, const float* sx, float* C, int64_t ldc) {
+  for (int r = 0; r < M; ++r) {
+    const __m512 s = _mm512_set1_ps(sx ? sx[r] : 1.0f);
+    const float* a = acc[r / 32][((r % 32) / 16) * 2] + (r % 16) * 16;
+    _mm512_storeu_ps(C + int64_t(r) * ldc, _mm512_mul_ps(_mm512_load_ps(a), s));
+    _mm512_storeu_ps(C + int64_t(r) * ldc + 16, _mm512_mul_ps(_mm512_load_ps(a + 256), s));
   }
-};
-thread_local WideScratch t_wide;
+}
 
+inline float (*pass_sums(int M))[4][256] {
+  const size_t bytes = size_t((M + 31) / 32) * sizeof(float[4][256]);
+  auto* acc = reinterpret_cast<float (*)[4][256]>(t_acc.get(bytes));
+  std::memset(acc, 0, bytes);
+  return acc;
+}
+
+// FP8: the blocks widened to bf16 (fp8_to_bf16: the B-tile layout, exact), dotted with the bf16 activation rows
+// (TDPBF16PS) and scaled by the block's scale of the group [Kd/G] (one a block of 16 outputs).
 void gemm_fp8(const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc, int G) {
   const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
-  const int64_t steps = W.Kd / 2, ng = W.Kd / G;  // 32-byte steps per block, groups per row
-  uint16_t* wide = reinterpret_cast<uint16_t*>(t_wide.get(size_t(2 * steps * 32) * 2));
+  const int64_t Kd = W.Kd, ng = Kd / G;
+  const int kpg = G / 32;  // tile depths (32 bf16 values: 512 fp8 bytes of a block, 16 steps of 32) per group
+  uint8_t* wide = t_wide.get(size_t(2048) * kpg);
+  auto* w16 = reinterpret_cast<uint16_t*>(wide);
   for (int nb = nb0; nb < nb1; nb += 2) {
-    avx512::fp8_to_bf16(base + int64_t(nb) * 16 * W.Kd, wide, 2 * steps);  // the two blocks are adjacent
+    const uint8_t* blk0 = base + int64_t(nb) * 16 * Kd;  // 16 Kd fp8 bytes a block, the two adjacent
     const float* sc = W.scale + (int64_t(e) * (W.N / 16) + nb) * ng;
-    for (int m = 0; m < M; m += 32)
-      amx_fp8_pair(wide, wide + steps * 32, W.Kd, G, A, m, M, sc, sc + ng, C + (nb - nb0) * 16, ldc);
-  }
-}
-
-// One 32-row x 32-output tile of INT4: b0/b1 two unpacked blocks (B-tile layout), d0/d1 (z0/z1:
-// asymmetric) their group scales (and mins) [Kd/G][16]. Per K group g and row r (activation scale sx,
-// group sum gs of its s8 q), S the group's int32 tile dot; sx applied once at the end:
-// - sym (w = d (u - 8)): the blocks hold u - 8 as s8 (TDPBSSD): sx d S. (Unpacked as u8 u with TDPBSUD,
-//   each row's group needed S - 8 gs: a broadcast load and a subtract more on every 16 sums of the
-//   per-group pass; without them INT4 went from 0.83x to 0.96x of INT8's TFLOP/s at T 1024 and from
-//   0.79x to 0.89x at T 4096, H100 host, session 34.)
-// - asym (w = d u + m): the blocks hold u as u8 (TDPBSUD): sx (d S + m gs).
-template <bool ASYM>
-void amx_i4_pair(const uint8_t* b0, const uint8_t* b1, int Kd, int G, const ActView& A, int m, int M,
-                 const float* d0, const float* d1, const float* z0, const float* z1, float* C, int64_t ldc) {
-  alignas(64) int32_t cb[4][256];
-  alignas(64) float acc[4][256];
-  std::memset(acc, 0, sizeof(acc));
-  const uint8_t* a0 = A.data + int64_t(m) * A.ld;
-  const uint8_t* a1 = a0 + 16 * A.ld;
-  const int kpg = G / 64;  // tile depths (64 int8 values) per group
-  const int rows = imin(32, M - m);
-  const int nq = rows > 16 ? 4 : 2;
-  const int rows16 = rows > 16 ? 16 : rows;
-  for (int g = 0; g < Kd / G; ++g) {
-    group_dots<ASYM ? 1 : 2>(a0, a1, A.ld, b0, b1, g * kpg, (g + 1) * kpg, nq, cb);
-    const __m512 vd[2] = {_mm512_loadu_ps(d0 + g * 16), _mm512_loadu_ps(d1 + g * 16)};
-    __m512 vz[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    if (ASYM) vz[0] = _mm512_loadu_ps(z0 + g * 16), vz[1] = _mm512_loadu_ps(z1 + g * 16);
-    for (int q = 0; q < nq; ++q) {
-      const int j = q & 1, r0 = (q >> 1) * 16, nr = q < 2 ? rows16 : rows - 16;
-      const int32_t* gs = A.gsum + int64_t(m + r0) * A.gstride + g;
-      for (int r = 0; r < nr; ++r) {
-        const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(cb[q] + r * 16));
-        float* a = acc[q] + r * 16;
-        const __m512 f = _mm512_fmadd_ps(s, vd[j], _mm512_load_ps(a));
-        _mm512_store_ps(a, ASYM ? _mm512_fmadd_ps(vz[j], _mm512_set1_ps(float(gs[r * A.gstride])), f) : f);
-      }
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    const __m512 sx = _mm512_set1_ps(A.scale[m + r]);
-    for (int j = 0; j < 2; ++j)
-      _mm512_storeu_ps(C + int64_t(m + r) * ldc + j * 16,
-                       _mm512_mul_ps(_mm512_load_ps(acc[(r / 16) * 2 + j] + (r % 16) * 16), sx));
+    auto* acc = pass_sums(M);
+    group_passes<0>(
+        A, M, int(ng), kpg, int64_t(kpg) * 64, wide, acc,
+        [&](int g) {
+          avx512::fp8_to_bf16(blk0 + int64_t(g) * 512 * kpg, w16, 16 * kpg);
+          avx512::fp8_to_bf16(blk0 + 16 * Kd + int64_t(g) * 512 * kpg, w16 + 512 * kpg, 16 * kpg);
+        },
+        [&](const int32_t (*cb)[256], float (*a)[256], int rows, int, int g) {
+          const __m512 vs[2] = {_mm512_set1_ps(sc[g]), _mm512_set1_ps(sc[ng + g])};
+          const int nq = rows > 16 ? 4 : 2, rows16 = rows > 16 ? 16 : rows;
+          for (int q = 0; q < nq; ++q) {
+            const float* c = reinterpret_cast<const float*>(cb[q]);
+            for (int i = 0; i < (q < 2 ? rows16 : rows - 16) * 16; i += 16)
+              _mm512_store_ps(a[q] + i, _mm512_fmadd_ps(_mm512_load_ps(c + i), vs[q & 1], _mm512_load_ps(a[q] + i)));
+          }
+        });
+    store_sums(acc, M, nullptr, C + (nb - nb0) * 16, ldc);
   }
 }
 
@@ -281,27 +284,57 @@ void unpack_i4(const uint8_t* src, uint8_t* dst, int64_t units) {
   }
 }
 
-void gemm_i4(const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc, int G) {
+// INT4: d0/d1 (z0/z1: asymmetric) are the pair's group scales (and mins) [Kd/G][16]. Per K group g and row r
+// (activation scale sx, group sum gs of its s8 q), S the group's int32 tile dot; sx applied once at the end:
+// - sym (w = d (u - 8)): the blocks hold u - 8 as s8 (TDPBSSD): sx d S. (Unpacked as u8 u with TDPBSUD, each
+//   row's group needed S - 8 gs: a broadcast load and a subtract more on every 16 sums of the per-group pass;
+//   without them INT4 went from 0.83x to 0.96x of INT8's TFLOP/s at T 1024 and from 0.79x to 0.89x at T 4096,
+//   H100 host, session 34.)
+// - asym (w = d u + m): the blocks hold u as u8 (TDPBSUD): sx (d S + m gs).
+template <bool ASYM>
+void gemm_i4_pairs(const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc,
+                   int G) {
   const uint8_t* base = W.data + int64_t(e) * W.expert_stride;
   const int64_t Kd = W.Kd, NBT = W.N / 16, ng = Kd / G;
-  uint8_t* wide = t_wide.get(size_t(32 * Kd));  // a pair: 2 blocks x Kd/4 steps x 64 bytes
+  const int kpg = G / 64;  // tile depths (64 int8 values: 512 packed bytes of a block, 8 units) per group
+  uint8_t* wide = t_wide.get(size_t(2048) * kpg);
   for (int nb = nb0; nb < nb1; nb += 2) {
-    // the two packed blocks (8 Kd bytes each) are adjacent
-    if (W.zero)
-      unpack_i4<false>(base + nb * 8 * Kd, wide, Kd / 4);
-    else
-      unpack_i4<true>(base + nb * 8 * Kd, wide, Kd / 4);
+    const uint8_t* blk0 = base + int64_t(nb) * 8 * Kd;  // packed: 8 Kd bytes a block, the two adjacent
     const int64_t so = (int64_t(e) * NBT + nb) * ng * 16;
     const float* d = W.scale + so;
-    const float* z = W.zero ? W.zero + so : nullptr;
-    float* Cb = C + (nb - nb0) * 16;
-    for (int m = 0; m < M; m += 32) {
-      if (z)
-        amx_i4_pair<true>(wide, wide + 16 * Kd, int(Kd), G, A, m, M, d, d + ng * 16, z, z + ng * 16, Cb, ldc);
-      else
-        amx_i4_pair<false>(wide, wide + 16 * Kd, int(Kd), G, A, m, M, d, d + ng * 16, nullptr, nullptr, Cb, ldc);
-    }
+    const float* z = ASYM ? W.zero + so : nullptr;
+    auto* acc = pass_sums(M);
+    group_passes<ASYM ? 1 : 2>(
+        A, M, int(ng), kpg, G, wide, acc,
+        [&](int g) {
+          unpack_i4<!ASYM>(blk0 + int64_t(g) * 512 * kpg, wide, 8 * kpg);
+          unpack_i4<!ASYM>(blk0 + 8 * Kd + int64_t(g) * 512 * kpg, wide + 1024 * kpg, 8 * kpg);
+        },
+        [&](const int32_t (*cb)[256], float (*a)[256], int rows, int m, int g) {
+          const __m512 vd[2] = {_mm512_loadu_ps(d + g * 16), _mm512_loadu_ps(d + (ng + g) * 16)};
+          __m512 vz[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+          if (ASYM) vz[0] = _mm512_loadu_ps(z + g * 16), vz[1] = _mm512_loadu_ps(z + (ng + g) * 16);
+          const int nq = rows > 16 ? 4 : 2, rows16 = rows > 16 ? 16 : rows;
+          for (int q = 0; q < nq; ++q) {
+            const int j = q & 1, r0 = (q >> 1) * 16, nr = q < 2 ? rows16 : rows - 16;
+            const int32_t* gs = A.gsum + int64_t(m + r0) * A.gstride + g;
+            for (int r = 0; r < nr; ++r) {
+              const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(cb[q] + r * 16));
+              float* acc_r = a[q] + r * 16;
+              const __m512 f = _mm512_fmadd_ps(s, vd[j], _mm512_load_ps(acc_r));
+              _mm512_store_ps(acc_r, ASYM ? _mm512_fmadd_ps(vz[j], _mm512_set1_ps(float(gs[r * A.gstride])), f) : f);
+            }
+          }
+        });
+    store_sums(acc, M, A.scale, C + (nb - nb0) * 16, ldc);
   }
+}
+
+void gemm_i4(const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc, int G) {
+  if (W.zero)
+    gemm_i4_pairs<true>(W, e, A, M, nb0, nb1, C, ldc, G);
+  else
+    gemm_i4_pairs<false>(W, e, A, M, nb0, nb1, C, ldc, G);
 }
 
 void gemm(int method, const PackedMat& W, int e, const ActView& A, int M, int nb0, int nb1, float* C, int64_t ldc,
