@@ -15,8 +15,12 @@ from pathlib import Path
 import yaml
 
 from hybridmoe.config import ConfigError
+from hybridmoe.sglang_flags import REFUSALS
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file lists a few dozen options
+# SGLang's switches that are refused here: parsed as taking any values (so the refusal names them), they are
+# switches in SGLang's files all the same: `enable-dp-attention: false` says off, and is left out
+_REFUSED_SWITCHES = frozenset(name for flag in REFUSALS if flag.takes == "0" for name in flag.names)
 
 
 class _Loader(yaml.SafeLoader):
@@ -76,7 +80,7 @@ def _options(path: Path, parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _values(where: str, key: str, option: str, action: argparse.Action, value: object) -> list[str]:
-    if action.nargs == 0:  # a switch
+    if action.nargs == 0 or option in _REFUSED_SWITCHES:  # a switch
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: {key}: a switch takes true or false, got {value!r}")
         return [option] if value else []
@@ -94,7 +98,10 @@ def _text(where: str, key: str, value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, dict):  # a JSON-valued option
-        return json.dumps(value)
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError) as e:  # YAML's dates, binary, sets have no JSON form
+            raise ConfigError(f"{where}: {key}: not a JSON value: {e}") from None
     if isinstance(value, list):
         raise ConfigError(f"{where}: {key}: a list inside a list")
     return str(value)

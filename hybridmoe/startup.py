@@ -134,7 +134,8 @@ def check_flags_against_model(args: EngineArgs, hf_config) -> None:
         except OSError as e:  # e.g. a name longer than the file system takes
             raise ConfigError(f"--init-expert-location {location[:200]!r}: {e.strerror or e}") from None
         if not found:
-            raise ConfigError(f"--init-expert-location {location}: no such file")
+            shown = location if len(location) <= 200 else location[:200] + "..."
+            raise ConfigError(f"--init-expert-location {shown}: no such file")
     if args.kt_weight_path is not None and args.kt_method != "LLAMAFILE" and not Path(args.kt_weight_path).is_dir():
         raise ConfigError(f"--kt-weight-path {args.kt_weight_path}: no such directory")
     check_lora_flags(args)

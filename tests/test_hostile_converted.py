@@ -657,6 +657,10 @@ def test_malformed_inline_json_is_one_line():
         prepare(_frequency("x" * 5000))  # type: ignore[arg-type]
     one_line(e, "--init-expert-location 'xxxx", "File name too long")
     assert len(str(e.value)) < 400
+    with pytest.raises(ConfigError) as e:  # short components, 3000 characters: no such file, cut short too
+        prepare(_frequency("a/" * 1500 + "x.json"))  # type: ignore[arg-type]
+    one_line(e, "--init-expert-location a/a/", "...: no such file")
+    assert len(str(e.value)) < 400
 
 
 def test_trivial_is_sglang_default_and_frequency_refuses_it():

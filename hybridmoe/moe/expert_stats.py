@@ -82,7 +82,8 @@ def _read_stats(value: str) -> tuple[str, object, bool]:
                              f"({MAX_STATS_BYTES >> 20} MiB)")
         return where, _parse_json(where, value), False
     p = Path(value)
-    where = f"--init-expert-location {p}"
+    # (a value of any length reaches here: an error line shows at most 200 characters of it)
+    where = f"--init-expert-location {value if len(value) <= 200 else value[:200] + f'... ({len(value)} characters)'}"
     torch_file = p.suffix == ".pt"
     limit = MAX_PT_BYTES if torch_file else MAX_STATS_BYTES
     try:
@@ -92,8 +93,8 @@ def _read_stats(value: str) -> tuple[str, object, bool]:
         if torch_file:
             return where, _load_torch(where, p), True
         text = p.read_text()
-    except OSError as e:
-        raise ValueError(f"{where}: cannot be read: {e}") from None
+    except OSError as e:  # (strerror: str(e) repeats the whole file name)
+        raise ValueError(f"{where}: cannot be read: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{where}: cannot be read as JSON: {e}") from None
     return where, _parse_json(where, text), False

@@ -220,7 +220,8 @@ def _register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """200 when the engine generates one token within the time limit."""
-        req = await state.build_req(input_ids=[0], params={"max_new_tokens": 1, "temperature": 0.0},
+        # min_new_tokens too: --preferred-sampling-params go under these, and one above 1 was a 400 on every probe
+        req = await state.build_req(input_ids=[0], params={"max_new_tokens": 1, "min_new_tokens": 0, "temperature": 0.0},
                                     rid=f"health-{uuid.uuid4().hex}")
         stream = state.submit([req])[0]
         try:
