@@ -31,7 +31,7 @@ def model_info(state: ServerState) -> dict[str, Any]:
             "served_model_name": state.model_name, "is_generation": True, "context_length": core.context_len,
             "vocab_size": cfg.vocab_size, "model_type": getattr(cfg, "model_type", None),
             "architectures": getattr(cfg, "architectures", None), "eos_token_ids": list(core.eos_ids),
-            "preferred_sampling_params": state.sampling.preferred or None, "weight_version": "default", "has_image_understanding": False,
+            "preferred_sampling_params": state.sampling.preferred_text, "weight_version": "default", "has_image_understanding": False,
             "has_audio_understanding": False}
 
 

@@ -38,6 +38,8 @@ class SamplingDefaults:
 
     chat: dict[str, Any] = field(default_factory=dict)  # the model's values, chat routes only
     preferred: dict[str, Any] = field(default_factory=dict)  # --preferred-sampling-params, every route
+    # the flag's text as given: /get_model_info returns it, as SGLang's returns its server argument (a JSON string)
+    preferred_text: str | None = None
 
     def for_chat(self, params: dict[str, Any]) -> dict[str, Any]:
         """A chat route's parameters (the request's, nulls left out) over the model's values."""
@@ -58,7 +60,8 @@ def load_sampling_defaults(model_path: str | None, mode: str = "model",
     if mode not in SAMPLING_DEFAULTS:
         raise ConfigError(f"--sampling-defaults: got {mode!r}, expected one of {', '.join(SAMPLING_DEFAULTS)}")
     chat = _model_values(Path(model_path) / GENERATION_CONFIG) if mode == "model" and model_path else {}
-    return SamplingDefaults(chat=chat, preferred=_preferred(preferred) if preferred is not None else {})
+    return SamplingDefaults(chat=chat, preferred=_preferred(preferred) if preferred is not None else {},
+                            preferred_text=preferred)
 
 
 def _model_values(path: Path) -> dict[str, Any]:
