@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 from typing import NoReturn
 
@@ -20,6 +21,8 @@ from hybridmoe.config import (
     kt_method_name,
 )
 from hybridmoe.sglang_compat import ATTENTION_BACKEND_ALIASES, KV_CACHE_DTYPES, SCHEDULE_POLICIES, add_compat_args
+
+log = logging.getLogger("hybridmoe.args")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -215,7 +218,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if auto:
         kwargs["kt_num_gpu_experts"] = None
     args = EngineArgs.from_kwargs(**kwargs)
-    if auto:
+    if auto and args.kt_gpu_experts_ratio is not None:  # the ratio sets the count (placement.gpu_expert_counts)
+        log.info("--kt-num-gpu-experts auto: --kt-gpu-experts-ratio %g sets the GPU experts; not sized",
+                 args.kt_gpu_experts_ratio)
+    elif auto:
         from hybridmoe.sizing import resolve_auto_gpu_experts
 
         args = dataclasses.replace(args, kt_num_gpu_experts=resolve_auto_gpu_experts(args))

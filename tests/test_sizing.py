@@ -105,6 +105,22 @@ def test_auto_on_cpu_is_zero(caplog):
         p.parse_args(["--kt-num-gpu-experts", "many"])
 
 
+def test_auto_with_a_ratio_is_not_sized(caplog):
+    """--kt-gpu-experts-ratio sets the count (it wins over a count): auto then sizes nothing, and says so in one
+    line (it logged a sized count that placement then overrode with a warning)."""
+    from hybridmoe.args import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    caplog.set_level("INFO")
+    args = engine_args_from(p.parse_args(["--device", "cpu", "--kt-num-gpu-experts", "auto",
+                                          "--kt-gpu-experts-ratio", "0.25"]))
+    assert args.kt_num_gpu_experts is None and args.kt_gpu_experts_ratio == 0.25
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("--kt-gpu-experts-ratio 0.25 sets the GPU experts" in m for m in msgs)
+    assert not any("auto: using" in m for m in msgs)
+
+
 @pytest.mark.gpu
 def test_auto_on_the_gpu_fits(q30):
     """On a GPU: auto picks the largest count that fits this GPU for the shape."""
