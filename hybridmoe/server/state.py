@@ -192,8 +192,13 @@ class ServerState:
         thread-safe) in one thread job, so a batch of thousands does not hold every other request of the server.
         The first bad prompt (in order) is the 400, named by its spec's names. batch_field: the batch's prompt field."""
         engine = self.core
+        preferred = self.sampling.preferred
+        from_flag: list[set[str]] = []  # per spec: the parameters --preferred-sampling-params gave it
         for spec in specs:
-            spec.params = self.sampling.for_request(spec.params)  # --preferred-sampling-params under its own
+            own = spec.params
+            from_flag.append(set(preferred) - set(own) if isinstance(own, dict) else set(preferred) if own is None
+                             else set())
+            spec.params = self.sampling.for_request(own)  # --preferred-sampling-params under its own
             self._check_spec(spec)
         texts = [i for i, spec in enumerate(specs) if spec.prompt is not None]
         if len(specs) == 1 and texts:
@@ -207,7 +212,7 @@ class ServerState:
 
         def make_all() -> list[Req]:
             out = []
-            for spec in specs:
+            for spec, flagged in zip(specs, from_flag):
                 try:
                     out.append(engine.make_request(
                         input_ids=spec.input_ids, sampling_params=spec.params, rid=spec.rid,
@@ -215,7 +220,11 @@ class ServerState:
                         logprob_start_len=spec.logprob_start_len, return_text_in_logprobs=spec.return_text_in_logprobs,
                         lora_path=spec.lora_path))
                 except RequestError as e:
-                    raise spec.names.error(e) from e
+                    err = spec.names.error(e)
+                    if e.field in flagged:  # the client never sent it: say where it came from
+                        err = APIError(400, f"{err.message} ({e.field} is the server's --preferred-sampling-params "
+                                            f"value)", param=err.param)
+                    raise err from e
             return out
 
         # a few requests: made here; a batch: on a thread, as each takes tens of microseconds of Python

@@ -60,3 +60,20 @@ def test_config_a_mapping_without_a_json_form_is_one_line(tmp_path, value):
 
     with pytest.raises(ConfigError, match="preferred-sampling-params: not a JSON value"):
         _parse(tmp_path, f"preferred-sampling-params: {value}\n")
+
+
+def test_a_preferred_value_at_fault_is_named_as_the_servers(engine):
+    """A 400 caused by a --preferred-sampling-params value the client never sent says so (it named `min_tokens`
+    alone, a field the client had not set); one the client sent itself is reported as before."""
+    server = ServerConfig(preferred_sampling_params=json.dumps({"min_new_tokens": 8}))
+    with serve_in_thread(lambda args: engine, server=server) as url:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 400
+        msg = r.json()["error"]["message"]
+        assert "min_tokens=8" in msg and "the server's --preferred-sampling-params value" in msg
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2, "min_tokens": 5})
+        assert r.status_code == 400
+        assert "preferred" not in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 9})
+        assert r.status_code == 200
